@@ -1,0 +1,32 @@
+"""fsdpzero: DeepSpeed-format training configs, run on native PyTorch FSDP2.
+
+Public API (imported lazily, so `fsdpzero migrate` and the config layer never pay for torch):
+    wrap(model, ds_config, ...) -> Engine
+    initialize(model=..., config=..., ...) -> (engine, optimizer, dataloader, lr_scheduler)   # deepspeed-shaped
+    load_config(path | dict | json_str, ...) -> validated config
+    translate(config, env) -> Plan
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "wrap": "fsdpzero.api",
+    "initialize": "fsdpzero.api",
+    "Engine": "fsdpzero.engine",
+    "load_config": "fsdpzero.config",
+    "ConfigError": "fsdpzero.config",
+    "translate": "fsdpzero.translate",
+    "Plan": "fsdpzero.plan",
+    "Env": "fsdpzero.plan",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'fsdpzero' has no attribute {name!r}")

@@ -1,0 +1,23 @@
+import os
+
+# One compute thread per process unless told otherwise: the CI machine has two cores and the multi-rank tests fork
+# two ranks (oversubscription was measured 37x slower). Set before torch starts its thread pools.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need CUDA: skipped (and so not counted) where there is none."""
+    try:
+        import torch
+        have_cuda = torch.cuda.is_available()
+    except ImportError:
+        have_cuda = False
+    if have_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (run `pytest -m gpu` on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
