@@ -240,7 +240,8 @@ def make_optimizer_factory(plan: Plan, client: Any = None, *, device_type: str =
         return lambda params: cls(remap(params), **_fast_impl(kwargs, device_type, fused_ok=True))
     if name == "lamb":
         from fsdpzero.lamb import Lamb
-        return lambda params: Lamb(remap(params), **kwargs)
+        lamb_kwargs = {k: v for k, v in opt.params.items() if k == "bias_correction" or k not in _DS_ONLY_KEYS}
+        return lambda params: Lamb(remap(params), **lamb_kwargs)
     cls = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}.get(name) or getattr(torch.optim, name)
     fast = name in ("sgd", "adagrad")
     return lambda params: cls(remap(params), **(_fast_impl(kwargs, device_type) if fast else kwargs))
