@@ -234,6 +234,8 @@ def make_optimizer_factory(plan: Plan, client: Any = None, *, device_type: str =
     name = opt.type
     if name in ("adam", "adamw"):
         adamw = opt.adam_w_mode if name == "adam" else True
+        if not opt.torch_adam:   # DeepSpeed's FusedAdam / CPUAdam default to no weight decay; torch's AdamW to 0.01
+            kwargs.setdefault("weight_decay", 0.0)
         if not opt.params.get("bias_correction", True):
             return lambda params: AdamNoBiasCorrection(remap(params), adamw=adamw, **kwargs)
         cls = torch.optim.AdamW if adamw else torch.optim.Adam
