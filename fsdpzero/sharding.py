@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from fsdpzero.activation import checkpoint_blocks
+from fsdpzero.activation import apply_checkpointing
 from fsdpzero.plan import Plan
 
 log = logging.getLogger("fsdpzero")
@@ -104,14 +104,12 @@ def shard_model(model: nn.Module, plan: Plan, mesh: DeviceMesh, mp_policy: Mixed
                 device_type: str = "cpu", block_classes=None, block_predicate: BlockPredicate | None = None,
                 ) -> tuple[nn.Module, list[nn.Module]]:
     """Apply the plan's stage to `model` in place. Returns (model, the blocks sharded one by one)."""
-    if plan.shard.stage == 1:
-        if plan.activation_checkpointing.enabled:
-            checkpoint_blocks(find_blocks(model, block_classes, block_predicate),
-                              cpu_offload=plan.activation_checkpointing.cpu_checkpointing)
-        return model, []
     blocks = find_blocks(model, block_classes, block_predicate)
     if plan.activation_checkpointing.enabled:
-        checkpoint_blocks(blocks, cpu_offload=plan.activation_checkpointing.cpu_checkpointing)
+        how = apply_checkpointing(model, blocks, cpu_offload=plan.activation_checkpointing.cpu_checkpointing)
+        log.info("fsdpzero: activation checkpointing on %s (%s)", type(model).__name__, how)
+    if plan.shard.stage == 1:
+        return model, []
     shard_size = mesh.size(mesh.ndim - 1)
     raf = reshard_policy(plan, shard_size)
     offload = offload_policy(plan, device_type)
