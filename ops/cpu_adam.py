@@ -120,8 +120,9 @@ class CPUAdam(torch.optim.Optimizer):
             raise ValueError(f"CPUAdam: eps={eps} must be >= 0")
         if not 0.0 <= weight_decay:
             raise ValueError(f"CPUAdam: weight_decay={weight_decay} must be >= 0")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
-                        bias_correction=bias_correction)
+        # torch.optim.Adam's group key for AdamW mode, so state dicts load into either optimizer unchanged
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        decoupled_weight_decay=adamw_mode, bias_correction=bias_correction)
         super().__init__(params, defaults)
         self.impl = _resolve(impl)
         self._group_of: dict[int, dict] = {}
@@ -159,7 +160,7 @@ class CPUAdam(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         adam_step_(master, _local(grad).contiguous(), state["exp_avg"], state["exp_avg_sq"], out,
                    lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                   step=int(state["step"].item()), adamw=group.get("adamw_mode", self.defaults["adamw_mode"]),
+                   step=int(state["step"].item()), adamw=group.get("decoupled_weight_decay", False),
                    bias_correction=group.get("bias_correction", True), grad_scale=grad_scale, impl=self.impl)
 
     @torch.no_grad()
