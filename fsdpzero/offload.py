@@ -242,15 +242,14 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("offload: the model has no trainable parameters")
-    device = _local(named[0][1]).device
-    on_accel = device.type != "cpu"
+    on_accel = _local(named[0][1]).device.type != "cpu"   # else CPU-only, or offload_param put the shards there
     stage = on_accel if stage is None else stage
-    if on_accel:
+    if torch.cuda.is_available():
         local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         if os.environ.get("FSDPZERO_OFFLOAD_BIND") == "1":
             bind_cores(local_rank, local_world)
         torch.set_num_threads(cpu_threads(local_world))
-    pin = on_accel and plan.offload.pin_memory is not False
+    pin = torch.cuda.is_available() and plan.offload.pin_memory is not False   # pinning needs an accelerator
     low = _DTYPES[plan.precision.param_dtype]
 
     hyper = _hyper_groups(make_optimizer([p for _, p in named]))
