@@ -184,7 +184,7 @@ class Stage1Optimizer(torch.optim.Optimizer):
         for gi, g in enumerate(groups):
             by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = collections.defaultdict(list)
             for name, p in g["named"]:
-                if not p.requires_grad or id(p) in seen:   # frozen: left alone; tied: owned by its first name
+                if not p.requires_grad or id(p) in seen or p.numel() == 0:  # frozen/empty: left alone; tied: first name
                     continue
                 if not p.is_contiguous():
                     raise ValueError(f"parameter {name!r} is not contiguous; Stage1Optimizer flattens parameters")
@@ -204,7 +204,7 @@ class Stage1Optimizer(torch.optim.Optimizer):
                 fg.dtype = param_dtype
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_ready(fg, run))
                        for fg in self.flat_groups for run in fg.reduce_runs for s in run.slots] if overlap_comm else []
-        self._inflight: list[tuple[_FlatGroup, _Run, Any, torch.Tensor, torch.Tensor]] = []
+        self._inflight: collections.deque = collections.deque()   # (flat group, run, work, buffer, receive)
         self._reset_pending()
         # torch.optim.Optimizer plumbing, so LR schedulers and hooks accept this object; the groups are the inner ones
         super().__init__([s.param for fg in self.flat_groups for s in fg.slots] or [torch.empty(0)], {})
@@ -248,6 +248,8 @@ class Stage1Optimizer(torch.optim.Optimizer):
         return hook
 
     def _launch_reduce(self, fg: _FlatGroup, run: _Run) -> None:
+        """Pack the run's gradients rank-major (freeing each .grad once copied) and start its reduction. At most
+        two reductions stay in flight, which bounds the temporary buffers to two buckets."""
         run.pending = -1  # launched
         master_grad = self._master_grad(fg)
         out = master_grad[run.lo: run.hi]
@@ -255,10 +257,14 @@ class Stage1Optimizer(torch.optim.Optimizer):
         if self.world == 1:  # no communication: pack (and cast) straight into the master gradient
             for s in run.slots:
                 _pack(out[s.offset - run.lo: s.offset - run.lo + s.chunk].view(1, -1), self._flat_grad(s))
+                s.param.grad = None
             return
         buf = torch.empty(self.world, run.hi - run.lo, dtype=dtype, device=out.device)
         for s in run.slots:
             _pack(buf[:, s.offset - run.lo: s.offset - run.lo + s.chunk], self._flat_grad(s))
+            s.param.grad = None
+        while len(self._inflight) >= 2:
+            self._finish_reduce(*self._inflight.popleft())
         if self.reduce_op == "all_reduce":  # reference design: everyone gets the whole sum, keeps its row
             work = dist.all_reduce(buf, group=self.group, async_op=True)
             recv = buf[self.rank]
@@ -283,14 +289,17 @@ class Stage1Optimizer(torch.optim.Optimizer):
             for run in fg.reduce_runs:
                 if run.pending != -1:     # not launched from a hook (no overlap, unused parameters, ...)
                     self._launch_reduce(fg, run)
-        for fg, run, work, _buf, recv in self._inflight:
-            work.wait()
-            out = fg.master.grad[run.lo: run.hi]
-            if recv.data_ptr() != out.data_ptr():
-                out.copy_(recv)
-        self._inflight.clear()
+        while self._inflight:
+            self._finish_reduce(*self._inflight.popleft())
         self._reset_pending()
         self._sync = False
+
+    @staticmethod
+    def _finish_reduce(fg: _FlatGroup, run: _Run, work, _buf: torch.Tensor, recv: torch.Tensor) -> None:
+        work.wait()   # NCCL: the current stream waits, the host does not; the buffer is then safe to free
+        out = fg.master.grad[run.lo: run.hi]
+        if recv.data_ptr() != out.data_ptr():
+            out.copy_(recv)
 
     # ------------------------------------------------------------ the step
 
@@ -391,7 +400,8 @@ class Stage1Optimizer(torch.optim.Optimizer):
                                   shape=torch.Size([s.numel]), stride=(1,))
 
     def _ensure_state(self) -> None:
-        """Create the inner optimizer's state (a zero-gradient step at lr 0) so there is something to load into."""
+        """Create the inner optimizer's state (a zero-gradient step at lr 0) so there is something to load into.
+        Its scalar counters go back to 0, so the next real step behaves as the first (Adam's bias correction)."""
         if all(fg.master in self.optimizer.state for fg in self.flat_groups):
             return
         saved = [g["lr"] for g in self.optimizer.param_groups]
@@ -404,6 +414,9 @@ class Stage1Optimizer(torch.optim.Optimizer):
             g["lr"] = lr
         for fg in self.flat_groups:
             fg.master.grad = None
+            for value in self.optimizer.state[fg.master].values():
+                if torch.is_tensor(value) and value.dim() == 0:
+                    value.zero_()
 
     def state_dict(self) -> dict[str, Any]:
         """{"state": {param name: {"master": fp32, <state key>: tensor, ...}}, "param_groups": [...]}.

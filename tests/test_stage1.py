@@ -134,7 +134,10 @@ def test_matches_replicated_data_parallel(world, kw):
 
 def test_one_rank_no_process_group():
     assert not dist.is_initialized()
-    model, opt, losses, _ = train_stage1(0, 1, reduce_bucket_size=100)
+    model = make_model()
+    opt = Stage1Optimizer(groups(model), adamw, max_grad_norm=MAX_NORM, reduce_bucket_size=100)
+    assert opt.state_dict()["state"]["fc.weight"]["step"] == 0   # creating the state must not count as a step
+    model, opt, losses, _ = train_stage1(0, 1, model=model, opt=opt)
     ref_model, ref_losses = train_replicated(0, 1)
     _check_parity([{"losses": losses, "ref_losses": ref_losses, "norms": [float(opt.grad_norm), 1e9],
                     "params": _params(model), "ref_params": _params(ref_model)}])
