@@ -97,16 +97,16 @@ def _runs(slots: list[_Slot], bucket_elements: int, world: int) -> list[_Run]:
     return runs
 
 
-def _pack(dst: torch.Tensor, flat: torch.Tensor | None) -> None:
-    """dst (world, chunk) <- flat values laid out row by row, zeros after the end (casting on the copy)."""
+def _pack(dst: torch.Tensor, flat: torch.Tensor | None, scale: float) -> None:
+    """dst (world, chunk) <- flat * scale laid out row by row, zeros after the end (one kernel casts and scales)."""
     world, chunk = dst.shape
     if flat is None:
         dst.zero_()
         return
     full, rem = divmod(flat.numel(), chunk)
-    dst[:full].copy_(flat[: full * chunk].view(full, chunk))
+    torch.mul(flat[: full * chunk].view(full, chunk), scale, out=dst[:full])
     if full < world:
-        dst[full, :rem].copy_(flat[full * chunk:])
+        torch.mul(flat[full * chunk:], scale, out=dst[full, :rem])
         dst[full, rem:].zero_()
         dst[full + 1:].zero_()
 
@@ -154,7 +154,8 @@ class Stage1Optimizer(torch.optim.Optimizer):
     `param_groups` is the inner optimizer's list, so LR schedulers work on this object. `step()` consumes the
     gradients: the model's `.grad` are freed afterwards. Call `set_gradient_sync(True)` before the backward of the
     last micro-step to let `overlap_comm` start reductions from backward hooks; without it all reductions run in
-    `step()`.
+    `step()`. `step()` is reduce_gradients + grad_norm + scale_grads_ + update_params, which a training engine
+    may call one by one (see Stage1GradPath).
     """
 
     def __init__(self, params, optimizer_factory: OptimizerFactory, *, process_group: dist.ProcessGroup | None = None,
@@ -174,8 +175,8 @@ class Stage1Optimizer(torch.optim.Optimizer):
         self.reduce_dtype, self.reduce_op = reduce_dtype, reduce_op
         self.max_grad_norm, self.check_overflow = float(max_grad_norm or 0.0), check_overflow
         self.overlap_comm, self._sync = overlap_comm, False
-        self.grad_norm: torch.Tensor | None = None   # unscaled, pre-clip global norm of the last step
-        self.overflow = False                         # the last step was skipped for inf/nan gradients
+        self.last_grad_norm: torch.Tensor | None = None   # unscaled, pre-clip global norm at the last step()
+        self.overflow = False                              # the last step() was skipped for inf/nan gradients
 
         groups = _named_groups(params)
         seen: set[int] = set()
@@ -210,6 +211,42 @@ class Stage1Optimizer(torch.optim.Optimizer):
         super().__init__([s.param for fg in self.flat_groups for s in fg.slots] or [torch.empty(0)], {})
         self.param_groups, self.state, self.defaults = (self.optimizer.param_groups, self.optimizer.state,
                                                        self.optimizer.defaults)
+
+    @classmethod
+    def wrap(cls, optimizer: torch.optim.Optimizer, names: dict[int, str] | None = None, **kwargs) -> "Stage1Optimizer":
+        """Shard an optimizer built over the whole parameters (a config's, or a client's, with its param groups):
+        the same object is rebound in place to the flat masters, so schedulers built on it keep working, and state
+        it created at construction (Adagrad's sums) moves into the shards. `names`: id(param) -> name."""
+        names = names or {}
+        old_state = {p: dict(st) for p, st in optimizer.state.items()}
+        groups = [{**{k: v for k, v in g.items() if k not in ("params", "param_names")},
+                   "params": [(names.get(id(p), f"group{gi}.param{i}"), p) for i, p in enumerate(g["params"])]}
+                  for gi, g in enumerate(optimizer.param_groups)]
+
+        def rebind(inner_groups):
+            optimizer.state.clear()
+            for g, inner in zip(optimizer.param_groups, inner_groups):
+                g["params"] = inner["params"]
+                g.pop("param_names", None)
+            return optimizer
+
+        self = cls(groups, rebind, **kwargs)
+        for fg in self.flat_groups:
+            first = old_state.get(fg.slots[0].param)
+            if not first:
+                continue
+            new = {}
+            for key, value in first.items():
+                if torch.is_tensor(value) and value.shape == fg.slots[0].param.shape:
+                    new[key] = torch.zeros_like(fg.master)
+                    for s in fg.slots:
+                        start = self.rank * s.chunk
+                        piece = old_state[s.param][key].reshape(-1)[start: start + s.local]
+                        new[key][s.offset: s.offset + s.local].copy_(piece)
+                else:
+                    new[key] = value.clone() if torch.is_tensor(value) else value
+            optimizer.state[fg.master] = new
+        return self
 
     def _flat_group(self, gi, named, reduce_bucket, gather_bucket) -> _FlatGroup:
         slots, offset = [], 0
@@ -256,12 +293,13 @@ class Stage1Optimizer(torch.optim.Optimizer):
         dtype = self.reduce_dtype or fg.dtype
         if self.world == 1:  # no communication: pack (and cast) straight into the master gradient
             for s in run.slots:
-                _pack(out[s.offset - run.lo: s.offset - run.lo + s.chunk].view(1, -1), self._flat_grad(s))
+                _pack(out[s.offset - run.lo: s.offset - run.lo + s.chunk].view(1, -1), self._flat_grad(s), 1.0)
                 s.param.grad = None
             return
+        # the mean over ranks is taken before the sum (exact for power-of-two worlds; keeps fp16 sums in range)
         buf = torch.empty(self.world, run.hi - run.lo, dtype=dtype, device=out.device)
         for s in run.slots:
-            _pack(buf[:, s.offset - run.lo: s.offset - run.lo + s.chunk], self._flat_grad(s))
+            _pack(buf[:, s.offset - run.lo: s.offset - run.lo + s.chunk], self._flat_grad(s), 1.0 / self.world)
             s.param.grad = None
         while len(self._inflight) >= 2:
             self._finish_reduce(*self._inflight.popleft())
@@ -284,7 +322,8 @@ class Stage1Optimizer(torch.optim.Optimizer):
             fg.master.grad = torch.empty_like(fg.master)
         return fg.master.grad
 
-    def _reduce_all(self) -> None:
+    def reduce_gradients(self) -> None:
+        """Finish the reduction: afterwards each flat master's .grad holds this rank's shard of the mean gradient."""
         for fg in self.flat_groups:
             for run in fg.reduce_runs:
                 if run.pending != -1:     # not launched from a hook (no overlap, unused parameters, ...)
@@ -303,8 +342,9 @@ class Stage1Optimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ the step
 
-    def _global_norm(self) -> torch.Tensor:
-        """sqrt(sum of squares) over all ranks' shards, one all-reduce; inf/nan anywhere makes it inf/nan everywhere."""
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the reduced gradients: one all-reduce of the squared shard norms, so inf/nan on any
+        rank gives inf/nan on every rank (a shared overflow verdict). No host sync."""
         sq = torch.zeros((), dtype=torch.float32, device=self.flat_groups[0].master.device)
         for fg in self.flat_groups:
             sq = sq + torch.linalg.vector_norm(fg.master.grad).square()
@@ -313,8 +353,20 @@ class Stage1Optimizer(torch.optim.Optimizer):
         return sq.sqrt()
 
     @torch.no_grad()
+    def scale_grads_(self, factor: torch.Tensor | float) -> None:
+        """Shard gradients *= factor (unscale by the loss scale and clip, in one pass)."""
+        torch._foreach_mul_([fg.master.grad for fg in self.flat_groups], factor)
+
+    @torch.no_grad()
+    def update_params(self) -> None:
+        """Step the inner optimizer on the shards, then all-gather the parameters in their own dtype."""
+        self.optimizer.step()
+        self._free_grads()
+        self._gather_params()
+
+    @torch.no_grad()
     def step(self, closure=None, *, grad_scale: float = 1.0):
-        """Reduce, unscale by `grad_scale` (fp16 loss scale), clip, step the shard, all-gather the parameters.
+        """Reduce, unscale by `grad_scale` (fp16 loss scale), clip to max_grad_norm, step the shard, all-gather.
         With check_overflow, inf/nan gradients on any rank skip the step on every rank (`self.overflow`)."""
         loss = None
         if closure is not None:
@@ -322,22 +374,18 @@ class Stage1Optimizer(torch.optim.Optimizer):
                 loss = closure()
         if not self.flat_groups:
             return loss
-        self._reduce_all()
-        # the shards hold sums over ranks of (loss-scaled) gradients: one multiplier makes them clipped means
-        unscale = 1.0 / (self.world * grad_scale)
-        self.grad_norm = self._global_norm() * unscale
-        self.overflow = bool(self.check_overflow and not torch.isfinite(self.grad_norm))
+        self.reduce_gradients()
+        norm = self.grad_norm() / grad_scale
+        self.last_grad_norm = norm
+        self.overflow = bool(self.check_overflow and not torch.isfinite(norm))   # the one host sync
         if self.overflow:
             self._free_grads()
             return loss
-        factor = torch.full_like(self.grad_norm, unscale)
+        factor = torch.full_like(norm, 1.0 / grad_scale)
         if self.max_grad_norm > 0:
-            factor = factor * torch.clamp(self.max_grad_norm / (self.grad_norm + 1e-6), max=1.0)
-        for fg in self.flat_groups:
-            fg.master.grad.mul_(factor)
-        self.optimizer.step()
-        self._free_grads()
-        self._gather_params()
+            factor = factor * torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+        self.scale_grads_(factor)
+        self.update_params()
         return loss
 
     def _free_grads(self) -> None:
@@ -348,6 +396,7 @@ class Stage1Optimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for fg in self.flat_groups:
+            fg.master.grad = None
             for s in fg.slots:
                 if s.param.grad is not None:
                     if set_to_none:
@@ -471,3 +520,56 @@ class Stage1Optimizer(torch.optim.Optimizer):
         for g, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
             g.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
         self._gather_params()
+
+
+# ---------------------------------------------------------------- the engine's extension point (fsdpzero.optim)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Stage1GradPath:
+    """fsdpzero.optim.GradPath over a Stage1Optimizer: the engine drives the reduce / norm / scale / update steps
+    (clipping, loss scaling and the skip decision stay in the engine)."""
+
+    def __init__(self, stage1: Stage1Optimizer):
+        self.stage1, self.optimizer = stage1, stage1.optimizer
+
+    def set_sync(self, sync: bool) -> None:
+        self.stage1.set_gradient_sync(sync)
+
+    def finish_gradients(self) -> None:
+        self.stage1.reduce_gradients()
+
+    def grad_norm(self) -> torch.Tensor:
+        return self.stage1.grad_norm()
+
+    def scale_grads_(self, factor) -> None:
+        if not (isinstance(factor, float) and factor == 1.0):
+            self.stage1.scale_grads_(factor)
+
+    def step(self) -> None:
+        self.stage1.update_params()
+
+    def zero_grad(self) -> None:
+        self.stage1.zero_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.stage1.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stage1.load_state_dict(state)
+
+
+def build_grad_path(model: nn.Module, plan, make_optimizer: Callable, mesh=None) -> Stage1GradPath:
+    """`zero_optimization.stage: 1`: the engine's optimizer (config section or client) over the whole parameters,
+    then sharded by Stage1Optimizer.wrap. The model stays unwrapped; its parameters are cast to the plan's
+    param_dtype after the fp32 masters are taken."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    optimizer = make_optimizer([p for _, p in named])
+    shard, precision = plan.shard, plan.precision
+    stage1 = Stage1Optimizer.wrap(
+        optimizer, {id(p): n for n, p in named}, process_group=mesh.get_group() if mesh is not None else None,
+        param_dtype=_DTYPES[precision.param_dtype], reduce_dtype=_DTYPES[precision.reduce_dtype],
+        reduce_bucket_size=shard.reduce_bucket_size, allgather_bucket_size=shard.allgather_bucket_size,
+        overlap_comm=bool(shard.overlap_comm))
+    return Stage1GradPath(stage1)

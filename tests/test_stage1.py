@@ -77,13 +77,13 @@ def train_stage1(rank, world, *, steps=STEPS, gas=GAS, model=None, opt=None, sca
             total += loss.item()
         opt.step(grad_scale=scale)
         losses.append(total)
-        norms.append(float(opt.grad_norm))
+        norms.append(float(opt.last_grad_norm))
     return model, opt, losses, norms
 
 
-def train_replicated(rank, world, *, steps=STEPS, gas=GAS):
+def train_replicated(rank, world, *, steps=STEPS, gas=GAS, factory=adamw):
     model = make_model()
-    opt = adamw(groups(model))
+    opt = factory(groups(model))
     losses = []
     for step in range(steps):
         total = 0.0
@@ -139,8 +139,35 @@ def test_one_rank_no_process_group():
     assert opt.state_dict()["state"]["fc.weight"]["step"] == 0   # creating the state must not count as a step
     model, opt, losses, _ = train_stage1(0, 1, model=model, opt=opt)
     ref_model, ref_losses = train_replicated(0, 1)
-    _check_parity([{"losses": losses, "ref_losses": ref_losses, "norms": [float(opt.grad_norm), 1e9],
+    _check_parity([{"losses": losses, "ref_losses": ref_losses, "norms": [float(opt.last_grad_norm), 1e9],
                     "params": _params(model), "ref_params": _params(ref_model)}])
+
+
+def adagrad(param_groups):
+    return torch.optim.Adagrad(param_groups, lr=LR, initial_accumulator_value=0.1, lr_decay=0.01)
+
+
+def sgd(param_groups):
+    return torch.optim.SGD(param_groups, lr=LR, momentum=0.9, nesterov=True, weight_decay=WD)
+
+
+def _wrap_rank(rank, world, factory_name):
+    factory = {"adagrad": adagrad, "sgd": sgd}[factory_name]
+    model = make_model()
+    existing = factory(groups(model))       # built over the whole parameters, as a client would
+    names = {id(p): n for n, p in model.named_parameters()}
+    opt = Stage1Optimizer.wrap(existing, names, max_grad_norm=MAX_NORM, reduce_bucket_size=150)
+    assert opt.optimizer is existing and all(len(g["params"]) == 1 for g in existing.param_groups)
+    model, _, losses, norms = train_stage1(rank, world, model=model, opt=opt, steps=4)
+    ref_model, ref_losses = train_replicated(rank, world, steps=4, factory=factory)
+    return {"losses": losses, "ref_losses": ref_losses, "norms": norms,
+            "params": _params(model), "ref_params": _params(ref_model)}
+
+
+@pytest.mark.parametrize("factory_name", ["adagrad", "sgd"])
+def test_wrap_an_existing_optimizer(factory_name):
+    """Adagrad creates its state at construction: wrap() must move it into the shards; SGD has per-group wd."""
+    _check_parity(run_distributed(_wrap_rank, 2, factory_name, timeout=120))
 
 
 # ---------------------------------------------------------------- memory: 1/N of the optimizer state, whole params
