@@ -337,3 +337,69 @@ def load_checkpoint(load_dir: str | Path, tag: str | None = None, state: dict | 
         _set_rng_state(load_file(rng))
     client = json.loads((path / "client_state.json").read_text())
     return path, _join(client, {})
+
+
+# ---- the Engine's save/load (DeepSpeed's engine.save_checkpoint / load_checkpoint signatures) ---------------------
+
+class EngineState(Stateful):
+    """The engine's model + optimizer (through its gradient path) under the key "train", as the converter writes."""
+
+    def __init__(self, engine, with_optimizer: bool = True):
+        self.engine, self.with_optimizer = engine, with_optimizer
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        sd = {"model": get_model_state_dict(self.engine.module)}
+        if self.with_optimizer:
+            sd["optim"] = self.engine.grad_path.state_dict()
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+        set_model_state_dict(self.engine.module, sd["model"])
+        if self.with_optimizer:
+            self.engine.grad_path.load_state_dict(sd["optim"])
+
+
+def save_engine(engine, save_dir, tag=None, client_state=None, save_latest=True, **options) -> Path | PendingSave:
+    state = {"train": EngineState(engine), "engine": engine.client_state()}
+    return save_checkpoint(save_dir, tag, state, client_state, step=engine.global_steps, save_latest=save_latest,
+                           **options)
+
+
+def load_engine(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
+                load_module_only=False) -> tuple[Path | None, dict | None]:
+    """DeepSpeed semantics: no `latest` and no tag -> warn, return (None, None). A checkpoint converted from
+    DeepSpeed (`fsdpzero convert --from deepspeed`) carries "counters"/"loss_scaler" instead of "engine"."""
+    try:
+        path = resolve_tag(load_dir, tag)
+    except FileNotFoundError as e:
+        if _rank() == 0:
+            import logging
+            logging.getLogger(__name__).warning("%s", e)
+        return None, None
+    top = dict(json.loads((path / "state.json").read_text())["__dict__"]) if (path / "state.json").is_file() else {}
+    with_optim = load_optimizer_states and not load_module_only
+    state: dict = {"train": EngineState(engine, with_optim)}
+    engine_state: dict = {}
+    if not load_module_only:
+        for key in ("engine", "counters", "loss_scaler"):
+            if key in top:
+                state[key] = engine_state.setdefault(key, {})
+    path, client = load_checkpoint(load_dir, path.name if path.parent == Path(load_dir) else tag, state,
+                                   load_rng=not load_module_only)
+    if "engine" in engine_state:
+        saved = engine_state["engine"]
+        if not load_lr_scheduler_states:
+            saved = {**saved, "lr_scheduler": None}
+        engine.load_client_state(saved)
+    elif "counters" in engine_state:
+        c = engine_state["counters"]
+        engine.global_steps, engine.global_samples = c.get("global_steps", 0), c.get("global_samples", 0)
+        engine.skipped_steps = c.get("skipped_steps", 0)
+        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+        if engine.loss_scaler is not None and "loss_scaler" in engine_state:
+            own = engine.loss_scaler.state_dict()
+            engine.loss_scaler.load_state_dict({**own, **{k: v for k, v in engine_state["loss_scaler"].items()
+                                                          if k in own}})
+    return path, client
