@@ -68,3 +68,42 @@ def test_resharded_resume_through_engine(tmp_path, save_world, load_world):
     assert max(abs(a - b) for a, b in zip(second, ref_losses[HALF:])) <= 1e-6
     for k in ref_params:
         torch.testing.assert_close(params[k], ref_params[k], rtol=0, atol=1e-5)
+
+
+ASSETS = Path(__file__).parent / "assets" / "deepspeed_ckpts"
+RECORD = json.loads((ASSETS / "record.json").read_text())
+
+
+def _resume_from_deepspeed(rank, world, ckpt_dir, variant):
+    from safetensors.torch import load_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(5)
+    model = GPT2LMHeadModel(GPT2Config.from_pretrained(ASSETS))
+    model.transformer.wpe.weight.requires_grad_(False)
+    engine = wrap(model, RECORD["variants"][variant]["config"])  # DeepSpeed's own config, as the fixture used it
+    path, _ = engine.load_checkpoint(ckpt_dir)
+    assert engine.global_steps == RECORD["save_step"]
+    data = load_file(ASSETS / "data.safetensors")["input_ids"]   # [step, micro-step, DS rank, micro, seq]
+    save = RECORD["save_step"]
+    ds_world = data.shape[2]
+    losses = []
+    for step in range(save, save + RECORD["cont_steps"]):
+        acc = torch.zeros(())
+        for micro in range(data.shape[1]):
+            rows = data[step, micro].reshape(-1, data.shape[-1])   # the DS global micro-batch
+            mine = rows.chunk(world)[rank]
+            loss = engine(input_ids=mine, labels=mine).loss
+            engine.backward(loss)
+            engine.step()
+            acc += loss.detach()
+        torch.distributed.all_reduce(acc)
+        losses.append(acc.item() / (data.shape[1] * world))
+    return losses, ds_world, engine.get_loss_scale()
+
+
+@pytest.mark.parametrize("variant", ["z2_fp32", "z3_fp32", "z1_fp32"])
+def test_engine_resumes_converted_deepspeed_checkpoint(tmp_path, variant):
+    assert cli(["convert", str(ASSETS / variant), "--from", "deepspeed", "--to", "dcp", "--out", str(tmp_path)]) == 0
+    losses, ds_world, _ = run_distributed(_resume_from_deepspeed, 2, str(tmp_path), variant, timeout=180)[0]
+    expected = RECORD["variants"][variant]["losses_after_save"]
+    assert max(abs(a - b) for a, b in zip(losses, expected)) < 2e-6, (losses, expected)
