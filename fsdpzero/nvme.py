@@ -93,22 +93,21 @@ class SwapDir:
     """This process's swap directory under nvme_path; `key` names the config key in error messages."""
 
     def __init__(self, nvme_path, rank: int = 0, key: str = "offload_optimizer.nvme_path"):
-        root = Path(nvme_path) if nvme_path is not None else None
-        if root is None:
+        if nvme_path is None:
             raise ValueError(f"config key '{key}' is not set: NVMe offload needs a directory on a fast local disk, "
                              f"e.g. \"{key.rsplit('.', 1)[-1]}\": \"/local_nvme\"")
-        if not root.exists():
-            raise FileNotFoundError(errno.ENOENT, f"config key '{key}' = {str(root)!r}: the directory does not "
-                                    "exist; create it (mkdir -p) or point it at a directory on the NVMe disk",
-                                    str(root))
-        if not root.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, f"config key '{key}' = {str(root)!r} is not a directory",
-                                     str(root))
-        self.key, self.root = key, root
-        base = root / SWAP_ROOT
+        self.key, self.root = key, Path(nvme_path)
         try:
+            if not self.root.exists():
+                raise FileNotFoundError(errno.ENOENT, f"config key '{key}' = {str(self.root)!r}: the directory "
+                                        "does not exist; create it (mkdir -p) or point it at a directory on the "
+                                        "NVMe disk", str(self.root))
+            if not self.root.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, f"config key '{key}' = {str(self.root)!r} is not a "
+                                         "directory", str(self.root))
+            base = self.root / SWAP_ROOT
             base.mkdir(exist_ok=True)
-            remove_stale_swap_dirs(root)
+            remove_stale_swap_dirs(self.root)
             self.path = base / f"{socket.gethostname()}.{os.getpid()}.rank{rank}"
             self.path.mkdir(exist_ok=True)
             (self.path / MARKER).write_text(json.dumps(
@@ -116,9 +115,9 @@ class SwapDir:
                  "pid": os.getpid(), "start_time": _proc_start_time(os.getpid()), "boot_id": _boot_id(),
                  "rank": rank}))
         except PermissionError:
-            raise PermissionError(errno.EACCES, f"config key '{key}' = {str(root)!r}: not writable by this user "
-                                  f"(uid {os.getuid()}); fix its permissions or choose another directory",
-                                  str(root)) from None
+            raise PermissionError(errno.EACCES, f"config key '{key}' = {str(self.root)!r}: not writable (or not "
+                                  f"reachable) by this user (uid {os.getuid()}); fix its permissions or choose "
+                                  "another directory", str(self.root)) from None
         self._finalizer = weakref.finalize(self, _remove_swap_dir, self.path)
 
     def check_space(self, nbytes: int) -> None:
@@ -363,16 +362,22 @@ class NVMeAdam(torch.optim.Optimizer):
                     else:
                         views[k].zero_()
         self._pipeline(self._groups, scatter)
-        for p, st in self.state.items():                 # keep only the step counters in memory
+        for p, st in self.state.items():                 # keep only the step counters in memory (own copies)
             for k in ("master", "exp_avg", "exp_avg_sq"):
                 st.pop(k, None)
+            if "step" in st:
+                st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).clone()
 
     def close(self) -> None:
-        """Finish I/O, close the swap file and remove the swap directory."""
+        """Finish I/O, close the swap file and remove the swap directory (errors of pending writes are moot)."""
         for name in ("_reader", "_writer"):
-            if getattr(self, name, None) is not None:
-                getattr(self, name).close()
-                setattr(self, name, None)
+            handle = getattr(self, name, None)
+            setattr(self, name, None)
+            if handle is not None:
+                try:
+                    handle.close()
+                except OSError:
+                    pass
         if getattr(self, "_file", None) is not None:
             self._file.close()
             self._file = None
