@@ -3,6 +3,7 @@ ranks under FSDP2; swap directories are checked before step 1, removed on close,
 import errno
 import os
 import resource
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -131,8 +132,10 @@ def _in_child(fn):
 
 
 def test_unwritable_path(tmp_path):
-    tmp_path.chmod(0o755)              # traversable by the unprivileged child; "ro" itself is not writable
-    d = tmp_path / "ro"
+    import tempfile
+    top = Path(tempfile.mkdtemp(prefix="fsdpzero_ro_"))   # pytest's tmp root is 0700: the child could not reach it
+    top.chmod(0o755)
+    d = top / "ro"
     d.mkdir(mode=0o555)
 
     def attempt():
@@ -141,9 +144,13 @@ def test_unwritable_path(tmp_path):
             os.setgid(65534), os.setuid(65534)
         NVMeAdam(_params(torch.float32), nvme_path=d)
         return "constructed"
-    msg = _in_child(attempt)
+    try:
+        msg = _in_child(attempt)
+    finally:
+        d.chmod(0o755)
+        shutil.rmtree(top)
     assert msg.startswith("PermissionError: [Errno 13] config key 'offload_optimizer.nvme_path' = ") and \
-        "not writable by this user" in msg, msg
+        "not writable (or not reachable) by this user" in msg, msg
 
 
 def test_not_enough_free_space(tmp_path, monkeypatch):
