@@ -5,6 +5,7 @@ triad + translate in one call, which is what the engine uses.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping
 
 from pydantic import BaseModel
@@ -182,18 +183,20 @@ def _monitor(cfg: DSConfig) -> MonitorPlan:
 
 
 # ---------------------------------------------------------------- decisions
-def schema_paths(model: type[BaseModel] = DSConfig, prefix: str = "") -> list[str]:
+@functools.lru_cache(maxsize=None)
+def schema_paths(model: type[BaseModel] = DSConfig, prefix: str = "") -> tuple[str, ...]:
     """Every canonical dotted key of the schema (DeepSpeed's documented spelling)."""
-    out = []
+    out: list[str] = []
     for name, f in model.model_fields.items():
         key = prefix + (f.alias or name)
         out.append(key)
         sub = _model_of(f.annotation)
         if sub is not None:
             out += schema_paths(sub, key + ".")
-    return out
+    return tuple(out)
 
 
+@functools.lru_cache(maxsize=4096)
 def _canonical(path: str) -> tuple[str, bool]:
     """User spelling -> (canonical spelling, known to the schema)."""
     model: Any = DSConfig
@@ -346,15 +349,16 @@ def decisions(cfg: DSConfig, env: Env) -> list[Decision]:
     out: list[Decision] = []
     seen = set()
     autos = cfg.autos
+    unknown = cfg.unknown_keys
     for path in cfg.explicit_keys:
         if not _is_row(cfg, path):
             continue
         canon, known = _canonical(path)
-        if path in cfg.unknown_keys or not known:
-            out.append(Decision(key=path, value=cfg.unknown_keys.get(path), status=UNKNOWN_FATE[0],
+        if path in unknown or not known:
+            out.append(Decision(key=path, value=unknown.get(path), status=UNKNOWN_FATE[0],
                                 detail=UNKNOWN_FATE[1]))
             continue
-        if any(path.startswith(u + ".") for u in cfg.unknown_keys):
+        if any(path.startswith(u + ".") for u in unknown):
             continue
         value = _value(cfg, canon)
         status, detail = decide(canon, value, cfg, env)

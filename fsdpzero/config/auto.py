@@ -122,7 +122,8 @@ def resolve_autos(raw: dict, context: Mapping[str, Any] | None, *, hf_defaults: 
                     want = rule[1](given)
                 except (_Missing, TypeError, ValueError):
                     continue
-                same = list(value) == list(want) if isinstance(value, (list, tuple)) else value == want
+                listy = isinstance(value, (list, tuple)) and isinstance(want, (list, tuple))
+                same = list(value) == list(want) if listy else value == want
                 if not same:
                     problems.append(Problem(path, f"is {value!r} but TrainingArguments {rule[0]} gives "
                                                   f"{want!r} (the HF Trainer rejects this mismatch)",
