@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from fsdpzero.cli import main
-from fsdpzero.fates import render_migration_doc
+from fsdpzero.migrate import render_migration_doc
 
 HERE = Path(__file__).parent
 CORPUS = sorted((HERE / "ds_configs").glob("*.json"))
@@ -131,4 +131,4 @@ def test_emit_python_is_valid_fsdp2_code():
 
 def test_docs_are_in_sync_with_the_fate_table():
     doc = (HERE.parent / "docs" / "migration.md").read_text()
-    assert doc == render_migration_doc(), "regenerate: python -m fsdpzero.fates > docs/migration.md"
+    assert doc == render_migration_doc(), "regenerate: python -m fsdpzero.migrate --write-docs"

@@ -1,5 +1,4 @@
 """translate(): the plan the engine relies on, a decision for every key, the fate table's coverage, goldens."""
-import glob
 import json
 import os
 import subprocess
@@ -8,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from fsdpzero.config import ConfigError, load_config
+from fsdpzero.config import ConfigError
 from fsdpzero.fates import FATES
 from fsdpzero.plan import Env
-from fsdpzero.translate import build_plan, schema_paths, translate
+from fsdpzero.translate import build_plan, schema_paths
 
 HERE = Path(__file__).parent
 B = {"train_micro_batch_size_per_gpu": 1}

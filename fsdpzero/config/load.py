@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 from fsdpzero.config import rules
 from fsdpzero.config.auto import resolve_autos
 from fsdpzero.config.errors import ConfigError, Problem, closest, did_you_mean
-from fsdpzero.config.schema import DSConfig, Lenient, Strict, STRICT_SECTIONS
+from fsdpzero.config.schema import DSConfig, Strict, STRICT_SECTIONS
 
 NEAR_MISS_CUTOFF = 0.8      # an unknown lenient key this close to a real one is a typo, not another tool's key
 
