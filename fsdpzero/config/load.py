@@ -71,7 +71,9 @@ def parse_text(text: str) -> dict:
 
 
 def read_source(source: Any) -> dict:
-    if isinstance(source, BaseModel):
+    if isinstance(source, DSConfig) and source.raw:
+        source = source.raw
+    elif isinstance(source, BaseModel):
         source = source.model_dump(by_alias=True, exclude_unset=True)
     if isinstance(source, Mapping):
         data = copy.deepcopy(dict(source))
@@ -312,5 +314,4 @@ def _paths(node: Any, prefix: str = ""):
         for k, v in node.items():
             p = f"{prefix}.{k}" if prefix else str(k)
             yield p
-            if p not in ("optimizer.params", "scheduler.params") or True:
-                yield from _paths(v, p)
+            yield from _paths(v, p)
