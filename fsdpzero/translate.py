@@ -249,7 +249,7 @@ def decisions(cfg: DSConfig, env: Env) -> list[Decision]:
     autos = cfg.autos
     unknown = cfg.unknown_keys
     for path in cfg.explicit_keys:
-        if not _is_row(cfg, path):
+        if not _is_row(cfg, path) or path.rsplit(".", 1)[-1] in cfg.deferred and path.startswith("scheduler."):
             continue
         canon, known = _canonical(path)
         if path in unknown or not known:

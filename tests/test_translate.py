@@ -118,6 +118,25 @@ def test_every_written_key_gets_a_decision_and_defaults_too():
     assert all(d.status in ("mapped", "approximated", "noop", "unsupported") and d.detail for d in plan.decisions)
 
 
+def test_autos_dropped_or_deferred_appear_once():
+    plan = plan_of({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": "auto"},
+                    "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}},
+                   hf_defaults=True)
+    keys = [d.key for d in plan.decisions]
+    assert keys.count("zero_optimization.stage3_max_live_parameters") == 1
+    assert keys.count("scheduler.params.total_num_steps") == 1
+    d = {d.key: d for d in plan.decisions}
+    assert d["zero_optimization.stage3_max_live_parameters"].value == 1_000_000_000
+    assert d["zero_optimization.stage3_max_live_parameters"].explicit
+    assert d["scheduler.params.total_num_steps"].value == "auto"
+
+
+def test_non_string_keys_are_an_error():
+    with pytest.raises(ConfigError) as e:
+        plan_of({"zero_optimization": {3: 1}})
+    assert e.value.problems[0].key == "zero_optimization.3"
+
+
 def test_decision_table_covers_every_schema_field():
     missing = [p for p in schema_paths() if p not in FATES]
     assert not missing, f"add these keys to fsdpzero.fates.FATES: {missing}"

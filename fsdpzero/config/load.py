@@ -95,7 +95,19 @@ def read_source(source: Any) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(Problem("", f"the config must be a JSON object, got {type(data).__name__}",
                                   "wrap the settings in { ... }"))
+    bad = [p for p in _non_string_keys(data)]
+    if bad:
+        raise ConfigError([Problem(p, "keys must be strings", "use JSON object keys") for p in bad])
     return data
+
+
+def _non_string_keys(node: Any, prefix: str = ""):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            path = f"{prefix}.{k}" if prefix else str(k)
+            if not isinstance(k, str):
+                yield path
+            yield from _non_string_keys(v, path)
 
 
 # ---------------------------------------------------------------- deprecated names and removed features
@@ -280,9 +292,10 @@ def load_config(source: Any, *, context: Mapping[str, Any] | None = None, hf_def
     problems: list[Problem] = []
     notes: list[str] = []
     raw = normalize(raw, problems, notes)
-    explicit = sorted(_paths(raw))
     raw, auto_problems, auto_notes, resolved, deferred = resolve_autos(
         raw, context, hf_defaults=hf_defaults, strict=strict, strict_sections=STRICT_SECTIONS)
+    dropped = [k for k, (v, _) in resolved.items() if v == "<DeepSpeed default>"]   # still written by the user
+    explicit = sorted(set(_paths(raw)) | set(dropped))
     problems += auto_problems
     notes += auto_notes
     unknown: dict[str, Any] = {}
