@@ -168,10 +168,12 @@ def test_non_adam_optimizer_is_refused_clearly():
 
 
 @pytest.mark.gpu
-def test_offload_on_gpu_matches_fsdp():
-    """1 GPU, bf16 shards on the device, staged D2H / CPU step / H2D on side streams, vs plain FSDP2 + AdamW."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_offload_on_gpu_matches_fsdp(overlap, tmp_path):
+    """1 GPU, bf16 shards on the device, staged D2H / CPU step / H2D on side streams (and the overlapped worker),
+    vs plain FSDP2 + fused AdamW on the GPU."""
     if not dist.is_initialized():
-        dist.init_process_group("cuda:nccl,cpu:gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+        dist.init_process_group("cuda:nccl,cpu:gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
 
     def build(offloaded):
         torch.manual_seed(0)
@@ -185,7 +187,8 @@ def test_offload_on_gpu_matches_fsdp():
             return model, FSDPGradPath(model, torch.optim.AdamW(model.parameters(), **HYPER, fused=True))
         plan = dataclasses.replace(Plan(), offload=OffloadPlan(optimizer_device="cpu", sub_group_size=100_000),
                                    precision=PrecisionPlan(param_dtype="bfloat16"))
-        return model, offload.build_grad_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER))
+        return model, offload.build_grad_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER),
+                                              overlap=overlap)
 
     runs = []
     for offloaded in (False, True):
@@ -204,5 +207,7 @@ def test_offload_on_gpu_matches_fsdp():
             losses.append(loss.item())
         runs.append(losses)
         if offloaded:
+            path.wait()
             assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+            assert all(e.master.is_pinned() for e in path.entries)
     torch.testing.assert_close(torch.tensor(runs[1]), torch.tensor(runs[0]), rtol=2e-2, atol=1e-3)
