@@ -25,6 +25,7 @@ world size. A bucket is a run of parameters; its collective buffer is rank-major
 from __future__ import annotations
 
 import collections
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -525,6 +526,8 @@ class Stage1Optimizer(torch.optim.Optimizer):
 # ---------------------------------------------------------------- the engine's extension point (fsdpzero.optim)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ELEMENTWISE = {"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta",
+                "AdamNoBiasCorrection", "CPUAdam", "DeepSpeedCPUAdam"}   # update of an element needs only that element
 
 
 class Stage1GradPath:
@@ -566,6 +569,11 @@ def build_grad_path(model: nn.Module, plan, make_optimizer: Callable, mesh=None)
     param_dtype after the fp32 masters are taken."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = make_optimizer([p for _, p in named])
+    if type(optimizer).__name__ not in _ELEMENTWISE and (not dist.is_initialized() or dist.get_rank() == 0):
+        logging.getLogger("fsdpzero").warning(
+            "fsdpzero: ZeRO stage 1 gives %s one flat tensor per param group and rank, as DeepSpeed's ZeRO 1/2 do; "
+            "per-tensor quantities (LAMB trust ratios, ...) are then taken over that flat shard and results differ "
+            "from stage 0", type(optimizer).__name__)
     shard, precision = plan.shard, plan.precision
     stage1 = Stage1Optimizer.wrap(
         optimizer, {id(p): n for n, p in named}, process_group=mesh.get_group() if mesh is not None else None,
