@@ -224,3 +224,18 @@ def test_disk_full(tmp_path, backend):
     msg = _in_child(attempt)
     assert msg.startswith(f"{errno.EFBIG} ") and "write of 4194304 bytes at offset 0 of" in msg, msg
     assert "file size limit reached" in msg
+
+
+@pytest.mark.gpu
+def test_pinned_buffers_to_gpu_and_back(tmp_path):
+    """GPU tensor -> pinned aligned buffer -> disk -> pinned buffer -> GPU, bit-exact (the param-offload route)."""
+    x = torch.randn(3_000_001, device="cuda").bfloat16()
+    buf = aio.aligned_empty(x.numel(), x.dtype)
+    assert buf.is_pinned() and buf.data_ptr() % aio.ALIGN == 0
+    with aio.AioHandle() as h, h.open(tmp_path / "g.bin", write=True) as f:
+        buf.copy_(x, non_blocking=True)
+        torch.cuda.synchronize()
+        h.pwrite(buf, f).wait()
+        back = aio.aligned_empty(x.numel(), x.dtype)
+        h.pread(back, f).wait()
+    assert torch.equal(back.to("cuda", non_blocking=True), x)
