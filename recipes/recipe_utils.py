@@ -17,7 +17,6 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-log = logging.getLogger("fsdpzero.recipe")
 
 
 class RecipeError(Exception):
@@ -116,7 +115,9 @@ def setup_run_dir(cfg: DictConfig, rank: int) -> Path:
         root = logging.getLogger()
         root.addHandler(handler)
         root.setLevel(logging.INFO)
-        logging.getLogger("fsdpzero").setLevel(logging.INFO)
+        from fsdpzero.log import setup_logging
+        setup_logging()                                      # its console handler first, then our file
+        logging.getLogger("fsdpzero").addHandler(handler)   # the engine's logger does not propagate
     return run_dir
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 import fsdpzero
 from fsdpzero.data import PackedLMDataset, build_loader
@@ -28,7 +29,7 @@ from fsdpzero.monitor import Monitor
 from recipe_utils import (RecipeError, ds_config_dict, latest_checkpoint, rank_and_world, run_main, setup_run_dir,
                           write_loss_curve)
 
-log = logging.getLogger("fsdpzero.recipe")
+log = logging.getLogger("recipe")   # not under "fsdpzero": that logger does not propagate to train.log
 
 
 def build_model(model_cfg: DictConfig) -> torch.nn.Module:
@@ -57,6 +58,7 @@ class TrainLMRecipe:
         self.train_set = PackedLMDataset(cfg.data.seq_len, "train", cfg.data.val_fraction)
         self.val_set = PackedLMDataset(cfg.data.seq_len, "val", cfg.data.val_fraction)
         model = build_model(cfg.model)
+        name, n_params = type(model).__name__, sum(p.numel() for p in model.parameters())
         self.run_dir = setup_run_dir(cfg, self.rank)
         self.engine, _, _, _ = fsdpzero.initialize(model=model, config=ds_config_dict(cfg))
         self.micro = self.engine.train_micro_batch_size_per_gpu()
@@ -70,10 +72,9 @@ class TrainLMRecipe:
         self.monitor = Monitor(ds_config_dict(cfg), rank=self.rank)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.start_step = self._maybe_resume()
-        n_params = sum(p.numel() for p in model.parameters())
         if self.rank == 0:
             log.info("model %s: %.2fM parameters; %d training windows of %d tokens; %d ranks on %s",
-                     type(model).__name__, n_params / 1e6, len(self.train_set), cfg.data.seq_len, self.world,
+                     name, n_params / 1e6, len(self.train_set), cfg.data.seq_len, self.world,
                      self.device.type)
 
     def _maybe_resume(self) -> int:
@@ -211,7 +212,9 @@ def recipe_main(cfg: DictConfig) -> None:
                         format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     recipe = TrainLMRecipe(cfg)
     recipe.setup()
-    recipe.train()
+    # the engine's steps_per_print lines and ours go through tqdm.write, so the bar stays whole
+    with logging_redirect_tqdm(loggers=[logging.root, logging.getLogger("fsdpzero")]):
+        recipe.train()
     recipe.cleanup()
 
 
