@@ -92,11 +92,16 @@ def _drop_unset_optimizer_params(cfg: DictConfig) -> None:
 
 
 def _one_line(e: BaseException) -> str:
-    """Hydra's and OmegaConf's messages span several lines (full_key, object_type, hints): keep the gist."""
+    """Hydra's and OmegaConf's messages span several lines (full_key, object_type, search path, hints): keep the
+    gist, and say what to do for the commonest mistake, a key that does not exist."""
     text = str(e).strip()
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    keep = [ln for ln in lines if not ln.startswith(("full_key:", "object_type", "reference_type", "Set the env"))]
-    return "; ".join(keep) or type(e).__name__
+    if text.startswith("Could not override"):
+        key = text.split("'")[1] if "'" in text else "?"
+        return (f"unknown override {key!r}: the config has no such key (check the spelling against conf/, or add a "
+                f"new key with +{key}=VALUE)")
+    skip = ("full_key:", "object_type", "reference_type", "Set the env", "Config search path", "provider=")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith(skip)]
+    return "; ".join(lines) or type(e).__name__
 
 
 def ds_config_dict(cfg: DictConfig) -> dict:

@@ -39,7 +39,8 @@ def build_model(model_cfg: DictConfig) -> torch.nn.Module:
         config = instantiate(model_cfg)
         return AutoModelForCausalLM.from_config(config)
     except Exception as e:  # a bad model group is bad input: say which and why, in one line
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        cause = e.__cause__ or e
+        msg = " ".join(str(cause).split()) or type(cause).__name__
         raise RecipeError(f"model={model_cfg.get('_target_', '?')}: cannot build this model config: {msg}") from None
 
 
@@ -60,7 +61,10 @@ class TrainLMRecipe:
         model = build_model(cfg.model)
         name, n_params = type(model).__name__, sum(p.numel() for p in model.parameters())
         self.run_dir = setup_run_dir(cfg, self.rank)
-        self.engine, _, _, _ = fsdpzero.initialize(model=model, config=ds_config_dict(cfg))
+        try:
+            self.engine, _, _, _ = fsdpzero.initialize(model=model, config=ds_config_dict(cfg))
+        except (ValueError, NotImplementedError) as e:   # the engine's refusals: unshardable model, unsupported key
+            raise RecipeError(f"cannot run this model/config: {e}") from None
         self.micro = self.engine.train_micro_batch_size_per_gpu()
         self.gas = self.engine.gradient_accumulation_steps()
         self.loader = build_loader(self.train_set, self.micro, rank=self.rank, world_size=self.world, seed=cfg.seed)
