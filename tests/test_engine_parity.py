@@ -40,10 +40,28 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("kind,plan_kwargs,tol", CASES,
-                         ids=[f"{k}-" + "-".join(f"{a}{b}" for a, b in kw.items()) for k, kw, _ in CASES])
+# 4 ranks: where hpZ (reshard to 2 of 4 after forward) and a 2x2 replicate x shard mesh are not trivial
+CASES_4 = [
+    ("llama", dict(stage=3, gas=2, hpz=2), 1e-5),
+    ("llama", dict(stage=3, gas=1, mesh=(2, 2)), 1e-5),
+]
+
+
+def _ids(cases):
+    return [f"{k}-" + "-".join(f"{a}{b}" for a, b in kw.items()) for k, kw, _ in cases]
+
+
+@pytest.mark.parametrize("kind,plan_kwargs,tol", CASES, ids=_ids(CASES))
 def test_matches_unsharded(kind, plan_kwargs, tol):
-    world = 2
+    _check(kind, plan_kwargs, tol, world=2)
+
+
+@pytest.mark.parametrize("kind,plan_kwargs,tol", CASES_4, ids=_ids(CASES_4))
+def test_matches_unsharded_4_ranks(kind, plan_kwargs, tol):
+    _check(kind, plan_kwargs, tol, world=4)
+
+
+def _check(kind, plan_kwargs, tol, world):
     results = run_distributed(_train, world, kind, plan_kwargs, STEPS, timeout=240)
     plan = make_plan(world=world, **plan_kwargs)
     data = batches(STEPS, plan.batch.gradient_accumulation_steps, plan.batch.micro_batch_size * world)
