@@ -169,7 +169,10 @@ def materialize(model: nn.Module, device: torch.device, full_state_dict: dict | 
             fresh = type(m)(m.config)
         for n in names:
             setattr(m, n, getattr(fresh, n).to(device))
-    if full_state_dict is not None:
+    if full_state_dict is None:
+        log.warning("fsdpzero: %s was built on the meta device and no full_state_dict was given: its parameters "
+                    "are uninitialised memory until a checkpoint is loaded", type(model).__name__)
+    else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         set_model_state_dict(model, full_state_dict,
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

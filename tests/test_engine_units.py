@@ -129,8 +129,8 @@ def test_block_detection():
 # -- meta-device init: weights from rank 0, non-persistent rotary buffers rebuilt -------------------------------
 def _meta(rank, world, steps):
     full = build_model("llama").state_dict() if rank == 0 else {}
-    with torch.device("meta"):
-        model = build_model("llama")
+    model = build_model("llama", device="meta")
+    assert model.model.rotary_emb.inv_freq.is_meta
     engine = api.wrap(model, make_plan(stage=3, world=world), full_state_dict=full)
     rotary = engine.module.model.rotary_emb
     data = batches(steps, 1, 2 * world)
