@@ -102,7 +102,8 @@ class Engine(nn.Module):
             self.timers.start("step")
             self._boundary_step()
             self.timers.stop("step")
-            self._last_loss = self._loss_sum / self.gradient_accumulation_steps()
+            if self._loss_sum is not None:
+                self._last_loss = self._loss_sum / self.gradient_accumulation_steps()
             self._loss_sum = None
             self._printer.maybe_print(step=self.global_steps, skipped=self.skipped_steps,
                                       samples=self.global_samples, loss=self._last_loss, lr=self.get_lr(),
