@@ -42,6 +42,11 @@ def translate(cfg: DSConfig, env: Env) -> Plan:
                                   f"{z.mics_shard_size} does not divide the world size {W}",
                                   "use a divisor of the world size, e.g. the GPUs per node "
                                   f"({env.ranks_per_node})"))
+    hpz = z.zero_hpz_partition_size
+    if z.stage == 3 and hpz > 1 and (W % hpz or hpz > W):
+        raise ConfigError(Problem("zero_optimization.zero_hpz_partition_size",
+                                  f"{hpz} does not divide the world size {W} (FSDP2's reshard_after_forward=int "
+                                  "needs a divisor)", f"use the GPUs per node ({env.ranks_per_node}) or 1"))
     plan = Plan(env=env, shard=_shard(cfg, env), precision=_precision(cfg), offload=_offload(cfg),
                 optimizer=_optimizer(cfg), scheduler=_scheduler(cfg),
                 batch=BatchPlan(train_batch_size=train, micro_batch_size=micro, gradient_accumulation_steps=ga,

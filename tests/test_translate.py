@@ -30,6 +30,9 @@ def test_stage_to_reshard_after_forward(stage, reshard):
 def test_hpz_and_mics():
     s = plan_of({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}}).shard
     assert s.reshard_after_forward == 4 and type(s.reshard_after_forward) is int
+    with pytest.raises(ConfigError) as e:
+        plan_of({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 3}})
+    assert e.value.problems[0].key == "zero_optimization.zero_hpz_partition_size"
     s = plan_of({"zero_optimization": {"stage": 3, "mics_shard_size": 2}}).shard
     assert s.mesh_shape == (4, 2) and s.mesh_dim_names == ("replicate", "shard")
     with pytest.raises(ConfigError) as e:
