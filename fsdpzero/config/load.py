@@ -177,12 +177,12 @@ def normalize(raw: dict, problems: list[Problem], notes: list[str]) -> dict:
 
 
 # ---------------------------------------------------------------- unknown keys
-def _model_of(annotation: Any) -> type[BaseModel] | None:
+def model_of(annotation: Any) -> type[BaseModel] | None:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         for arg in typing.get_args(annotation):
-            m = _model_of(arg)
+            m = model_of(arg)
             if m is not None:
                 return m
     return None
@@ -205,7 +205,7 @@ def judge_unknown(raw: dict, model: type[BaseModel], prefix: str, strict: bool,
     for key, value in raw.items():
         path = f"{prefix}{key}"
         if key in names:
-            sub = _model_of(model.model_fields[names[key]].annotation)
+            sub = model_of(model.model_fields[names[key]].annotation)
             if sub is not None and isinstance(value, dict):
                 judge_unknown(value, sub, path + ".", strict, problems, notes, unknown)
             continue
@@ -236,7 +236,7 @@ def _default_at(loc: tuple) -> Any:
         f = model.model_fields[name]
         if part == loc[-1]:
             return f.get_default(call_default_factory=True)
-        model = _model_of(f.annotation)
+        model = model_of(f.annotation)
     return None
 
 
