@@ -181,9 +181,11 @@ def _check_scheduler(name: str | None, params: dict, deferred: list[str]) -> lis
                 isinstance(value, float) and value.is_integer())
             positive = key in ("warmup_num_steps", "total_num_steps", "lr_range_test_step_size")
             if not ok or value < (1 if positive else 0):
+                floor = 1 if positive else 0
                 out.append(Problem(path, f"must be a {'positive' if positive else 'non-negative'} integer, "
-                                   f"got {value!r}", f"DeepSpeed's default: {spec[key]!r}"
-                                   if spec[key] not in (REQUIRED, None) else "e.g. 1000"))
+                                   f"got {value!r}", f"use an integer >= {floor}" + (
+                                       f" (DeepSpeed's default: {spec[key]!r})"
+                                       if spec[key] not in (REQUIRED, None) else "")))
         elif not (_is_number(value) or (value is None and spec[key] is None)):
             out.append(Problem(path, f"must be a number, got {value!r}",
                                f"DeepSpeed's default: {spec[key]!r}" if spec[key] != REQUIRED else ""))
