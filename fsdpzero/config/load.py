@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 from fsdpzero.config import rules
 from fsdpzero.config.auto import resolve_autos
 from fsdpzero.config.errors import ConfigError, Problem, closest, did_you_mean
-from fsdpzero.config.schema import DSConfig, Strict, STRICT_SECTIONS
+from fsdpzero.config.schema import COMPAT_VERSION, DSConfig, Strict, STRICT_SECTIONS
 
 NEAR_MISS_CUTOFF = 0.8      # an unknown lenient key this close to a real one is a typo, not another tool's key
 
@@ -114,7 +114,7 @@ def _non_string_keys(node: Any, prefix: str = ""):
 def normalize(raw: dict, problems: list[Problem], notes: list[str]) -> dict:
     for key, why in REMOVED_TOP_LEVEL.items():
         if key in raw:
-            problems.append(Problem(key, f"DeepSpeed 0.19.8 rejects this key: {why}",
+            problems.append(Problem(key, f"DeepSpeed {COMPAT_VERSION} rejects this key: {why}",
                                     f"remove the `{key}` entry"))
     if "bfloat16" in raw:
         if "bf16" in raw:
@@ -136,11 +136,11 @@ def normalize(raw: dict, problems: list[Problem], notes: list[str]) -> dict:
     if isinstance(zero, dict):
         for key, why in REMOVED_ZERO.items():
             if key in zero:
-                problems.append(Problem(f"zero_optimization.{key}", f"DeepSpeed 0.19.8 rejects this key: {why}",
+                problems.append(Problem(f"zero_optimization.{key}", f"DeepSpeed {COMPAT_VERSION} rejects this key: {why}",
                                         f"remove `zero_optimization.{key}`"))
         for key in CARRIED_REMOVED_ZERO:
             if key in zero:
-                notes.append(f"zero_optimization.{key}: removed in DeepSpeed 0.19.8 (MiCS); fsdpzero keeps it "
+                notes.append(f"zero_optimization.{key}: removed in DeepSpeed {COMPAT_VERSION} (MiCS); fsdpzero keeps it "
                              "as an HSDP (replicate, shard) mesh")
         for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
             if old in zero:
