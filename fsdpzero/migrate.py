@@ -69,8 +69,8 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
 def evaluate(args: argparse.Namespace, path: str) -> tuple[int, dict]:
     """The migrate result as the --json object, and the exit status."""
     from fsdpzero.translate import translate
-    result: dict[str, Any] = {"config": str(path), "ok": False, "errors": [], "decisions": [], "plan": None, "warnings": [],
-                              "compat_version": COMPAT_VERSION}
+    result: dict[str, Any] = {"config": str(path), "ok": False, "errors": [], "decisions": [], "plan": None,
+                              "warnings": [], "compat_version": COMPAT_VERSION}
     env = Env(world_size=args.world_size, nodes=args.nodes, device_type=args.device)
     try:
         ctx = _parse_set(args.set)

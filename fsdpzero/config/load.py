@@ -136,12 +136,13 @@ def normalize(raw: dict, problems: list[Problem], notes: list[str]) -> dict:
     if isinstance(zero, dict):
         for key, why in REMOVED_ZERO.items():
             if key in zero:
-                problems.append(Problem(f"zero_optimization.{key}", f"DeepSpeed {COMPAT_VERSION} rejects this key: {why}",
+                problems.append(Problem(f"zero_optimization.{key}",
+                                        f"DeepSpeed {COMPAT_VERSION} rejects this key: {why}",
                                         f"remove `zero_optimization.{key}`"))
         for key in CARRIED_REMOVED_ZERO:
             if key in zero:
-                notes.append(f"zero_optimization.{key}: removed in DeepSpeed {COMPAT_VERSION} (MiCS); fsdpzero keeps it "
-                             "as an HSDP (replicate, shard) mesh")
+                notes.append(f"zero_optimization.{key}: removed in DeepSpeed {COMPAT_VERSION} (MiCS); fsdpzero keeps "
+                             "it as an HSDP (replicate, shard) mesh")
         for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
             if old in zero:
                 val = zero.pop(old)
@@ -278,8 +279,8 @@ def pydantic_problems(exc: ValidationError, seen: set[str]) -> list[Problem]:
         seen.add(path)
         msg = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
         shown = err.get("input")
-        msg = f"{msg[0].lower()}{msg[1:]}" + (f", got {shown!r}" if err["type"] not in ("value_error", "assertion_error")
-                                              and not isinstance(shown, dict) else "")
+        own = err["type"] in ("value_error", "assertion_error") or isinstance(shown, dict)
+        msg = f"{msg[0].lower()}{msg[1:]}" + ("" if own else f", got {shown!r}")
         out.append(Problem(path, msg, _hint(err, loc)))
     return out
 

@@ -113,11 +113,14 @@ def check(cfg: DSConfig, raw: dict, deferred: list[str]) -> list[Problem]:
 def check_sections(raw: dict, deferred: list[str]) -> list[Problem]:
     """Optimizer and scheduler kwargs, checked on the raw dicts so they are reported even when other sections
     fail validation."""
+    def usable(section):        # malformed sections are reported by the schema instead
+        return isinstance(section, dict) and isinstance(section.get("params", {}), dict) \
+            and isinstance(section.get("type"), (str, type(None)))
     opt, sch = raw.get("optimizer"), raw.get("scheduler")
     out = []
-    if isinstance(opt, dict) and isinstance(opt.get("params", {}), dict) and isinstance(opt.get("type"), (str, type(None))):
+    if usable(opt):
         out += _check_optimizer(opt.get("type"), opt.get("params") or {})
-    if isinstance(sch, dict) and isinstance(sch.get("params", {}), dict) and isinstance(sch.get("type"), (str, type(None))):
+    if usable(sch):
         out += _check_scheduler(sch.get("type"), sch.get("params") or {}, deferred)
     return out
 
