@@ -245,6 +245,39 @@ for _k in ("topk_ratio", "select_strategy", "select_interval", "update_interval"
 
 UNKNOWN_FATE = (N, "unknown to DeepSpeed, ignored as DeepSpeed does")
 
+# Where the value changes the fate (decide() below), in words for docs/migration.md.
+WHEN = {
+    _Z + "stage": "0: replicated params, all-reduced grads; 1: ops stage1; 2/3: fully_shard per block + root",
+    _Z + "zero_hpz_partition_size": "k > 1 at stage 3: reshard_after_forward=k (k must divide the world size)",
+    _Z + "mics_shard_size": "k > 0: HSDP mesh (world/k, k) ('replicate', 'shard'); removed from DeepSpeed 0.19.8",
+    _Z + "zero_quantized_weights": "true: approximated (full-precision all-gather)",
+    _Z + "zero_quantized_gradients": "true: approximated (full-precision reduce-scatter)",
+    _Z + "zero_quantized_nontrainable_weights": "true: unsupported",
+    _Z + "legacy_stage1": "true: unsupported",
+    _Z + "reduce_bucket_size": "stages 2/3: noop (the wrapped block is the unit)",
+    _Z + "allgather_bucket_size": "stages 0/2/3: noop",
+    _Z + "sub_group_size": "without optimizer offload: noop",
+    _OP + "device": "cpu: CPUOffloadPolicy; nvme: ops aio parameter swapper",
+    _OO + "device": "cpu: ops cpuadam; nvme: ops aio swapper + cpuadam",
+    _OO + "ratio": "< 1: approximated (everything offloaded)",
+    _OO + "super_offload": "true: approximated (regular CPU offload)",
+    "optimizer.type": "Adam -> 'adamw' unless adam_w_mode false; OneBitAdam/ZeroOneAdam/OneBitLamb, Lion, "
+                      "MuAdam/MuAdamW/MuSGD, Muon: unsupported",
+    "gradient_allreduce_op": "sum: unsupported",
+    "managed_gradient_accumulation": "false: unsupported",
+    "sequence_parallel_size": "> 1: unsupported",
+    "tensor_parallel.autotp_size": "> 1: unsupported",
+    "compile.deepcompile": "true: unsupported",
+    "hybrid_engine.enabled": "true: unsupported",
+    "data_efficiency": "enabled: unsupported",
+    "datastates": "enabled: unsupported",
+    "activation_checkpointing.partition_activations": "true: approximated",
+    "fp16.enabled": "false: noop (and every other fp16 key)",
+    "bf16.enabled": "false: noop (and every other bf16 key)",
+    "pipeline": "absent: noop", "expert_parallel": "absent: noop", "weight_quantization": "absent: noop",
+    _Z + "zenflow": "absent: noop",
+}
+
 
 def decide(path: str, value: Any, cfg: "DSConfig", env: "Env") -> tuple[str, str]:
     """The fate of one key given its value: the table, overridden where the value changes the answer."""

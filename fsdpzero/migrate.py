@@ -239,14 +239,23 @@ One object per config (a list for several configs), a stable contract:
 Defaults are DeepSpeed {version}'s. Where the value changes the fate (a feature switched on, a stage), the table
 gives the usual case and `fsdpzero migrate` shows the actual one.
 
-| key | fate | how |
-|---|---|---|
+| key | DeepSpeed default | fate | how; where the value changes it |
+|---|---|---|---|
 """
 
 
 def render_migration_doc() -> str:
-    from fsdpzero.fates import FATES
-    rows = [f"| `{k}` | {s} | {d.replace('|', '/')} |" for k, (s, d) in sorted(FATES.items())]
+    from pydantic import BaseModel
+
+    from fsdpzero.config.load import default_at
+    from fsdpzero.fates import FATES, WHEN
+
+    def default(key: str) -> str:
+        d = default_at(tuple(key.split(".")))
+        return "" if isinstance(d, (BaseModel, dict, list)) else f"`{json.dumps(d)}`"
+
+    rows = [f"| `{k}` | {default(k)} | {s} | {d.replace('|', '/')}" + (f"; {WHEN[k]}" if k in WHEN else "") + " |"
+            for k, (s, d) in sorted(FATES.items())]
     return GUIDE.format(version=COMPAT_VERSION) + "\n".join(rows) + "\n"
 
 

@@ -226,7 +226,7 @@ def judge_unknown(raw: dict, model: type[BaseModel], prefix: str, strict: bool,
 
 
 # ---------------------------------------------------------------- pydantic errors -> problems
-def _default_at(loc: tuple) -> Any:
+def default_at(loc: tuple) -> Any:
     model: Any = DSConfig
     for part in loc:
         if not (isinstance(model, type) and issubclass(model, BaseModel)):
@@ -243,7 +243,7 @@ def _default_at(loc: tuple) -> Any:
 
 def _hint(err: dict, loc: tuple) -> str:
     kind, value = err["type"], err.get("input")
-    default = _default_at(loc)
+    default = default_at(loc)
     tail = f" (DeepSpeed's default: {default!r})" if default is not None and not isinstance(default, BaseModel) else ""
     if kind == "literal_error" and isinstance(value, str):
         expected = re.findall(r"'([^']*)'", err["msg"])
