@@ -220,9 +220,15 @@ drops it silently), or is an error with `--strict`.
 
 ## 4. Leaving fsdpzero
 
-`fsdpzero migrate CONFIG --emit yaml` prints a Hydra experiment file for `recipes/train_lm.py`
-(`# @package _global_`, `ds_config:` set to the resolved config); `--emit python` prints a short native FSDP2
-script (`fully_shard`, `MixedPrecisionPolicy`, accumulation with `set_requires_gradient_sync`, clipping).
+`fsdpzero migrate CONFIG --emit yaml` prints a Hydra experiment file for `recipes/train_lm.py`: save it as
+`conf/experiment/NAME.yaml` and run `python recipes/train_lm.py experiment=NAME`. It is a `# @package _global_`
+file that points the recipes' zero/precision/monitor groups at neutral choices, replaces the optim/ and sched/
+groups with your optimizer and scheduler, and sets `ds_config:` to the rest of your resolved config, so the
+composed `ds_config` gives the same plan as your file (a test composes it with Hydra and compares). Written into
+the file when they apply: without a scheduler or optimizer the recipe's are used; optimizers other than
+Adam/AdamW also receive the recipe's betas/eps (use `recipes/train_lm.py ds_config=FILE` for those).
+`--emit python` prints a short native FSDP2 script (`fully_shard`, `MixedPrecisionPolicy`, accumulation with
+`set_requires_gradient_sync`, clipping): the way off fsdpzero, too.
 
 ## 5. `--json`
 
