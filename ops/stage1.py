@@ -81,6 +81,7 @@ class _FlatGroup:
     master: torch.Tensor
     reduce_runs: list[_Run] = field(default_factory=list)
     gather_runs: list[_Run] = field(default_factory=list)
+    grad_cache: torch.Tensor | None = None   # pinned CPU master grad kept between steps (offload only)
 
 
 def _runs(slots: list[_Slot], bucket_elements: int, world: int) -> list[_Run]:
@@ -163,7 +164,7 @@ class Stage1Optimizer(torch.optim.Optimizer):
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  reduce_bucket_size: int = 500_000_000, allgather_bucket_size: int = 500_000_000,
                  overlap_comm: bool = False, max_grad_norm: float = 0.0, check_overflow: bool = True,
-                 reduce_op: str = "reduce_scatter"):
+                 reduce_op: str = "reduce_scatter", master_device: torch.device | str | None = None):
         if reduce_op not in ("reduce_scatter", "all_reduce"):
             raise ValueError(f"reduce_op={reduce_op!r}: use 'reduce_scatter' (default) or 'all_reduce' (reference)")
         for key, value in (("reduce_bucket_size", reduce_bucket_size), ("allgather_bucket_size", allgather_bucket_size)):
@@ -174,6 +175,9 @@ class Stage1Optimizer(torch.optim.Optimizer):
         self.world = dist.get_world_size(self.group) if distributed else 1
         self.rank = dist.get_rank(self.group) if distributed else 0
         self.reduce_dtype, self.reduce_op = reduce_dtype, reduce_op
+        # offload_optimizer: masters, their grads and the optimizer state on `master_device` (the CPU); collectives
+        # and the packing stay on the parameters' device
+        self.master_device = torch.device(master_device) if master_device is not None else None
         self.max_grad_norm, self.check_overflow = float(max_grad_norm or 0.0), check_overflow
         self.overlap_comm, self._sync = overlap_comm, False
         self.last_grad_norm: torch.Tensor | None = None   # unscaled, pre-clip global norm at the last step()
@@ -257,8 +261,8 @@ class Stage1Optimizer(torch.optim.Optimizer):
             local = max(0, min(chunk, n - self.rank * chunk))
             slots.append(_Slot(name, p, n, chunk, offset, local))
             offset += chunk
-        device = slots[0].param.device
-        master = torch.zeros(offset, dtype=torch.float32, device=device)
+        self.comm_device = slots[0].param.device
+        master = torch.zeros(offset, dtype=torch.float32, device=self.master_device or self.comm_device)
         with torch.no_grad():
             for s in slots:
                 start = self.rank * s.chunk
@@ -292,23 +296,26 @@ class Stage1Optimizer(torch.optim.Optimizer):
         master_grad = self._master_grad(fg)
         out = master_grad[run.lo: run.hi]
         dtype = self.reduce_dtype or fg.dtype
-        if self.world == 1:  # no communication: pack (and cast) straight into the master gradient
+        if self.world == 1 and out.device == self.comm_device:  # no communication: pack straight into the master grad
             for s in run.slots:
                 _pack(out[s.offset - run.lo: s.offset - run.lo + s.chunk].view(1, -1), self._flat_grad(s), 1.0)
                 s.param.grad = None
             return
         # the mean over ranks is taken before the sum (exact for power-of-two worlds; keeps fp16 sums in range)
-        buf = torch.empty(self.world, run.hi - run.lo, dtype=dtype, device=out.device)
+        buf = torch.empty(self.world, run.hi - run.lo, dtype=dtype, device=self.comm_device)
         for s in run.slots:
             _pack(buf[:, s.offset - run.lo: s.offset - run.lo + s.chunk], self._flat_grad(s), 1.0 / self.world)
             s.param.grad = None
+        if self.world == 1:   # offloaded master on one rank: no collective, only the copy to the master's device
+            self._inflight.append((fg, run, None, buf, buf[0]))
+            return
         while len(self._inflight) >= 2:
             self._finish_reduce(*self._inflight.popleft())
         if self.reduce_op == "all_reduce":  # reference design: everyone gets the whole sum, keeps its row
             work = dist.all_reduce(buf, group=self.group, async_op=True)
             recv = buf[self.rank]
         else:
-            recv = out if dtype == out.dtype else torch.empty(run.hi - run.lo, dtype=dtype, device=out.device)
+            recv = out if dtype == out.dtype and out.device == buf.device else torch.empty_like(buf[0])
             work = _reduce_scatter(recv, buf.view(-1), self.group, async_op=True)
         self._inflight.append((fg, run, work, buf, recv))
 
@@ -319,8 +326,13 @@ class Stage1Optimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _master_grad(fg: _FlatGroup) -> torch.Tensor:
+        """Allocated at the boundary, freed after the step; offloaded to the CPU it is kept, pinned (fast D2H)."""
         if fg.master.grad is None:
-            fg.master.grad = torch.empty_like(fg.master)
+            if fg.master.device.type == "cpu" and torch.cuda.is_available():
+                fg.grad_cache = fg.grad_cache if fg.grad_cache is not None else torch.empty_like(fg.master).pin_memory()
+                fg.master.grad = fg.grad_cache
+            else:
+                fg.master.grad = torch.empty_like(fg.master)
         return fg.master.grad
 
     def reduce_gradients(self) -> None:
@@ -336,7 +348,8 @@ class Stage1Optimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _finish_reduce(fg: _FlatGroup, run: _Run, work, _buf: torch.Tensor, recv: torch.Tensor) -> None:
-        work.wait()   # NCCL: the current stream waits, the host does not; the buffer is then safe to free
+        if work is not None:
+            work.wait()   # NCCL: the current stream waits, the host does not; the buffer is then safe to free
         out = fg.master.grad[run.lo: run.hi]
         if recv.data_ptr() != out.data_ptr():
             out.copy_(recv)
@@ -349,6 +362,7 @@ class Stage1Optimizer(torch.optim.Optimizer):
         sq = torch.zeros((), dtype=torch.float32, device=self.flat_groups[0].master.device)
         for fg in self.flat_groups:
             sq = sq + torch.linalg.vector_norm(fg.master.grad).square()
+        sq = sq.to(self.comm_device)
         if self.world > 1:
             dist.all_reduce(sq, group=self.group)
         return sq.sqrt()
@@ -356,7 +370,10 @@ class Stage1Optimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def scale_grads_(self, factor: torch.Tensor | float) -> None:
         """Shard gradients *= factor (unscale by the loss scale and clip, in one pass)."""
-        torch._foreach_mul_([fg.master.grad for fg in self.flat_groups], factor)
+        grads = [fg.master.grad for fg in self.flat_groups]
+        if torch.is_tensor(factor):
+            factor = factor.to(grads[0].device)
+        torch._foreach_mul_(grads, factor)
 
     @torch.no_grad()
     def update_params(self) -> None:
@@ -416,7 +433,7 @@ class Stage1Optimizer(torch.optim.Optimizer):
                     for s in run.slots:
                         s.param.view(-1).copy_(fg.master[s.offset: s.offset + s.numel])
                     continue
-                buf = torch.empty(self.world, run.hi - run.lo, dtype=fg.dtype, device=fg.master.device)
+                buf = torch.empty(self.world, run.hi - run.lo, dtype=fg.dtype, device=self.comm_device)
                 buf[self.rank].copy_(fg.master[run.lo: run.hi])
                 window.append((run, buf, _all_gather(buf.view(-1), buf[self.rank], self.group, async_op=True)))
                 if len(window) > 1:
@@ -574,10 +591,13 @@ def build_grad_path(model: nn.Module, plan, make_optimizer: Callable, mesh=None)
             "fsdpzero: ZeRO stage 1 gives %s one flat tensor per param group and rank, as DeepSpeed's ZeRO 1/2 do; "
             "per-tensor quantities (LAMB trust ratios, ...) are then taken over that flat shard and results differ "
             "from stage 0", type(optimizer).__name__)
-    shard, precision = plan.shard, plan.precision
+    shard, precision, offload = plan.shard, plan.precision, plan.offload
+    if offload.optimizer_device not in ("none", "cpu"):
+        raise ValueError(f"zero_optimization.offload_optimizer.device = {offload.optimizer_device!r} with stage 1 is "
+                         "not supported: use \"cpu\", or stage 2/3 for NVMe offload")
     stage1 = Stage1Optimizer.wrap(
         optimizer, {id(p): n for n, p in named}, process_group=mesh.get_group() if mesh is not None else None,
         param_dtype=_DTYPES[precision.param_dtype], reduce_dtype=_DTYPES[precision.reduce_dtype],
         reduce_bucket_size=shard.reduce_bucket_size, allgather_bucket_size=shard.allgather_bucket_size,
-        overlap_comm=bool(shard.overlap_comm))
+        overlap_comm=bool(shard.overlap_comm), master_device="cpu" if offload.optimizer_device == "cpu" else None)
     return Stage1GradPath(stage1)

@@ -413,3 +413,27 @@ def test_compiled_model_inductor():
 def test_bad_bucket_size_names_the_key():
     with pytest.raises(ValueError, match="reduce_bucket_size=0"):
         Stage1Optimizer(make_model().parameters(), adamw, reduce_bucket_size=0)
+
+
+# ---------------------------------------------------------------- GPU: offloaded masters (run with `pytest -m gpu`)
+
+@pytest.mark.gpu
+def test_offloaded_masters_on_gpu_match_device_masters():
+    """Params and collectives on the GPU, fp32 masters / grads / Adam state on the CPU (offload_optimizer: cpu)."""
+    results = {}
+    for where in ("cuda", "cpu"):
+        torch.manual_seed(0)
+        model = Tiny().cuda()
+        opt = Stage1Optimizer(groups(model), adamw, max_grad_norm=MAX_NORM, master_device=where,
+                              param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for step in range(4):
+            for micro in range(GAS):
+                x, y = batch(step, micro, 0, 1)
+                (model(x.cuda(), y.cuda()) / GAS).backward()
+            opt.step()
+        assert opt.flat_groups[0].master.device.type == where
+        results[where] = [fg.master.cpu() for fg in opt.flat_groups], _params(model)
+    for a, b in zip(results["cuda"][0], results["cpu"][0]):
+        assert (a - b).abs().max().item() <= 1e-5       # CPU and CUDA AdamW kernels round differently
+    for n, p in results["cuda"][1].items():
+        assert (p - results["cpu"][1][n]).abs().max().item() <= 1e-2, n   # bf16 params: one rounding step
