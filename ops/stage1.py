@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import collections
 import logging
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .stage1_state import load_logical_state_dict, logical_state_dict
 
 __all__ = ["Stage1Optimizer"]
 
@@ -311,12 +314,17 @@ class Stage1Optimizer(torch.optim.Optimizer):
             return
         while len(self._inflight) >= 2:
             self._finish_reduce(*self._inflight.popleft())
+        if self.reduce_op == "reduce_scatter":
+            recv = out if dtype == out.dtype and out.device == buf.device else torch.empty_like(buf[0])
+            try:
+                work = _reduce_scatter(recv, buf.view(-1), self.group, async_op=True)
+            except (RuntimeError, NotImplementedError) as exc:   # a backend without reduce-scatter
+                warnings.warn(f"fsdpzero stage 1: reduce-scatter failed ({exc}); using all-reduce + slice (1.5x "
+                              "the gradient traffic) from now on", RuntimeWarning, stacklevel=2)
+                self.reduce_op = "all_reduce"
         if self.reduce_op == "all_reduce":  # reference design: everyone gets the whole sum, keeps its row
             work = dist.all_reduce(buf, group=self.group, async_op=True)
             recv = buf[self.rank]
-        else:
-            recv = out if dtype == out.dtype and out.device == buf.device else torch.empty_like(buf[0])
-            work = _reduce_scatter(recv, buf.view(-1), self.group, async_op=True)
         self._inflight.append((fg, run, work, buf, recv))
 
     @staticmethod
@@ -447,96 +455,16 @@ class Stage1Optimizer(torch.optim.Optimizer):
         for s in run.slots:
             _unpack(s.param.view(-1), buf[:, s.offset - run.lo: s.offset - run.lo + s.chunk])
 
-    # ------------------------------------------------------------ checkpoint: per-parameter logical tensors
-
-    def _mesh(self):
-        from torch.distributed.device_mesh import DeviceMesh
-        if getattr(self, "_device_mesh", None) is None:
-            device = self.flat_groups[0].master.device.type
-            self._device_mesh = DeviceMesh.from_group(self.group or dist.group.WORLD, device)
-        return self._device_mesh
-
-    def _logical(self, fg: _FlatGroup, s: _Slot, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of one parameter's flat tensor, as a 1-D DTensor of the parameter's numel (Shard(0) =
-        torch.chunk of the flattened parameter: exactly our layout), or the plain tensor on one rank."""
-        piece = flat[s.offset: s.offset + s.local]
-        if self.world == 1:
-            return piece
-        from torch.distributed.tensor import DTensor, Shard
-        return DTensor.from_local(piece, self._mesh(), [Shard(0)], run_check=False,
-                                  shape=torch.Size([s.numel]), stride=(1,))
-
-    def _ensure_state(self) -> None:
-        """Create the inner optimizer's state (a zero-gradient step at lr 0) so there is something to load into.
-        Its scalar counters go back to 0, so the next real step behaves as the first (Adam's bias correction)."""
-        if all(fg.master in self.optimizer.state for fg in self.flat_groups):
-            return
-        saved = [g["lr"] for g in self.optimizer.param_groups]
-        for g in self.optimizer.param_groups:
-            g["lr"] = 0.0 if not torch.is_tensor(g["lr"]) else torch.zeros_like(g["lr"])
-        for fg in self.flat_groups:
-            fg.master.grad = torch.zeros_like(fg.master)
-        self.optimizer.step()
-        for g, lr in zip(self.optimizer.param_groups, saved):
-            g["lr"] = lr
-        for fg in self.flat_groups:
-            fg.master.grad = None
-            for value in self.optimizer.state[fg.master].values():
-                if torch.is_tensor(value) and value.dim() == 0:
-                    value.zero_()
+    # ------------------------------------------------------------ checkpoint (ops/stage1_state.py)
 
     def state_dict(self) -> dict[str, Any]:
-        """{"state": {param name: {"master": fp32, <state key>: tensor, ...}}, "param_groups": [...]}.
+        """Per-parameter fp32 master and optimizer state as 1-D DTensors (views of the shard), for DCP: saved from
+        N ranks, loadable into the state_dict() of M ranks. See ops/stage1_state.py."""
+        return logical_state_dict(self)
 
-        Tensors the size of the parameter are 1-D DTensors (views of this rank's shard, no copies): DCP saves them
-        from N ranks and loads them into the state_dict() of M ranks, which `load_state_dict` then applies. Scalar
-        state (Adam's step) is repeated per parameter. Before the first step the state is created (see _ensure_state)."""
-        self._ensure_state()
-        state: dict[str, dict[str, Any]] = {}
-        for fg in self.flat_groups:
-            inner = self.optimizer.state[fg.master]
-            for s in fg.slots:
-                entry = {"master": self._logical(fg, s, fg.master)}
-                for key, value in inner.items():
-                    if torch.is_tensor(value) and value.shape == fg.master.shape:
-                        entry[key] = self._logical(fg, s, value)
-                    elif torch.is_tensor(value) and value.dim() == 0:
-                        entry[key] = value
-                    else:
-                        raise NotImplementedError(f"optimizer state {key!r} of shape {tuple(getattr(value, 'shape', ()))}"
-                                                  " is not elementwise; Stage1Optimizer cannot shard it")
-                state[s.name] = entry
-        groups = []
-        for fg_index, g in enumerate(self.optimizer.param_groups):
-            names = [s.name for fg in self.flat_groups if fg.group_index == fg_index for s in fg.slots]
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "param_names": names})
-        return {"state": state, "param_groups": groups}
-
-    @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Apply a state dict from state_dict() (possibly filled by DCP from a different world size), then rebuild the
-        parameters from the loaded masters."""
-        self._ensure_state()
-        state = state_dict["state"]
-        missing = [s.name for fg in self.flat_groups for s in fg.slots if s.name not in state]
-        if missing:
-            raise KeyError(f"optimizer state dict lacks parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        for fg in self.flat_groups:
-            inner = self.optimizer.state[fg.master]
-            for key in list(inner):
-                if torch.is_tensor(inner[key]) and inner[key].dim() == 0:
-                    inner[key].copy_(state[fg.slots[0].name][key])   # one scalar per flat group
-            for s in fg.slots:
-                entry = state[s.name]
-                for key, target in [("master", fg.master)] + [(k, v) for k, v in inner.items()
-                                                              if torch.is_tensor(v) and v.shape == fg.master.shape]:
-                    src = entry[key]
-                    src = src.to_local() if hasattr(src, "to_local") else src
-                    if self.world == 1 or src.numel() == s.numel and s.local != s.numel:  # a full tensor
-                        src = src.reshape(-1)[self.rank * s.chunk: self.rank * s.chunk + s.local]
-                    target[s.offset: s.offset + s.local].copy_(src)
-        for g, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
-            g.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+        """Apply state_dict() output (possibly filled by DCP from another world size); re-gathers the params."""
+        load_logical_state_dict(self, state_dict)
         self._gather_params()
 
 

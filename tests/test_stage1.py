@@ -132,6 +132,19 @@ def test_matches_replicated_data_parallel(world, kw):
     _check_parity(run_distributed(_parity_rank, world, kw, timeout=120))
 
 
+def _fallback_rank(rank, world):
+    def unavailable(*args, **kwargs):
+        raise RuntimeError("reduce_scatter is not supported by this backend")
+    dist.reduce_scatter_single = dist.reduce_scatter_tensor = unavailable   # this forked rank only
+    with pytest.warns(RuntimeWarning, match="all-reduce"):
+        result = _parity_rank(rank, world, {"reduce_bucket_size": 200})
+    return result
+
+
+def test_falls_back_to_all_reduce_without_reduce_scatter():
+    _check_parity(run_distributed(_fallback_rank, 2, timeout=120))
+
+
 def test_one_rank_no_process_group():
     assert not dist.is_initialized()
     model = make_model()
@@ -437,3 +450,42 @@ def test_offloaded_masters_on_gpu_match_device_masters():
         assert (a - b).abs().max().item() <= 1e-5       # CPU and CUDA AdamW kernels round differently
     for n, p in results["cuda"][1].items():
         assert (p - results["cpu"][1][n]).abs().max().item() <= 1e-2, n   # bf16 params: one rounding step
+
+
+def _nccl_rank(rank, world, path, out):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = Tiny().cuda()
+        ref = Tiny().cuda()
+        ref.load_state_dict(model.state_dict())
+        opt = Stage1Optimizer(groups(model), adamw, max_grad_norm=MAX_NORM, overlap_comm=True, reduce_bucket_size=300)
+        ref_opt = adamw(groups(ref))
+        for step in range(4):
+            for micro in range(GAS):
+                x, y = (t.cuda() for t in batch(step, micro, rank, world))
+                opt.set_gradient_sync(micro == GAS - 1)
+                (model(x, y) / GAS).backward()
+                (ref(x, y) / GAS).backward()
+            opt.step()
+            for p in ref.parameters():
+                dist.all_reduce(p.grad)
+                p.grad.div_(world)
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+            ref_opt.step()
+            ref_opt.zero_grad()
+        diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+        torch.save(diff, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_nccl_two_gpus_match_replicated(tmp_path):
+    """NCCL reduce-scatter / all-gather with overlap hooks on 2 GPUs against replicated data parallel (fp32)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    torch.multiprocessing.spawn(_nccl_rank, args=(2, str(tmp_path / "rv"), str(tmp_path / "diff")), nprocs=2)
+    for rank in range(2):
+        assert torch.load(tmp_path / f"diff.{rank}") <= 1e-5
