@@ -421,6 +421,11 @@ class Stage1Optimizer(torch.optim.Optimizer):
                 s.param.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        for _fg, _run, work, _buf, _recv in self._inflight:   # reductions started from hooks, now abandoned
+            if work is not None:
+                work.wait()
+        self._inflight.clear()
+        self._reset_pending()
         for fg in self.flat_groups:
             fg.master.grad = None
             for s in fg.slots:
@@ -512,7 +517,14 @@ def build_grad_path(model: nn.Module, plan, make_optimizer: Callable, mesh=None)
     """`zero_optimization.stage: 1`: the engine's optimizer (config section or client) over the whole parameters,
     then sharded by Stage1Optimizer.wrap. The model stays unwrapped; its parameters are cast to the plan's
     param_dtype after the fp32 masters are taken."""
+    if plan.offload.optimizer_device not in ("none", "cpu"):
+        raise ValueError(f"zero_optimization.offload_optimizer.device = {plan.offload.optimizer_device!r} with stage "
+                         "1 is not supported: use \"cpu\", or stage 2/3 for NVMe offload")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    dtype = _DTYPES[plan.precision.param_dtype]
+    for p in model.parameters():   # frozen weights compute in the same dtype (DeepSpeed casts the whole module)
+        if not p.requires_grad and p.is_floating_point():
+            p.data = p.data.to(dtype)
     optimizer = make_optimizer([p for _, p in named])
     if type(optimizer).__name__ not in _ELEMENTWISE and (not dist.is_initialized() or dist.get_rank() == 0):
         logging.getLogger("fsdpzero").warning(
@@ -520,12 +532,9 @@ def build_grad_path(model: nn.Module, plan, make_optimizer: Callable, mesh=None)
             "per-tensor quantities (LAMB trust ratios, ...) are then taken over that flat shard and results differ "
             "from stage 0", type(optimizer).__name__)
     shard, precision, offload = plan.shard, plan.precision, plan.offload
-    if offload.optimizer_device not in ("none", "cpu"):
-        raise ValueError(f"zero_optimization.offload_optimizer.device = {offload.optimizer_device!r} with stage 1 is "
-                         "not supported: use \"cpu\", or stage 2/3 for NVMe offload")
     stage1 = Stage1Optimizer.wrap(
         optimizer, {id(p): n for n, p in named}, process_group=mesh.get_group() if mesh is not None else None,
-        param_dtype=_DTYPES[precision.param_dtype], reduce_dtype=_DTYPES[precision.reduce_dtype],
+        param_dtype=dtype, reduce_dtype=_DTYPES[precision.reduce_dtype],
         reduce_bucket_size=shard.reduce_bucket_size, allgather_bucket_size=shard.allgather_bucket_size,
         overlap_comm=bool(shard.overlap_comm), master_device="cpu" if offload.optimizer_device == "cpu" else None)
     return Stage1GradPath(stage1)
