@@ -7,7 +7,6 @@ gradient accumulation 2 and clipping that engages. fp32 tolerance: 1e-6 absolute
 """
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
@@ -417,10 +416,11 @@ def test_compiled_model_aot_eager():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("FSDPZERO_TEST_INDUCTOR") != "1",
+                    reason="CPU inductor compiles C++ (minutes on the 2-core CI machine): FSDPZERO_TEST_INDUCTOR=1")
 def test_compiled_model_inductor():
-    """CPU inductor compiles C++ per rank: ~1 minute on a loaded 2-core machine."""
-    results = run_distributed(_compile_rank, 2, "inductor", timeout=600)
-    _check_parity(results, tol=1e-5)   # inductor fuses and reorders fp32 math
+    """One rank, in-process: inductor's generated kernels under the stage-1 optimizer's hooks and .data casts."""
+    _check_parity([_compile_rank(0, 1, "inductor")], tol=1e-5)   # inductor fuses and reorders fp32 math
 
 
 def test_bad_bucket_size_names_the_key():

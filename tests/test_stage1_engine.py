@@ -7,7 +7,6 @@ suite's tolerance), bf16 <= 2e-2.
 import dataclasses
 
 import pytest
-import torch
 import transformers  # noqa: F401  imported before forking the ranks
 
 from fsdpzero.api import wrap
