@@ -51,6 +51,26 @@ def fio(path: Path, size: int, bs: int, depth: int, write: bool) -> float:
     return job["write" if write else "read"]["bw_bytes"] / 1e9
 
 
+def deepspeed_aio(path: Path, size: int, cfg: AioConfig):
+    """DeepSpeed's own aio_handle (libaio, its page-locked buffer) on the same file: -> (write, read) GB/s."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    from deepspeed.ops.op_builder import AsyncIOBuilder    # bench only: the library never imports deepspeed
+    h = AsyncIOBuilder().load(verbose=False).aio_handle(cfg.block_size, cfg.queue_depth, cfg.single_submit,
+                                                        cfg.overlap_events, cfg.intra_op_parallelism)
+    buf = h.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
+
+    def run():
+        t0 = time.perf_counter()
+        h.async_pwrite(buf, str(path), 0)
+        h.wait()
+        t1 = time.perf_counter()
+        h.async_pread(buf, str(path), 0)
+        h.wait()
+        t2 = time.perf_counter()
+        return size / (t1 - t0) / 1e9, size / (t2 - t1) / 1e9
+    return run
+
+
 def optimizer_pipeline(nvme_dir: Path, n_params: int, sub_group_size: int, cfg: AioConfig, buffer_count: int,
                        steps: int) -> dict:
     """Median NVMeAdam.step() time vs the per-sub-group stages timed alone (bf16 params: 24 B/param of I/O)."""
@@ -105,6 +125,8 @@ def main() -> int:
     ap.add_argument("--sub-group-size", type=float, default=2e6)
     ap.add_argument("--buffer-count", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--deepspeed", action="store_true",
+                    help="add DeepSpeed's aio_handle (its async_io op; needs libaio-dev to build, ~5 min once)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
@@ -123,6 +145,8 @@ def main() -> int:
             tools = {f"ours ({backend})": lambda: measure(h, buf, path, repeat=1)}
             for dbs in sorted({bs, 2**20}):
                 tools[f"dd bs={dbs >> 20}M"] = lambda dbs=dbs: (dd(path, size, dbs, True), dd(path, size, dbs, False))
+            if args.deepspeed:
+                tools["deepspeed aio_handle"] = deepspeed_aio(path, size, cfg)
             if shutil.which("fio"):
                 for depth in sorted({1, args.queue_depth * args.parallelism}):
                     tools[f"fio io_uring qd={depth}"] = lambda d=depth: (fio(path, size, bs, d, True),
@@ -137,8 +161,8 @@ def main() -> int:
         path.unlink(missing_ok=True)
 
     ours_key = names[0]
-    raw_w = max(v[0] for k, v in rows.items() if k != ours_key)
-    raw_r = max(v[1] for k, v in rows.items() if k != ours_key)
+    raw = [k for k in rows if k.startswith(("dd", "fio"))]
+    raw_w, raw_r = max(rows[k][0] for k in raw), max(rows[k][1] for k in raw)
     ours_w, ours_r = rows[ours_key]
     print(f"{args.size} per pass, block {bs >> 20} MiB, best of {args.repeat}, dir {args.dir}")
     print(f"{'tool':<22} {'write GB/s':>10} {'read GB/s':>9}")

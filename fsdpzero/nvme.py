@@ -181,7 +181,7 @@ class NVMeAdam(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, adamw_mode=False,
                  bias_correction=True, nvme_path, rank: int | None = None, sub_group_size: int = 1_000_000_000,
-                 buffer_count: int = 4, aio: AioConfig | None = None, pin_memory: bool | None = None,
+                 buffer_count: int = 4, aio: AioConfig | None = None, pin_memory: bool = False,
                  impl: str | None = None):
         if sub_group_size < 1:
             raise ValueError(f"zero_optimization.sub_group_size={sub_group_size}: must be >= 1")
@@ -401,4 +401,4 @@ def nvme_optimizer_from_plan(params, plan, rank: int | None = None) -> NVMeAdam:
     adamw = opt.adam_w_mode if opt.type == "adam" else True
     return NVMeAdam(params, **kw, adamw_mode=adamw, nvme_path=off.optimizer_nvme_path, rank=rank,
                     sub_group_size=off.sub_group_size, buffer_count=off.buffer_count,
-                    aio=AioConfig.from_plan(off.aio), pin_memory=off.pin_memory and torch.cuda.is_available())
+                    aio=AioConfig.from_plan(off.aio))   # swap buffers never meet the GPU: pinning them buys nothing

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -59,8 +60,12 @@ class _Entry:
 class _Chunk:
     entries: list[_Entry] = field(default_factory=list)
     numel: int = 0
-    d2h_done: object = None
-    h2d_done: object = None
+    d2h_done: object = None        # CUDA event: this chunk's grads have landed in their pinned buffers
+    h2d_done: object = None        # CUDA event: this chunk's updated params have been copied back
+    ready: threading.Event = field(default_factory=threading.Event)   # CPU side: stepped (and H2D queued)
+
+    def __post_init__(self):
+        self.ready.set()
 
 
 def cpu_threads(local_world_size: int) -> int:
@@ -80,25 +85,71 @@ def bind_cores(local_rank: int, local_world_size: int) -> None:
 
 
 class OffloadGradPath:
-    """fsdpzero.optim.GradPath with fp32 masters and Adam states on the CPU (see the module docstring)."""
+    """fsdpzero.optim.GradPath with fp32 masters and Adam states on the CPU (see the module docstring).
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, entries: list[_Entry],
-                 chunk_size: int):
+    `units` are the FSDP modules in forward order (root first), each with its entries; chunks never span two units.
+    With `overlap`, step() hands the chunk loop to a worker thread and returns: a forward pre-hook on each unit
+    waits for that unit's chunks (and those of the units it prefetches), so the next forward starts as soon as
+    its first parameters are updated while the CPU steps the rest."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, units: list[tuple[nn.Module | None,
+                 list[_Entry]]], chunk_size: int, *, threads: int, overlap: bool = False, prefetch: int = 1):
         self.model = model
         self.optimizer = optimizer          # a CPUAdam over the masters: schedulers drive its param_groups
-        self.entries = entries
-        self._by_master = {id(e.master): e for e in entries}
+        self.entries = [e for _, es in units for e in es]
+        self._by_master = {id(e.master): e for e in self.entries}
         self._factor = 1.0
-        self.staged = any(e.grad_buf is not None for e in entries)
-        cuda = self.staged and entries[0].param.device.type == "cuda"
+        self.threads = threads
+        self.staged = any(e.grad_buf is not None for e in self.entries)
+        cuda = self.staged and self.entries[0].param.device.type == "cuda"
         self.d2h = torch.cuda.Stream() if cuda else None
         self.h2d = torch.cuda.Stream() if cuda else None
-        self.chunks: list[_Chunk] = [_Chunk()]
-        for e in entries:
-            if self.chunks[-1].numel and self.chunks[-1].numel + e.master.numel() > chunk_size:
-                self.chunks.append(_Chunk())
-            self.chunks[-1].entries.append(e)
-            self.chunks[-1].numel += e.master.numel()
+        self.chunks: list[_Chunk] = []
+        unit_chunks = []
+        for _, entries in units:
+            first = len(self.chunks)
+            for e in entries:
+                if len(self.chunks) == first or self.chunks[-1].numel + e.master.numel() > chunk_size:
+                    self.chunks.append(_Chunk())
+                self.chunks[-1].entries.append(e)
+                self.chunks[-1].numel += e.master.numel()
+            unit_chunks.append(self.chunks[first:])
+        self.overlap = overlap and all(m is not None for m, _ in units)
+        self._worker: threading.Thread | None = None
+        self._error: BaseException | None = None
+        if self.overlap:
+            model.register_state_dict_pre_hook(lambda *_: self.wait())   # saving reads the updated weights
+            for i, (module, _) in enumerate(units):
+                waits = [c for cs in unit_chunks[i:i + max(1, prefetch)] for c in cs]
+                module.register_forward_pre_hook(self._make_wait_hook(module, waits), prepend=True)
+
+    def _make_wait_hook(self, module, chunks):
+        def wait_for_update(*_):
+            for c in chunks:
+                c.ready.wait()
+            if self._error is not None:
+                raise RuntimeError("fsdpzero offload: the CPU optimizer step failed") from self._error
+            if self.h2d is not None:   # FSDP2's all-gather copy-in reads the shards on its own streams
+                ctx = getattr(module._get_fsdp_state(), "_comm_ctx", None)
+                streams = [torch.cuda.current_stream()] + [getattr(ctx, n) for n in (
+                    "all_gather_copy_in_stream", "all_gather_stream") if hasattr(ctx, n)]
+                for c in chunks:
+                    if c.h2d_done is not None:
+                        for s in streams:
+                            s.wait_event(c.h2d_done)
+        return wait_for_update
+
+    def wait(self) -> None:
+        """Block until an overlapped CPU step has finished (before reading the weights outside a forward)."""
+        self._join()
+
+    def _join(self) -> None:
+        if self._worker is not None:
+            self._worker.join()
+            self._worker = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError("fsdpzero offload: the CPU optimizer step failed") from err
 
     # -- GradPath -------------------------------------------------------------------------------------------------
     def set_sync(self, sync: bool) -> None:
@@ -106,6 +157,7 @@ class OffloadGradPath:
             self.model.set_requires_gradient_sync(sync)
 
     def finish_gradients(self) -> None:
+        self._join()                      # the previous step must be done with the grad buffers
         if not self.staged:
             return
         if self.d2h is not None:
@@ -127,31 +179,52 @@ class OffloadGradPath:
 
     @torch.no_grad()
     def step(self) -> None:
+        self._join()
         factor, self._factor = self._factor, 1.0
+        # what to step, read now: zero_grad() may drop the grads before an overlapped worker reaches them
+        work = [(chunk, [(e, e.grad_buf if e.grad_buf is not None else _local(e.param.grad))
+                         for e in chunk.entries if e.param.grad is not None]) for chunk in self.chunks]
+        if not self.overlap:
+            self._step_chunks(work, factor)
+            if self.h2d is not None:         # the next forward's all-gathers read the updated shards
+                torch.cuda.current_stream().wait_stream(self.h2d)
+            return
         for chunk in self.chunks:
+            chunk.ready.clear()
+        self._worker = threading.Thread(target=self._worker_main, args=(work, factor), daemon=True,
+                                        name="fsdpzero-offload-step")
+        self._worker.start()
+
+    @torch.no_grad()   # grad mode is per thread
+    def _worker_main(self, work, factor) -> None:
+        try:
+            torch.set_num_threads(max(1, self.threads - 1))   # OpenMP settings are per thread; leave one core
+            self._step_chunks(work, factor)                     # to the thread that launches the forward
+        except BaseException as e:
+            self._error = e
+        finally:
+            for chunk in self.chunks:
+                chunk.ready.set()
+
+    def _step_chunks(self, work, factor) -> None:
+        for chunk, items in work:
             if chunk.d2h_done is not None:
                 chunk.d2h_done.synchronize()
             if chunk.h2d_done is not None:       # last step's H2D must have read the out buffers we overwrite
                 chunk.h2d_done.synchronize()
-            stepped = []
-            for e in chunk.entries:
-                if e.param.grad is None:
-                    continue
-                grad = e.grad_buf if e.grad_buf is not None else _local(e.param.grad)
+            for e, grad in items:
                 out = e.out_buf
                 if out is None and e.master is not _local(e.param):
                     out = _local(e.param)      # CPU-resident low-precision shard: written in place
                 self.optimizer.step_param(e.master, grad, out=out, grad_scale=factor)
-                stepped.append(e)
-            if self.staged and stepped:
+            if self.staged and items:
                 with _on(self.h2d):
-                    for e in stepped:
+                    for e, _ in items:
                         _local(e.param).copy_(e.out_buf, non_blocking=True)
                     if self.h2d is not None:
                         chunk.h2d_done = torch.cuda.Event()
                         chunk.h2d_done.record(self.h2d)
-        if self.h2d is not None:             # the next forward's all-gathers read the updated shards
-            torch.cuda.current_stream().wait_stream(self.h2d)
+            chunk.ready.set()
 
     def zero_grad(self) -> None:
         if self.d2h is not None:              # grads may be freed only after their D2H has read them
@@ -162,6 +235,7 @@ class OffloadGradPath:
     def state_dict(self) -> dict:
         """Per parameter name: step, exp_avg, exp_avg_sq and the fp32 master, as DTensors placed like the param
         (CPU local shards) so DCP saves each rank's own shard; plus the param groups' hyperparameters."""
+        self._join()
         state = {}
         for e in self.entries:
             st = self.optimizer.state.get(e.master, {})
@@ -175,6 +249,7 @@ class OffloadGradPath:
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
+        self._join()
         names = {e.name: e for e in self.entries}
         for name, saved in sd["state"].items():
             e = names[name]
@@ -231,10 +306,30 @@ def _hyper_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
     return groups
 
 
+def _units(model: nn.Module, names: list[str]) -> list[tuple[nn.Module | None, list[str]]]:
+    """Parameter names grouped by the FSDP module that all-gathers them, in forward order (the root's own params
+    first: embeddings are used first). One unit (None) when the model is not fully_shard-ed."""
+    from torch.distributed.fsdp import FSDPModule
+    prefixes = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not prefixes:
+        return [(None, names)]
+    owned: dict[str, list[str]] = {n: [] for n, _ in prefixes}
+    for name in names:
+        owner = max((n for n, _ in prefixes if n == "" or name.startswith(n + ".")), key=len)
+        owned[owner].append(name)
+    return [(m, owned[n]) for n, m in prefixes if owned[n]]
+
+
+def overlap_default() -> bool:
+    """FSDPZERO_OFFLOAD_OVERLAP=1 overlaps the CPU step with the next forward (see OffloadGradPath)."""
+    return os.environ.get("FSDPZERO_OFFLOAD_OVERLAP", "0") == "1"
+
+
 def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFactory, mesh=None,
-                    *, stage: bool | None = None) -> OffloadGradPath:
+                    *, stage: bool | None = None, overlap: bool | None = None) -> OffloadGradPath:
     """The offload gradient path over an already fully_shard-ed model. `stage` forces (True) or forbids (False)
-    staging through CPU buffers; default: stage exactly when the shards live on an accelerator."""
+    staging through CPU buffers; default: stage exactly when the shards live on an accelerator. `overlap`: step
+    the CPU side in a worker thread while the next forward runs (default: overlap_default())."""
     from fsdpzero.ops import CPUAdam
     if plan.offload.optimizer_device != "cpu":
         raise NotImplementedError(f"offload_optimizer.device = {plan.offload.optimizer_device!r}: only \"cpu\" is "
@@ -244,13 +339,18 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
         raise ValueError("offload: the model has no trainable parameters")
     on_accel = _local(named[0][1]).device.type != "cpu"   # else CPU-only, or offload_param put the shards there
     stage = on_accel if stage is None else stage
+    threads = torch.get_num_threads()
     if torch.cuda.is_available():
         local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         if os.environ.get("FSDPZERO_OFFLOAD_BIND") == "1":
             bind_cores(local_rank, local_world)
-        torch.set_num_threads(cpu_threads(local_world))
+        threads = cpu_threads(local_world)
+        torch.set_num_threads(threads)
     pin = torch.cuda.is_available() and plan.offload.pin_memory is not False   # pinning needs an accelerator
     low = _DTYPES[plan.precision.param_dtype]
+    units = _units(model, [n for n, _ in named])
+    order = {n: i for i, n in enumerate(n for _, ns in units for n in ns)}
+    named.sort(key=lambda np_: order[np_[0]])
 
     hyper = _hyper_groups(make_optimizer([p for _, p in named]))
     entries, master_of = [], {}
@@ -278,8 +378,11 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
         g["params"] = [master_of[id(p)] for p in g["params"]]
     optimizer = CPUAdam(hyper)
     chunk = max(1, min(int(plan.offload.sub_group_size), CHUNK))
-    log.info("offload: %d params, %.1f M elements on this rank, %d chunks, %d CPU threads, staged=%s, pinned=%s",
-             len(entries), sum(e.master.numel() for e in entries) / 1e6, -(-sum(e.master.numel() for e in entries)
-                                                                          // chunk), torch.get_num_threads(),
-             stage, pin)
-    return OffloadGradPath(model, optimizer, entries, chunk)
+    by_name = {e.name: e for e in entries}
+    path = OffloadGradPath(model, optimizer, [(m, [by_name[n] for n in ns]) for m, ns in units], chunk,
+                           threads=threads, overlap=overlap_default() if overlap is None else overlap,
+                           prefetch=plan.shard.prefetch_depth)
+    log.info("offload: %d params, %.1f M elements on this rank, %d chunks, %d CPU threads, staged=%s, pinned=%s, "
+             "overlap=%s", len(entries), sum(e.master.numel() for e in entries) / 1e6, len(path.chunks), threads,
+             stage, pin, path.overlap)
+    return path

@@ -356,7 +356,10 @@ class Engine {
       error = (int)-res;
     } else {
       int64_t need = s.io_buf == s.bounce && !c.write ? c.len : s.io_len;  // bounce reads may stop at EOF past len
-      if (res < need) res = blocking_io(c, s.io_buf, s.io_len, res);
+      // Finish a short transfer synchronously (a write that hit a limit reports why; buffered io_uring reads may
+      // come back short). An unaligned short O_DIRECT read is the end of the file: retrying would only get EINVAL.
+      bool retry = c.write || !c.direct || res % align_ == 0;
+      if (res < need && retry) res = blocking_io(c, s.io_buf, s.io_len, res);
       if (res < 0) error = (int)-res;
       else if (res < need) error = c.write ? ENOSPC : ENODATA;
       else if (s.io_buf == s.bounce && !c.write) memcpy(c.buf, s.bounce, c.len);

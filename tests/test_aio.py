@@ -170,6 +170,21 @@ def test_read_past_end_of_file(tmp_path, backend):
             h.pread(torch.empty(10_000), f).wait()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_read_file_of_unaligned_size(tmp_path, backend):
+    """A file written by someone else, 5000 bytes: O_DIRECT reads of exactly its size work (bounce path), a read
+    past its end says so."""
+    data = torch.randint(0, 255, (5000,), dtype=torch.uint8)
+    (tmp_path / "other.bin").write_bytes(data.numpy().tobytes())
+    with aio.AioHandle(aio.AioConfig(block_size=4096), backend=backend) as h, h.open(tmp_path / "other.bin") as f:
+        out = torch.empty(5000, dtype=torch.uint8)
+        h.pread(out, f).wait()
+        assert torch.equal(out, data)
+        with pytest.raises(OSError, match="ends before the requested range") as e:
+            h.pread(aio.aligned_empty(8192), f).wait()
+        assert e.value.errno == errno.ENODATA
+
+
 def test_missing_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"cannot open .*nope/x.bin: directory .*nope does not exist"):
         aio.open_file(tmp_path / "nope" / "x.bin", write=True)
@@ -224,3 +239,18 @@ def test_disk_full(tmp_path, backend):
     msg = _in_child(attempt)
     assert msg.startswith(f"{errno.EFBIG} ") and "write of 4194304 bytes at offset 0 of" in msg, msg
     assert "file size limit reached" in msg
+
+
+@pytest.mark.gpu
+def test_pinned_buffers_to_gpu_and_back(tmp_path):
+    """GPU tensor -> pinned aligned buffer -> disk -> pinned buffer -> GPU, bit-exact (the param-offload route)."""
+    x = torch.randn(3_000_001, device="cuda").bfloat16()
+    buf = aio.aligned_empty(x.numel(), x.dtype)
+    assert buf.is_pinned() and buf.data_ptr() % aio.ALIGN == 0
+    with aio.AioHandle() as h, h.open(tmp_path / "g.bin", write=True) as f:
+        buf.copy_(x, non_blocking=True)
+        torch.cuda.synchronize()
+        h.pwrite(buf, f).wait()
+        back = aio.aligned_empty(x.numel(), x.dtype)
+        h.pread(back, f).wait()
+    assert torch.equal(back.to("cuda", non_blocking=True), x)

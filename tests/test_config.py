@@ -15,6 +15,9 @@ BASE = {"train_micro_batch_size_per_gpu": 2}
 def errors_of(source, **kw):
     with pytest.raises(ConfigError) as e:
         load_config(source, **kw)
+    text = str(e.value)                   # what the user sees: every problem with its key path and its fix
+    for p in e.value.problems:
+        assert f"{p.key or '<config>'}: {p.message}" in text and p.suggestion in text
     return {p.key: p for p in e.value.problems}
 
 
@@ -185,6 +188,14 @@ def test_optimizer_and_scheduler_params_are_checked_like_kwargs():
     assert "required" in errs["scheduler.params.total_num_steps"].message
     errs = errors_of({**BASE, "optimizer": {"type": "AdamWW"}, "scheduler": {"type": "WarmupLRR"}})
     assert "AdamW" in errs["optimizer.type"].suggestion and "WarmupLR" in errs["scheduler.type"].suggestion
+
+
+def test_untested_optimizer_under_zero_needs_the_flag():
+    errs = errors_of({**BASE, "optimizer": {"type": "Lamb"}, "zero_optimization": {"stage": 2}})
+    assert "zero_allow_untested_optimizer" in errs["zero_allow_untested_optimizer"].suggestion
+    load_config({**BASE, "optimizer": {"type": "Lamb"}, "zero_optimization": {"stage": 2},
+                 "zero_allow_untested_optimizer": True})
+    load_config({**BASE, "optimizer": {"type": "SGD"}, "zero_optimization": {"stage": 0}})
 
 
 # ---------------------------------------------------------------- "auto" (transformers/integrations/deepspeed.py)

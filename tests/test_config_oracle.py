@@ -27,7 +27,7 @@ from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizer
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 from pydantic import BaseModel, ValidationError  # noqa: E402
 
-from fsdpzero.config import ConfigError, load_config, resolve_batch, schema  # noqa: E402
+from fsdpzero.config import ConfigError, resolve_batch, schema  # noqa: E402
 from fsdpzero.config.auto import resolve_autos  # noqa: E402
 from fsdpzero.config.rules import SCHEDULERS  # noqa: E402
 

@@ -20,6 +20,14 @@ STEPS, HALF, GLOBAL_MICRO = 12, 6, 4
 SCALER = LossScalePlan(initial_scale_power=8, loss_scale_window=2, hysteresis=1)
 
 
+def _skip_without_stage1():
+    from fsdpzero.optim import select_grad_path
+    try:
+        select_grad_path(make_plan(stage=1))
+    except NotImplementedError as e:
+        pytest.skip(f"stage 1 is not wired into the engine on this branch: {e}")
+
+
 def _plan(stage, world):
     return make_plan(stage=stage, gas=2, world=world, micro=GLOBAL_MICRO // world, fp16=SCALER)
 
@@ -50,8 +58,10 @@ def _second_half(rank, world, stage, save_dir):
     return losses, full_params(engine.module), engine.get_loss_scale()
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_exact_resume_through_engine(tmp_path, stage):
+    if stage == 1:
+        _skip_without_stage1()
     ref_losses, ref_params, ref_scale = run_distributed(_straight, 2, stage, timeout=180)[0]
     first, _ = run_distributed(_first_half, 2, stage, str(tmp_path), timeout=180)[0]
     second, params, scale = run_distributed(_second_half, 2, stage, str(tmp_path), timeout=180)[0]
@@ -101,9 +111,37 @@ def _resume_from_deepspeed(rank, world, ckpt_dir, variant):
     return losses, ds_world, engine.get_loss_scale()
 
 
-@pytest.mark.parametrize("variant", ["z2_fp32", "z3_fp32", "z1_fp32"])
-def test_engine_resumes_converted_deepspeed_checkpoint(tmp_path, variant):
+# fp32: DeepSpeed's curve to float noise. 16-bit: the first step after the resume is bit-identical (the fp32 masters
+# and Adam states came over exactly; compute is the same bf16/fp16 cast), later steps drift by 16-bit rounding
+# (DeepSpeed accumulates 16-bit grads, FSDP2 here reduces in fp32), and the fp16 loss scale ends where DeepSpeed's did.
+@pytest.mark.parametrize("variant,tol", [("z2_fp32", 2e-6), ("z3_fp32", 2e-6), ("z1_fp32", 2e-6),
+                                         ("z2_bf16", 2e-3), ("z3_bf16", 2e-3), ("z2_fp16", 2e-3), ("z3_fp16", 2e-3)])
+def test_engine_resumes_converted_deepspeed_checkpoint(tmp_path, variant, tol):
+    if variant.startswith("z1"):
+        _skip_without_stage1()
     assert cli(["convert", str(ASSETS / variant), "--from", "deepspeed", "--to", "dcp", "--out", str(tmp_path)]) == 0
-    losses, ds_world, _ = run_distributed(_resume_from_deepspeed, 2, str(tmp_path), variant, timeout=180)[0]
-    expected = RECORD["variants"][variant]["losses_after_save"]
-    assert max(abs(a - b) for a, b in zip(losses, expected)) < 2e-6, (losses, expected)
+    losses, _, scale = run_distributed(_resume_from_deepspeed, 2, str(tmp_path), variant, timeout=180)[0]
+    record = RECORD["variants"][variant]
+    expected = record["losses_after_save"]
+    assert losses[0] == expected[0]
+    assert max(abs(a - b) for a, b in zip(losses, expected)) < tol, (losses, expected)
+    if record["precision"] == "fp16":
+        assert scale == record["loss_scale_at_end"]
+
+
+def _export_job(rank, world, out_dir):
+    engine = wrap(build_model("gpt2"), make_plan(stage=3, dtype="bfloat16", world=world))
+    engine_losses(engine, _data()[:2], rank, world)
+    engine.save_16bit_model(out_dir)
+    ids = _data()[0, 0]
+    with torch.no_grad():
+        return engine(input_ids=ids).logits.float()
+
+
+def test_engine_save_16bit_model_loads_with_from_pretrained(tmp_path):
+    logits = run_distributed(_export_job, 2, str(tmp_path), timeout=180)[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    assert model.lm_head.weight.dtype == torch.bfloat16  # the engine's compute dtype, as DeepSpeed writes it
+    with torch.no_grad():
+        ours = model(input_ids=_data()[0, 0]).logits.float()
+    torch.testing.assert_close(ours, logits, rtol=0, atol=2e-2)  # both bf16 forwards; kernels may differ

@@ -273,3 +273,20 @@ def test_two_rank_fsdp_nvme_equals_cpu_offload(tmp_path):
     for k, v in cpu[0][1].items():
         assert torch.equal(v, ours[0][1][k]), k
     assert not (tmp_path / nvme.SWAP_ROOT).exists()
+
+
+def test_removed_when_collected_and_at_exit(tmp_path):
+    import gc
+    import sys
+    opt = NVMeAdam(_params(torch.float32), nvme_path=tmp_path)
+    assert (tmp_path / nvme.SWAP_ROOT).exists()
+    del opt
+    gc.collect()
+    assert not (tmp_path / nvme.SWAP_ROOT).exists()
+    code = ("import torch, fsdpzero.nvme as n; p = [torch.zeros(10, requires_grad=True)]; "
+            f"o = n.NVMeAdam(p, nvme_path={str(tmp_path)!r}); p[0].grad = torch.ones(10); o.step(); "
+            "print(o.swap_dir.path)")           # exits without close(): the atexit finalizer cleans up
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr
+    assert "fsdpzero_swap" in out.stdout and not (tmp_path / nvme.SWAP_ROOT).exists()

@@ -5,6 +5,7 @@ step, zero_grad). fp32: losses and final full params within 1e-5. bf16 (grads ro
 as on a GPU): losses within 2e-2 relative. The GPU test needs CUDA (run by `pytest -m gpu`).
 """
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -75,11 +76,13 @@ def _train(model, path, steps=8, micro=1, clip=0.0):
         path.zero_grad()
         dist.all_reduce(total)
         losses.append(total.item() / dist.get_world_size())
+    if hasattr(path, "wait"):
+        path.wait()
     full = {n: p.full_tensor().float() for n, p in model.named_parameters()}
     return losses, full
 
 
-def _scenario(rank, world, kind, micro, clip):
+def _scenario(rank, world, kind, micro, clip, overlap=False):
     torch.set_num_threads(1)
     base_model = _model()
     base = FSDPGradPath(base_model, torch.optim.AdamW(base_model.parameters(), **HYPER, foreach=False))
@@ -89,15 +92,21 @@ def _scenario(rank, world, kind, micro, clip):
                                     sub_group_size=700))   # several pipeline chunks per rank
     model = _model(cpu_offload=kind == "param")
     path = offload.build_grad_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER),
-                                   stage=(kind == "staged"))
+                                   stage=(kind == "staged"), overlap=overlap)
+    assert path.overlap == overlap
+    if overlap:   # a slow CPU step: the next forward must wait for each unit's update, not read stale shards
+        step_param = path.optimizer.step_param
+        path.optimizer.step_param = lambda *a, **k: (time.sleep(0.01), step_param(*a, **k))
     got = _train(model, path, micro=micro, clip=clip)
     return ref, got, len(path.chunks)
 
 
-@pytest.mark.parametrize("kind,micro,clip", [("staged", 1, 0.0), ("staged", 2, 0.05), ("inplace", 1, 0.05),
-                                             ("param", 2, 0.0)])
-def test_offload_matches_fsdp_fp32(kind, micro, clip):
-    results = run_distributed(_scenario, 2, kind, micro, clip, timeout=120)
+@pytest.mark.parametrize("kind,micro,clip,overlap", [
+    ("staged", 1, 0.0, False), ("staged", 2, 0.05, False), ("inplace", 1, 0.05, False), ("param", 2, 0.0, False),
+    ("staged", 2, 0.05, True), ("param", 1, 0.05, True)])
+def test_offload_matches_fsdp_fp32(kind, micro, clip, overlap):
+    """overlap=True: the CPU step runs in a worker thread while the next forward waits per FSDP unit."""
+    results = run_distributed(_scenario, 2, kind, micro, clip, overlap, timeout=120)
     for (ref_losses, ref_params), (losses, params), chunks in results:
         assert chunks > 1
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
@@ -159,10 +168,12 @@ def test_non_adam_optimizer_is_refused_clearly():
 
 
 @pytest.mark.gpu
-def test_offload_on_gpu_matches_fsdp():
-    """1 GPU, bf16 shards on the device, staged D2H / CPU step / H2D on side streams, vs plain FSDP2 + AdamW."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_offload_on_gpu_matches_fsdp(overlap, tmp_path):
+    """1 GPU, bf16 shards on the device, staged D2H / CPU step / H2D on side streams (and the overlapped worker),
+    vs plain FSDP2 + fused AdamW on the GPU."""
     if not dist.is_initialized():
-        dist.init_process_group("cuda:nccl,cpu:gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+        dist.init_process_group("cuda:nccl,cpu:gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
 
     def build(offloaded):
         torch.manual_seed(0)
@@ -176,7 +187,8 @@ def test_offload_on_gpu_matches_fsdp():
             return model, FSDPGradPath(model, torch.optim.AdamW(model.parameters(), **HYPER, fused=True))
         plan = dataclasses.replace(Plan(), offload=OffloadPlan(optimizer_device="cpu", sub_group_size=100_000),
                                    precision=PrecisionPlan(param_dtype="bfloat16"))
-        return model, offload.build_grad_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER))
+        return model, offload.build_grad_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER),
+                                              overlap=overlap)
 
     runs = []
     for offloaded in (False, True):
@@ -195,5 +207,7 @@ def test_offload_on_gpu_matches_fsdp():
             losses.append(loss.item())
         runs.append(losses)
         if offloaded:
+            path.wait()
             assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+            assert all(e.master.is_pinned() for e in path.entries)
     torch.testing.assert_close(torch.tensor(runs[1]), torch.tensor(runs[0]), rtol=2e-2, atol=1e-3)

@@ -6,6 +6,8 @@ from fsdpzero.config.errors import Problem, did_you_mean
 from fsdpzero.config.schema import DSConfig
 
 DS_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
+# DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS, by the config type that builds them (FusedLamb and torch SGD are not in it)
+ZERO_TESTED = ("adam", "adamw", "adagrad", "lion", "muon")
 ONEBIT_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
 TORCH_OPTIMIZERS = ("Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "ASGD", "LBFGS", "NAdam",
                     "RAdam", "RMSprop", "Rprop", "SGD", "SparseAdam", "Muon")
@@ -96,6 +98,12 @@ def check(cfg: DSConfig, raw: dict, deferred: list[str]) -> list[Problem]:
             if bad:
                 out.append(Problem("gradient_allreduce_op", f"'sum' is not supported with {why}",
                                    'use "mean" (the default)'))
+    opt = cfg.optimizer.type if cfg.optimizer else None
+    if opt and z.stage >= 1 and not cfg.zero_allow_untested_optimizer and opt.lower() not in ZERO_TESTED \
+            and optimizer_kind(opt) != "onebit":
+        out.append(Problem("zero_allow_untested_optimizer", f"optimizer {opt!r} is not one DeepSpeed tests with ZeRO "
+                           "(DeepSpeed asserts at initialize: 'You are using an untested ZeRO Optimizer')",
+                           'add "zero_allow_untested_optimizer": true to run it anyway'))
     if z.zero_hpz_partition_size > 1 and z.mics_shard_size > 0:
         out.append(Problem("zero_optimization.zero_hpz_partition_size", "hpZ and MiCS cannot be combined",
                            "keep one of zero_hpz_partition_size / mics_shard_size"))
