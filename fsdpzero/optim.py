@@ -81,10 +81,10 @@ GRAD_PATHS = {
 
 
 def grad_path_kind(plan: Plan) -> str:
+    if plan.shard.stage == 1:
+        return "stage1"    # the stage-1 path reduces gradients itself, and offloads its own shards (cpu)
     if plan.offload.optimizer_device != "none":
         return "offload"
-    if plan.shard.stage == 1:
-        return "stage1"
     return "fsdp"
 
 
