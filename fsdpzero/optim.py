@@ -292,9 +292,11 @@ class AdamNoBiasCorrection(torch.optim.Optimizer):
         return loss
 
 
-def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor | float:
+def clip_factor(norm: torch.Tensor | float, max_norm: float) -> torch.Tensor | float:
     """DeepSpeed / torch clipping coefficient max_norm / (norm + 1e-6), never above 1 (1.0 when clipping is off).
-    Kept on the device: no host sync."""
+    A tensor norm gives a tensor (stays on the device: no host sync); a float norm gives a float."""
     if max_norm <= 0:
         return 1.0
-    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    if isinstance(norm, torch.Tensor):
+        return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    return min(1.0, max_norm / (norm + 1e-6))
