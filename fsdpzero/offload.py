@@ -93,7 +93,7 @@ class OffloadGradPath:
     its first parameters are updated while the CPU steps the rest."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, units: list[tuple[nn.Module | None,
-                 list[_Entry]]], chunk_size: int, *, threads: int, overlap: bool = False, prefetch: int = 1):
+                 list[_Entry]]], chunk_size: int, *, threads: int, overlap: bool = False):
         self.model = model
         self.optimizer = optimizer          # a CPUAdam over the masters: schedulers drive its param_groups
         self.entries = [e for _, es in units for e in es]
@@ -119,8 +119,14 @@ class OffloadGradPath:
         self._error: BaseException | None = None
         if self.overlap:
             model.register_state_dict_pre_hook(lambda *_: self.wait())   # saving reads the updated weights
+            index = {id(m): i for i, (m, _) in enumerate(units)}
             for i, (module, _) in enumerate(units):
-                waits = [c for cs in unit_chunks[i:i + max(1, prefetch)] for c in cs]
+                # explicit forward prefetch (set_modules_to_forward_prefetch) unshards later units from this
+                # unit's pre-forward: their chunks must be ready too
+                ahead = [index[id(s._modules[0])] for s in getattr(module._get_fsdp_state(),
+                                                                   "_states_to_forward_prefetch", [])
+                         if id(s._modules[0]) in index]
+                waits = [c for j in [i, *ahead] for c in unit_chunks[j]]
                 module.register_forward_pre_hook(self._make_wait_hook(module, waits), prepend=True)
 
     def _make_wait_hook(self, module, chunks):
@@ -380,8 +386,7 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
     chunk = max(1, min(int(plan.offload.sub_group_size), CHUNK))
     by_name = {e.name: e for e in entries}
     path = OffloadGradPath(model, optimizer, [(m, [by_name[n] for n in ns]) for m, ns in units], chunk,
-                           threads=threads, overlap=overlap_default() if overlap is None else overlap,
-                           prefetch=plan.shard.prefetch_depth)
+                           threads=threads, overlap=overlap_default() if overlap is None else overlap)
     log.info("offload: %d params, %.1f M elements on this rank, %d chunks, %d CPU threads, staged=%s, pinned=%s, "
              "overlap=%s", len(entries), sum(e.master.numel() for e in entries) / 1e6, len(path.chunks), threads,
              stage, pin, path.overlap)
