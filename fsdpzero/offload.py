@@ -1,7 +1,7 @@
 """ZeRO-Offload on FSDP2: `offload_optimizer.device: cpu` (stages 1-3) and, with it, `offload_param.device: cpu`.
 
 The gradient path for the engine (contract: fsdpzero.optim.GradPath). The model arrives fully_shard-ed; this module
-keeps, for every local shard, an fp32 master and the Adam states in (pinned) CPU memory and steps them with the
+keeps, for every local shard, an fp32 master and the Adam states in CPU memory and steps them with the
 fused CPU Adam of ops/cpu_adam.cpp, which reads the low-precision gradient and writes the low-precision param in
 the same pass. The device keeps only low-precision shards (`model.to(param_dtype)` after the masters are taken).
 
@@ -180,13 +180,13 @@ class OffloadGradPath:
     def grad_norm(self) -> torch.Tensor:
         return global_grad_norm(e.param for e in self.entries)
 
-    def scale_grads_(self, factor: float) -> None:
-        self._factor *= factor          # applied by the kernel as it reads each gradient
+    def scale_grads_(self, factor) -> None:
+        self._factor = self._factor * factor   # a float or 0-dim tensor; the kernel applies it as it reads grads
 
     @torch.no_grad()
     def step(self) -> None:
         self._join()
-        factor, self._factor = self._factor, 1.0
+        factor, self._factor = float(self._factor), 1.0   # the CPU needs the value: one sync, after the norm
         # what to step, read now: zero_grad() may drop the grads before an overlapped worker reaches them
         work = [(chunk, [(e, e.grad_buf if e.grad_buf is not None else _local(e.param.grad))
                          for e in chunk.entries if e.param.grad is not None]) for chunk in self.chunks]
@@ -352,7 +352,10 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
             bind_cores(local_rank, local_world)
         threads = cpu_threads(local_world)
         torch.set_num_threads(threads)
-    pin = torch.cuda.is_available() and plan.offload.pin_memory is not False   # pinning needs an accelerator
+    # Only the copy buffers take part in DMA: they are pinned whenever there is an accelerator (pageable H2D was
+    # measured 8x slower). Masters and states never leave the CPU and stay pageable, whatever pin_memory says;
+    # pin_memory matters for offload_param (FSDP2 CPUOffloadPolicy, see sharding.py).
+    pin = torch.cuda.is_available()
     low = _DTYPES[plan.precision.param_dtype]
     units = _units(model, [n for n, _ in named])
     order = {n: i for i, n in enumerate(n for _, ns in units for n in ns)}
@@ -364,8 +367,7 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
         for name, p in named:
             local = _local(p)
             if stage or local.dtype != torch.float32:   # a separate fp32 master, taken before any cast below
-                master = torch.empty(local.shape, dtype=torch.float32, pin_memory=pin)
-                master.copy_(local)
+                master = local.detach().to("cpu", torch.float32, copy=True)
             else:
                 master = local                          # fp32 CPU shard: stepped in place
             grad_buf = out_buf = None
@@ -387,7 +389,8 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
     by_name = {e.name: e for e in entries}
     path = OffloadGradPath(model, optimizer, [(m, [by_name[n] for n in ns]) for m, ns in units], chunk,
                            threads=threads, overlap=overlap_default() if overlap is None else overlap)
-    log.info("offload: %d params, %.1f M elements on this rank, %d chunks, %d CPU threads, staged=%s, pinned=%s, "
+    log.info("offload: %d params, %.1f M elements on this rank, %d chunks, %d CPU threads, staged=%s, pinned "
+             "copy buffers=%s, "
              "overlap=%s", len(entries), sum(e.master.numel() for e in entries) / 1e6, len(path.chunks), threads,
              stage, pin, path.overlap)
     return path
