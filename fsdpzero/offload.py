@@ -114,6 +114,9 @@ class OffloadGradPath:
                 self.chunks[-1].entries.append(e)
                 self.chunks[-1].numel += e.master.numel()
             unit_chunks.append(self.chunks[first:])
+        # loading model weights (e.g. a module-only checkpoint) must reach the masters, or the next step would
+        # write the old weights back; a following load_state_dict of the optimizer then restores exact fp32 masters
+        model.register_load_state_dict_post_hook(lambda *_: self.refresh_masters())
         self.overlap = overlap and all(m is not None for m, _ in units)
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -144,6 +147,15 @@ class OffloadGradPath:
                         for s in streams:
                             s.wait_event(c.h2d_done)
         return wait_for_update
+
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        """masters <- the model's (possibly low-precision) shards, e.g. after new weights were loaded."""
+        self._join()
+        for e in self.entries:
+            local = _local(e.param)
+            if e.master is not local:
+                e.master.copy_(local)
 
     def wait(self) -> None:
         """Block until an overlapped CPU step has finished (before reading the weights outside a forward)."""
@@ -244,10 +256,10 @@ class OffloadGradPath:
         self._join()
         state = {}
         for e in self.entries:
-            st = self.optimizer.state.get(e.master, {})
-            tensors = {k: st[k] for k in ("exp_avg", "exp_avg_sq") if k in st}
+            st = self.optimizer._state(e.master)   # created (zeros, step 0) before the first step: DCP loads
+            tensors = {k: st[k] for k in ("exp_avg", "exp_avg_sq")}  # into this dict in place
             tensors["master"] = e.master
-            state[e.name] = {"step": st.get("step", torch.tensor(0.0)),
+            state[e.name] = {"step": st["step"],
                              **{k: _like(e.param, v) for k, v in tensors.items()}}
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [self._by_master[id(m)].name for m in g["params"]]} for g in self.optimizer.param_groups]
