@@ -6,8 +6,8 @@ fused CPU Adam of ops/cpu_adam.cpp, which reads the low-precision gradient and w
 the same pass. The device keeps only low-precision shards (`model.to(param_dtype)` after the masters are taken).
 
 One optimizer step, with params on an accelerator:
-    finish_gradients  D2H of every sharded grad on a side stream, one event per chunk (chunks of the rank's params,
-                      <= sub_group_size and <= CHUNK elements, in model order)
+    finish_gradients  D2H of every sharded grad on a side stream, one event per chunk (a chunk: one FSDP unit's
+                      params, <= sub_group_size and <= CHUNK elements; units in forward order, root first)
     grad_norm         from the device grads (global, collective) while the copies run
     scale_grads_      nothing is touched: 1/loss_scale and the clip coefficient are folded into the kernel's read
     step              for each chunk: wait its D2H, CPU step into pinned low-precision buffers, queue the H2D on a
@@ -19,6 +19,9 @@ until backward has finished (no speculative stepping).
 With `offload_param: cpu` (stage 3, FSDP2 CPUOffloadPolicy, set by sharding.shard_model) the shards and their grads
 already live on the CPU: nothing is copied, the kernel reads the CPU grad and writes the param shard in place. The
 shards are cast to the low-precision dtype, so FSDP2's per-all-gather H2D carries 2 bytes/param instead of 4.
+
+FSDPZERO_OFFLOAD_OVERLAP=1: step() returns at once and a worker thread steps the chunks while the next forward
+runs; a pre-forward hook on each FSDP unit waits for that unit's chunks (see OffloadGradPath).
 
 Threads: torchrun sets OMP_NUM_THREADS=1, which makes the CPU step ~6x slower. With an accelerator the CPU step gets
 usable cores / local ranks threads (FSDPZERO_OFFLOAD_THREADS overrides); FSDPZERO_OFFLOAD_BIND=1 also pins each
@@ -369,11 +372,10 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
     # pin_memory matters for offload_param (FSDP2 CPUOffloadPolicy, see sharding.py).
     pin = torch.cuda.is_available()
     low = _DTYPES[plan.precision.param_dtype]
+    hyper = _hyper_groups(make_optimizer([p for _, p in named]))   # the factory maps params by model order
     units = _units(model, [n for n, _ in named])
     order = {n: i for i, n in enumerate(n for _, ns in units for n in ns)}
-    named.sort(key=lambda np_: order[np_[0]])
-
-    hyper = _hyper_groups(make_optimizer([p for _, p in named]))
+    named.sort(key=lambda np_: order[np_[0]])                        # then step them in forward order
     entries, master_of = [], {}
     with torch.no_grad():
         for name, p in named:

@@ -33,6 +33,30 @@ def _train(rank, world, stage, gas, param_offload, overlap):
             "path": type(engine.grad_path).__name__, "chunks": len(engine.grad_path.chunks)}
 
 
+def _groups(rank, world):
+    """Two param groups (no weight decay on norms and biases, as HF does), both with offload and without: the
+    offload path must keep each group's hyperparameters on the right tensors."""
+    out = []
+    for offload_on in (False, True):
+        plan = make_plan(stage=2, world=world)
+        if offload_on:
+            plan = dataclasses.replace(plan, offload=OffloadPlan(optimizer_device="cpu"))
+        model = build_model("llama")
+        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+        engine = wrap(model, plan, model_parameters=[{"params": decay, "weight_decay": 0.3},
+                                                     {"params": no_decay, "weight_decay": 0.0, "lr": 2e-3}])
+        data = batches(4, 1, plan.batch.micro_batch_size * world)
+        out.append((engine_losses(engine, data, rank, world), full_params(engine.module)))
+    return out
+
+
+def test_engine_offload_keeps_param_groups():
+    for (ref_losses, ref), (losses, got) in run_distributed(_groups, 2, timeout=240):
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
+        assert max((got[k] - ref[k]).abs().max().item() for k in ref) <= 1e-5
+
+
 @pytest.mark.parametrize("stage,gas,param_offload,overlap", [
     (1, 2, False, False), (2, 1, False, True), (3, 2, True, False), (3, 1, False, True)])
 def test_engine_offload_matches_unsharded(stage, gas, param_offload, overlap):
