@@ -219,6 +219,8 @@ class OffloadGradPath:
     @torch.no_grad()   # grad mode is per thread
     def _worker_main(self, work, factor) -> None:
         try:
+            if self.h2d is not None:   # a new thread starts on GPU 0, whatever this rank's device is
+                torch.cuda.set_device(self.h2d.device)
             torch.set_num_threads(max(1, self.threads - 1))   # OpenMP settings are per thread; leave one core
             self._step_chunks(work, factor)                     # to the thread that launches the forward
         except BaseException as e:
