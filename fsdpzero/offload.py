@@ -29,6 +29,7 @@ local rank to its own slice of cores.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -286,17 +287,9 @@ class OffloadGradPath:
             group.update({k: v for k, v in saved.items() if k != "params"})
 
 
-class _on:
-    """torch.cuda.stream(s) when s is a stream, nothing otherwise (CPU-only runs)."""
-
-    def __init__(self, stream):
-        self.ctx = torch.cuda.stream(stream) if stream is not None else None
-
-    def __enter__(self):
-        return self.ctx.__enter__() if self.ctx else None
-
-    def __exit__(self, *exc):
-        return self.ctx.__exit__(*exc) if self.ctx else False
+def _on(stream):
+    """torch.cuda.stream(stream), or nothing on CPU-only runs."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def _like(param, local: torch.Tensor):
