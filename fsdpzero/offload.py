@@ -103,6 +103,7 @@ class OffloadGradPath:
         self.entries = [e for _, es in units for e in es]
         self._by_master = {id(e.master): e for e in self.entries}
         self._factor = 1.0
+        self._hyper: dict[int, dict] = {}   # per master: the group's hyperparameters when step() was called
         self.threads = threads
         self.staged = any(e.grad_buf is not None for e in self.entries)
         cuda = self.staged and self.entries[0].param.device.type == "cuda"
@@ -206,6 +207,9 @@ class OffloadGradPath:
         # what to step, read now: zero_grad() may drop the grads before an overlapped worker reaches them
         work = [(chunk, [(e, e.grad_buf if e.grad_buf is not None else _local(e.param.grad))
                          for e in chunk.entries if e.param.grad is not None]) for chunk in self.chunks]
+        # and the hyperparameters: the engine steps the LR scheduler right after step() returns
+        self._hyper = {id(m): {k: v for k, v in g.items() if k != "params"}
+                       for g in self.optimizer.param_groups for m in g["params"]}
         if not self.overlap:
             self._step_chunks(work, factor)
             if self.h2d is not None:         # the next forward's all-gathers read the updated shards
@@ -240,7 +244,7 @@ class OffloadGradPath:
                 out = e.out_buf
                 if out is None and e.master is not _local(e.param):
                     out = _local(e.param)      # CPU-resident low-precision shard: written in place
-                self.optimizer.step_param(e.master, grad, out=out, grad_scale=factor)
+                self.optimizer.step_param(e.master, grad, out=out, grad_scale=factor, hyper=self._hyper[id(e.master)])
             if self.staged and items:
                 with _on(self.h2d):
                     for e, _ in items:

@@ -51,6 +51,26 @@ def _groups(rank, world):
     return out
 
 
+def _scheduled(rank, world):
+    """An LR schedule that changes lr every step: the overlapped step must use the lr of its own step, though
+    the engine steps the scheduler while the CPU is still stepping."""
+    out = []
+    for overlap in (False, True):
+        os.environ["FSDPZERO_OFFLOAD_OVERLAP"] = "1" if overlap else "0"
+        plan = dataclasses.replace(make_plan(stage=2, world=world), offload=OffloadPlan(optimizer_device="cpu"))
+        engine = wrap(build_model("llama"), plan,
+                      lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 3 * s)))
+        data = batches(5, 1, plan.batch.micro_batch_size * world)
+        out.append((engine_losses(engine, data, rank, world), full_params(engine.module)))
+    return out
+
+
+def test_engine_offload_overlap_uses_each_steps_lr():
+    for (ref_losses, ref), (losses, got) in run_distributed(_scheduled, 2, timeout=240):
+        assert losses == ref_losses
+        assert all(torch.equal(got[k], ref[k]) for k in ref)
+
+
 def test_engine_offload_keeps_param_groups():
     for (ref_losses, ref), (losses, got) in run_distributed(_groups, 2, timeout=240):
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
