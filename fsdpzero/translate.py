@@ -5,6 +5,7 @@ triad + translate in one call, which is what the engine uses.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping
 
 from pydantic import BaseModel
@@ -12,7 +13,7 @@ from pydantic import BaseModel
 from fsdpzero.config import ConfigError, DSConfig, Problem, load_config, resolve_batch
 from fsdpzero.config.load import _model_of
 from fsdpzero.config.rules import SCHEDULERS, optimizer_kind
-from fsdpzero.fates import FATES, UNKNOWN_FATE
+from fsdpzero.fates import UNKNOWN_FATE, decide
 from fsdpzero.plan import (ActivationCheckpointPlan, AioPlan, BatchPlan, CheckpointPlan, Decision, Env,
                            LossScalePlan, MonitorPlan, OffloadPlan, OptimizerPlan, Plan, PrecisionPlan,
                            SchedulerPlan, ShardPlan)
@@ -182,18 +183,20 @@ def _monitor(cfg: DSConfig) -> MonitorPlan:
 
 
 # ---------------------------------------------------------------- decisions
-def schema_paths(model: type[BaseModel] = DSConfig, prefix: str = "") -> list[str]:
+@functools.lru_cache(maxsize=None)
+def schema_paths(model: type[BaseModel] = DSConfig, prefix: str = "") -> tuple[str, ...]:
     """Every canonical dotted key of the schema (DeepSpeed's documented spelling)."""
-    out = []
+    out: list[str] = []
     for name, f in model.model_fields.items():
         key = prefix + (f.alias or name)
         out.append(key)
         sub = _model_of(f.annotation)
         if sub is not None:
             out += schema_paths(sub, key + ".")
-    return out
+    return tuple(out)
 
 
+@functools.lru_cache(maxsize=4096)
 def _canonical(path: str) -> tuple[str, bool]:
     """User spelling -> (canonical spelling, known to the schema)."""
     model: Any = DSConfig
@@ -240,100 +243,20 @@ def _defaulted(cfg: DSConfig) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def decide(path: str, value: Any, cfg: DSConfig, env: Env) -> tuple[str, str]:
-    """The fate of one key given its value: the table, overridden where the value changes the answer."""
-    z = cfg.zero_optimization
-    on = bool(value) and value not in ("none", "auto")
-    if path == "zero_optimization.stage":
-        return {0: ("mapped", "replicated params, all-reduced grads (DDP-style; reduce_bucket_size buckets)"),
-                1: ("mapped", "ops stage-1 optimizer: all-reduced grads, optimizer state sharded over dp"),
-                2: ("mapped", "fully_shard(reshard_after_forward=False) per block + root"),
-                3: ("mapped", "fully_shard(reshard_after_forward=True) per block + root")}[z.stage]
-    if path == "zero_optimization.zero_hpz_partition_size" and value not in (0, 1):
-        if z.stage != 3:
-            return "noop", "hpZ acts only at ZeRO stage 3"
-        return "mapped", f"fully_shard(reshard_after_forward={value}): hpZ secondary shard group"
-    if path == "zero_optimization.mics_shard_size" and isinstance(value, int) and value > 0:
-        return "mapped", (f"HSDP: init_device_mesh({(env.world_size // value, value)}, ('replicate','shard')) "
-                          "(MiCS was removed from DeepSpeed 0.19.8)")
-    if path in ("zero_optimization.zero_quantized_weights", "zero_optimization.zero_quantized_gradients") and on:
-        return "approximated", "ZeRO++ quantized collectives are not carried: full-precision communication"
-    if path == "zero_optimization.zero_quantized_nontrainable_weights" and on:
-        return "unsupported", "quantized frozen weights (ZeRO++) are not implemented"
-    if path == "zero_optimization.legacy_stage1" and on:
-        return "unsupported", "DeepSpeed's legacy stage-1 implementation"
-    if path.endswith("offload_param.device") and value != "none":
-        return "mapped", ("fully_shard(offload_policy=CPUOffloadPolicy(pin_memory)); the optimizer steps on CPU"
-                          if value == "cpu" else "ops aio NVMe parameter swapper")
-    if path.endswith("offload_optimizer.device") and value != "none":
-        return "mapped", ("ops cpuadam: fp32 master + Adam state on CPU, grad shards copied D2H"
-                          if value == "cpu" else "ops aio NVMe optimizer-state swapper + ops cpuadam")
-    if path.endswith("offload_optimizer.ratio") and isinstance(value, (int, float)) and value < 1:
-        return "approximated", f"ratio {value}: the whole optimizer step runs on CPU (ratio 1.0)"
-    if path.endswith("offload_optimizer.super_offload") and on:
-        return "approximated", "superchip offload: regular CPU offload"
-    if path == "optimizer.type":
-        kind = optimizer_kind(value)
-        low = (value or "").lower()
-        if kind == "onebit":
-            return "unsupported", f"{value}: compressed-communication optimizers are not implemented"
-        if low in ("muadam", "muadamw", "musgd", "muon", "lion"):
-            return "unsupported", f"{value}: no fsdpzero implementation"
-        canon = canonical_optimizer(value, cfg.optimizer.params if cfg.optimizer else {})
-        how = {"adamw": "torch.optim.AdamW (foreach) on DTensor shards", "adam": "torch.optim.Adam (foreach)",
-               "lamb": "fsdpzero.lamb.Lamb (torch has no LAMB)", "sgd": "torch.optim.SGD",
-               "adagrad": "torch.optim.Adagrad"}.get(canon, f"torch.optim.{value}")
-        return "mapped", f"OptimizerPlan.type={canon!r}: {how}"
-    if path.startswith("optimizer.params."):
-        key = path.rsplit(".", 1)[1]
-        if key in ("torch_adam", "adam_w_mode"):
-            return "mapped", f"OptimizerPlan.{key}"
-        if key in ("fp32_optimizer_states", "set_grad_none"):
-            return "noop", "DeepSpeed kernel option; torch optimizers keep fp32 state for fp32 params"
-        return "mapped", f"keyword argument of the {cfg.optimizer.type if cfg.optimizer else ''} optimizer"
-    if path == "scheduler.type":
-        if value in SCHEDULERS:
-            return "mapped", f"fsdpzero's {value}: same formula as DeepSpeed, stepped per optimizer step"
-        return "mapped", f"torch.optim.lr_scheduler.{value}"
-    if path.startswith("scheduler.params."):
-        return "mapped", f"{cfg.scheduler.type} keyword argument"
-    if path == "gradient_allreduce_op" and value == "sum":
-        return "unsupported", "summed (not averaged) gradients are not carried"
-    if path == "managed_gradient_accumulation" and value is False:
-        return "unsupported", "client-managed accumulation boundaries are not carried"
-    if path == "sequence_parallel_size" and isinstance(value, int) and value > 1:
-        return "unsupported", "sequence parallelism is not implemented"
-    if path == "tensor_parallel.autotp_size" and isinstance(value, int) and value > 1:
-        return "unsupported", "AutoTP tensor parallelism is not implemented"
-    if path == "compile.deepcompile" and on:
-        return "unsupported", "DeepCompile is not implemented (torch.compile per block is)"
-    if path == "hybrid_engine.enabled" and on:
-        return "unsupported", "the RLHF hybrid engine is not implemented"
-    if path in ("data_efficiency", "datastates") and isinstance(value, dict) and value.get("enabled"):
-        return "unsupported", f"DeepSpeed {path} is not implemented"
-    if path == "activation_checkpointing.partition_activations" and on:
-        return "approximated", "needs tensor parallelism: activations are checkpointed whole"
-    if path == "fp16.fp16_master_weights_and_grads" and on:
-        return "mapped", "PrecisionPlan.master_dtype=float16 (DeepSpeed: with CPU Adam only)"
-    if path in ("fp16.enabled", "bf16.enabled", "torch_autocast.enabled") and not on:
-        return "noop", "off"
-    status, detail = FATES.get(path, UNKNOWN_FATE)
-    if status == "unsupported" and (value is None or value is False or value == {}):
-        return "noop", "not used"
-    return status, detail
-
-
 def decisions(cfg: DSConfig, env: Env) -> list[Decision]:
     out: list[Decision] = []
     seen = set()
     autos = cfg.autos
+    unknown = cfg.unknown_keys
     for path in cfg.explicit_keys:
+        if not _is_row(cfg, path) or path.rsplit(".", 1)[-1] in cfg.deferred and path.startswith("scheduler."):
+            continue
         canon, known = _canonical(path)
-        if path in cfg.unknown_keys or not known:
-            out.append(Decision(key=path, value=cfg.unknown_keys.get(path), status=UNKNOWN_FATE[0],
+        if path in unknown or not known:
+            out.append(Decision(key=path, value=unknown.get(path), status=UNKNOWN_FATE[0],
                                 detail=UNKNOWN_FATE[1]))
             continue
-        if any(path.startswith(u + ".") for u in cfg.unknown_keys):
+        if any(path.startswith(u + ".") for u in unknown):
             continue
         value = _value(cfg, canon)
         status, detail = decide(canon, value, cfg, env)
@@ -351,6 +274,23 @@ def decisions(cfg: DSConfig, env: Env) -> list[Decision]:
         out.append(Decision(key=f"scheduler.params.{key}", value="auto", status="mapped",
                             detail="filled by the trainer from the number of training steps", explicit=True))
     return out
+
+
+def _is_row(cfg: DSConfig, path: str) -> bool:
+    """One table row per leaf the user wrote; a section of a free-form or unknown dict is one row."""
+    if "." in path and any(path.startswith(p + ".") for p in _FREE_FORM + tuple(cfg.unknown_keys)):
+        return False
+    node: Any = cfg.raw
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    if isinstance(node, dict) and node and path not in cfg.unknown_keys and path not in _FREE_FORM:
+        return False
+    return True
+
+
+# Sections listed as one row: free-form dicts, and whole features that are either off or unsupported.
+_FREE_FORM = ("pipeline", "data_efficiency", "autotuning", "datastates", "expert_parallel",
+              "zero_optimization.zenflow", "weight_quantization")
 
 
 def _jsonable(v: Any) -> Any:

@@ -117,13 +117,16 @@ def resolve_autos(raw: dict, context: Mapping[str, Any] | None, *, hf_defaults: 
     for path, parent, key, value in list(_walk(raw)):
         rule = RULES.get(path)
         if value != "auto":
-            if rule and rule[2]:                     # fill_match: must agree with a value the caller gave
+            if rule and rule[2] and not (path.endswith("warmup_num_steps")
+                                         and not {"warmup_steps", "warmup_ratio"} & given.keys()):
+                # fill_match: an explicit value must agree with a value the caller gave (not a default)
                 try:
                     want = rule[1](given)
                 except (_Missing, TypeError, ValueError):
                     continue
-                same = list(value) == list(want) if isinstance(value, (list, tuple)) else value == want
-                if not same:
+                listy = isinstance(value, (list, tuple)) and isinstance(want, (list, tuple))
+                same = list(value) == list(want) if listy else value == want
+                if not same and value is not None:
                     problems.append(Problem(path, f"is {value!r} but TrainingArguments {rule[0]} gives "
                                                   f"{want!r} (the HF Trainer rejects this mismatch)",
                                             f'set `{path}` to "auto" or make the two agree'))

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 from fsdpzero.config import rules
 from fsdpzero.config.auto import resolve_autos
 from fsdpzero.config.errors import ConfigError, Problem, closest, did_you_mean
-from fsdpzero.config.schema import DSConfig, Lenient, Strict, STRICT_SECTIONS
+from fsdpzero.config.schema import DSConfig, Strict, STRICT_SECTIONS
 
 NEAR_MISS_CUTOFF = 0.8      # an unknown lenient key this close to a real one is a typo, not another tool's key
 
@@ -71,7 +71,9 @@ def parse_text(text: str) -> dict:
 
 
 def read_source(source: Any) -> dict:
-    if isinstance(source, BaseModel):
+    if isinstance(source, DSConfig) and source.raw:
+        source = source.raw
+    elif isinstance(source, BaseModel):
         source = source.model_dump(by_alias=True, exclude_unset=True)
     if isinstance(source, Mapping):
         data = copy.deepcopy(dict(source))
@@ -93,7 +95,19 @@ def read_source(source: Any) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(Problem("", f"the config must be a JSON object, got {type(data).__name__}",
                                   "wrap the settings in { ... }"))
+    bad = [p for p in _non_string_keys(data)]
+    if bad:
+        raise ConfigError([Problem(p, "keys must be strings", "use JSON object keys") for p in bad])
     return data
+
+
+def _non_string_keys(node: Any, prefix: str = ""):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            path = f"{prefix}.{k}" if prefix else str(k)
+            if not isinstance(k, str):
+                yield path
+            yield from _non_string_keys(v, path)
 
 
 # ---------------------------------------------------------------- deprecated names and removed features
@@ -278,9 +292,10 @@ def load_config(source: Any, *, context: Mapping[str, Any] | None = None, hf_def
     problems: list[Problem] = []
     notes: list[str] = []
     raw = normalize(raw, problems, notes)
-    explicit = sorted(_paths(raw))
     raw, auto_problems, auto_notes, resolved, deferred = resolve_autos(
         raw, context, hf_defaults=hf_defaults, strict=strict, strict_sections=STRICT_SECTIONS)
+    dropped = [k for k, (v, _) in resolved.items() if v == "<DeepSpeed default>"]   # still written by the user
+    explicit = sorted(set(_paths(raw)) | set(dropped))
     problems += auto_problems
     notes += auto_notes
     unknown: dict[str, Any] = {}
@@ -293,6 +308,7 @@ def load_config(source: Any, *, context: Mapping[str, Any] | None = None, hf_def
             cfg = DSConfig.model_validate(raw)
     except ValidationError as e:
         problems += pydantic_problems(e, seen)
+    problems += [p for p in rules.check_sections(raw, deferred) if p.key not in seen]
     if cfg is not None:
         problems += rules.check(cfg, raw, deferred)
     if problems:
@@ -311,5 +327,4 @@ def _paths(node: Any, prefix: str = ""):
         for k, v in node.items():
             p = f"{prefix}.{k}" if prefix else str(k)
             yield p
-            if p not in ("optimizer.params", "scheduler.params") or True:
-                yield from _paths(v, p)
+            yield from _paths(v, p)
