@@ -57,50 +57,57 @@ def shard(model, stage, cpu_offload):
     return model
 
 
+def ds_config(args, name):
+    """The DeepSpeed config of a run: DeepSpeed and fsdpzero ("ours_*") read the same dict."""
+    both = "both" in name
+    zero = {"stage": 3 if "z3" in name else 2, "overlap_comm": True, "contiguous_gradients": True,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    if both:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
+            "bf16": {"enabled": True}, "gradient_clipping": CLIP, "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": HYPER["lr"], "betas": list(HYPER["betas"]),
+                                                      "eps": HYPER["eps"], "weight_decay": HYPER["weight_decay"]}}}
+
+
 def fsdp_runner(args, name):
-    """FSDP2 runs (ours included) drive fsdpzero's GradPath contract, as the engine does."""
+    """Plain FSDP2 (no offload, or CPUOffloadPolicy + CPU fused AdamW), driven like a hand-written loop."""
     import torch
     from fsdpzero.optim import FSDPGradPath, clip_factor
     stage = 3 if "z3" in name else 2
-    model = build_model(args)
-    if name.startswith("ours"):
-        from fsdpzero import offload
-        from fsdpzero.plan import OffloadPlan, Plan, PrecisionPlan, ShardPlan
-        both = "both" in name
-        model = shard(model.to(DEVICE), stage, cpu_offload=both)
-        plan = Plan(shard=ShardPlan(stage=stage), precision=PrecisionPlan(param_dtype="bfloat16"),
-                    offload=OffloadPlan(optimizer_device="cpu", param_device="cpu" if both else "none"))
-        path = offload.build_grad_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER),
-                                       overlap=name.endswith("overlap"))
-    else:
-        cpu = name.endswith("cpuoffload")
-        model = shard(model.to(DEVICE), stage, cpu_offload=cpu)
-        path = FSDPGradPath(model, torch.optim.AdamW(model.parameters(), **HYPER, fused=True))
+    model = shard(build_model(args).to(DEVICE), stage, cpu_offload=name.endswith("cpuoffload"))
+    path = FSDPGradPath(model, torch.optim.AdamW(model.parameters(), **HYPER, fused=True))
 
     def step(x):
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
         path.finish_gradients()
-        path.scale_grads_(clip_factor(float(path.grad_norm()), CLIP))
+        path.scale_grads_(clip_factor(path.grad_norm(), CLIP))
         path.step()
         path.zero_grad()
         return loss
-    return step, getattr(path, "wait", lambda: None)
+    return step, lambda: None
+
+
+def ours_runner(args, name):
+    """fsdpzero: the DeepSpeed config through fsdpzero.wrap (engine + offload gradient path)."""
+    import fsdpzero
+    os.environ["FSDPZERO_OFFLOAD_OVERLAP"] = "1" if name.endswith("overlap") else "0"
+    engine = fsdpzero.wrap(build_model(args), ds_config(args, name))
+
+    def step(x):
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        return loss
+    return step, getattr(engine.grad_path, "wait", lambda: None)
 
 
 def ds_runner(args, name):
     import deepspeed  # the bench may import DeepSpeed; the library never does
-    both = name.endswith("both")
-    zero = {"stage": 3 if "z3" in name else 2, "overlap_comm": True, "contiguous_gradients": True,
-            "offload_optimizer": {"device": "cpu", "pin_memory": True}}
-    if both:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
-           "bf16": {"enabled": True}, "gradient_clipping": CLIP, "zero_optimization": zero,
-           "optimizer": {"type": "AdamW", "params": {"lr": HYPER["lr"], "betas": list(HYPER["betas"]),
-                                                     "eps": HYPER["eps"], "weight_decay": HYPER["weight_decay"]}}}
     model = build_model(args)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=ds_config(args, name))
 
     def step(x):
         loss = engine(input_ids=x, labels=x).loss
@@ -126,10 +133,11 @@ def run_one(args):
         os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"   # DS 0.19.8 cannot parse "9.0a"
         import deepspeed
         deepspeed.init_distributed(dist_backend="nccl")
-    else:
+    elif args.config.startswith("fsdp_"):
         dist.init_process_group("cuda:nccl,cpu:gloo" if DEVICE == "cuda" else "gloo")
     t_setup = time.perf_counter()
-    step, finish = (ds_runner if args.config.startswith("ds_") else fsdp_runner)(args, args.config)
+    runner = {"ds": ds_runner, "fsdp": fsdp_runner, "ours": ours_runner}[args.config.split("_")[0]]
+    step, finish = runner(args, args.config)
     setup_s = time.perf_counter() - t_setup
     gen = torch.Generator(device=DEVICE).manual_seed(1000 + rank)
     x = torch.randint(0, args.vocab, (args.micro, args.seq), device=DEVICE, generator=gen)
@@ -168,7 +176,8 @@ def run_one(args):
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(result, indent=2))
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_all(args):

@@ -176,10 +176,14 @@ class CPUAdam(torch.optim.Optimizer):
         return loss
 
     @torch.no_grad()
-    def step_param(self, param, grad, out=None, grad_scale=1.0):
+    def step_param(self, param, grad, out=None, grad_scale=1.0, hyper=None):
         """Step one of this optimizer's params with an explicit gradient (any of fp32/bf16/fp16, e.g. just copied
         from the GPU) and write the updated param, rounded, into `out` (e.g. a pinned bf16 buffer for the H2D copy).
-        Uses the hyperparameters of the param's group; grad_scale multiplies the gradient as it is read."""
+        Uses the hyperparameters of the param's group, or `hyper` (a snapshot of them, for a step running while a
+        scheduler already moves the group on); grad_scale multiplies the gradient as it is read."""
+        if hyper is not None:
+            self._update(param, grad, out, hyper, grad_scale)
+            return
         group = self._group_of.get(id(param))
         if group is None or not any(g is group for g in self.param_groups):  # new groups after load_state_dict
             self._group_of = {id(p): g for g in self.param_groups for p in g["params"]}

@@ -70,8 +70,7 @@ def _train(model, path, steps=8, micro=1, clip=0.0):
             loss.backward()
             total += loss.detach()
         path.finish_gradients()
-        norm = float(path.grad_norm())
-        path.scale_grads_(clip_factor(norm, clip))
+        path.scale_grads_(clip_factor(path.grad_norm(), clip))
         path.step()
         path.zero_grad()
         dist.all_reduce(total)
@@ -135,23 +134,35 @@ def test_offload_bf16_shards_fp32_masters():
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=1e-3)
 
 
-def _state_roundtrip(rank, world):
+def _state_roundtrip(rank, world, ckpt_dir):
+    """DCP save of the path's state dict, load into a fresh model + path, continue: identical trajectories."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     torch.set_num_threads(1)
     plan = Plan(offload=OffloadPlan(optimizer_device="cpu"))
     make = lambda ps: torch.optim.AdamW(ps, **HYPER)  # noqa: E731
     model = _model()
     path = offload.build_grad_path(model, plan, make, stage=True)
     _train(model, path, steps=3)
-    sd = path.state_dict()
-    fresh = _model()
+    dcp.save({"model": get_model_state_dict(model), "optim": path.state_dict()}, checkpoint_id=ckpt_dir)
+    torch.manual_seed(123)
+    fresh = Net()   # different weights until loaded
+    for b in fresh.blocks:
+        fully_shard(b, mesh=init_device_mesh("cpu", (world,)))
+    fully_shard(fresh, mesh=init_device_mesh("cpu", (world,)))
     path2 = offload.build_grad_path(fresh, plan, make, stage=True)
-    path2.load_state_dict(sd)
+    state = {"model": get_model_state_dict(fresh), "optim": path2.state_dict()}
+    dcp.load(state, checkpoint_id=ckpt_dir)
+    set_model_state_dict(fresh, state["model"])   # the post-load hook refreshes the masters
+    masters_follow_model = all(torch.equal(e.master, e.param.to_local()) for e in path2.entries)
+    path2.load_state_dict(state["optim"])
     a, b = _train(model, path, steps=2), _train(fresh, path2, steps=2)
-    return a[0], b[0]
+    return a[0], b[0], masters_follow_model
 
 
-def test_state_dict_roundtrip_continues_identically():
-    for a, b in run_distributed(_state_roundtrip, 2, timeout=120):
+def test_dcp_state_dict_roundtrip_continues_identically(tmp_path):
+    for a, b, masters_follow_model in run_distributed(_state_roundtrip, 2, str(tmp_path / "ckpt"), timeout=120):
+        assert masters_follow_model
         assert a == b
 
 
@@ -201,7 +212,7 @@ def test_offload_on_gpu_matches_fsdp(overlap, tmp_path):
             loss = nn.functional.mse_loss(model(x).float(), y)
             loss.backward()
             path.finish_gradients()
-            path.scale_grads_(clip_factor(float(path.grad_norm()), 1.0))
+            path.scale_grads_(clip_factor(path.grad_norm(), 1.0))
             path.step()
             path.zero_grad()
             losses.append(loss.item())
@@ -209,5 +220,5 @@ def test_offload_on_gpu_matches_fsdp(overlap, tmp_path):
         if offloaded:
             path.wait()
             assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-            assert all(e.master.is_pinned() for e in path.entries)
+            assert all(e.grad_buf.is_pinned() and e.out_buf.is_pinned() for e in path.entries)
     torch.testing.assert_close(torch.tensor(runs[1]), torch.tensor(runs[0]), rtol=2e-2, atol=1e-3)
