@@ -178,7 +178,7 @@ def test_matches_deepspeed(case):
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(os.environ.get("FSDPZERO_ORACLE") != "1",
                     reason="DeepSpeedCPUAdam JIT build (~135 s): set FSDPZERO_ORACLE=1")
-@pytest.mark.parametrize("stage", [2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_cpu_optimizer_offload_matches_deepspeed(stage):
     config = _config(stage, 2, SCHEDULERS["WarmupDecayLR"])
     config["optimizer"]["params"].pop("torch_adam")
