@@ -19,6 +19,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from fsdpzero.log import is_rank0
 from fsdpzero.plan import LossScalePlan
 
 log = logging.getLogger(__name__)
@@ -26,10 +27,6 @@ log = logging.getLogger(__name__)
 
 class LossScaleFloorError(RuntimeError):
     """Overflow with the dynamic scale already at min_loss_scale: DeepSpeed ends the run here, and so do we."""
-
-
-def _rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 class StaticLossScaler:
@@ -47,7 +44,7 @@ class StaticLossScaler:
         return loss * self.cur_scale
 
     def update(self, overflow: bool) -> None:
-        if overflow and _rank0():
+        if overflow and is_rank0():
             log.warning("fp16 overflow with static loss scale %s: step skipped", self.cur_scale)
 
     def state_dict(self) -> dict[str, Any]:
@@ -90,11 +87,11 @@ class DynamicLossScaler:
                         f"or fp16 cannot hold its gradients: lower the lr, or train in bf16 (\"bf16\": "
                         f"{{\"enabled\": true}})")
                 new_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
-                if _rank0():
+                if is_rank0():
                     log.info("fp16 overflow: step skipped, loss scale %s -> %s", self.cur_scale, new_scale)
                 self.cur_scale = new_scale
             else:
-                if _rank0():
+                if is_rank0():
                     log.info("fp16 overflow: step skipped, loss scale %s kept (hysteresis %d -> %d)",
                              self.cur_scale, self.cur_hysteresis, self.cur_hysteresis - 1)
                 self.cur_hysteresis -= 1
