@@ -500,8 +500,19 @@ class Stage1GradPath:
         if not (isinstance(factor, float) and factor == 1.0):
             self.stage1.scale_grads_(factor)
 
-    def step(self) -> None:
-        self.stage1.update_params()
+    def can_skip_on_device(self) -> bool:
+        from fsdpzero.optim import skips_on_device
+        return skips_on_device(self.optimizer)
+
+    def step(self, found_inf: torch.Tensor | None = None) -> None:
+        # on a device-side skip the masters stay as they were, so the all-gather rewrites the same parameters
+        if found_inf is not None:
+            self.optimizer.found_inf = found_inf
+        try:
+            self.stage1.update_params()
+        finally:
+            if found_inf is not None:
+                del self.optimizer.found_inf
 
     def zero_grad(self) -> None:
         self.stage1.zero_grad()
