@@ -114,7 +114,10 @@ def _resume_from_deepspeed(rank, world, ckpt_dir, variant):
 # fp32: DeepSpeed's curve to float noise. 16-bit: the first step after the resume is bit-identical (the fp32 masters
 # and Adam states came over exactly; compute is the same bf16/fp16 cast), later steps drift by 16-bit rounding
 # (DeepSpeed accumulates 16-bit grads, FSDP2 here reduces in fp32), and the fp16 loss scale ends where DeepSpeed's did.
-@pytest.mark.parametrize("variant,tol", [("z2_fp32", 2e-6), ("z3_fp32", 2e-6), ("z1_fp32", 2e-6),
+# Stage-0 fp16 drifts most (1.3e-2 by the third step): DeepSpeed's FP16_UnfusedOptimizer all-reduces fp16 grads, so
+# which tiny grads underflow to 0 differs, and at lr 1e-2 Adam turns zero-vs-tiny into lr-sized steps.
+@pytest.mark.parametrize("variant,tol", [("z0_fp32", 2e-6), ("z0_bf16", 2e-3), ("z0_fp16", 2e-2),
+                                         ("z2_fp32", 2e-6), ("z3_fp32", 2e-6), ("z1_fp32", 2e-6),
                                          ("z2_bf16", 2e-3), ("z3_bf16", 2e-3), ("z2_fp16", 2e-3), ("z3_fp16", 2e-3)])
 def test_engine_resumes_converted_deepspeed_checkpoint(tmp_path, variant, tol):
     if variant.startswith("z1"):

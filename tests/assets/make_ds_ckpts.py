@@ -27,7 +27,7 @@ OUT = Path(__file__).parent / "deepspeed_ckpts"
 SAVE_STEP, CONT_STEPS, GA, MICRO, SEQ, WORLD = 3, 3, 2, 2, 16, 2
 LR, WD = 1e-2, 0.01
 # (name, zero stage, precision)
-VARIANTS = [("z0_fp32", 0, "fp32"), ("z1_fp32", 1, "fp32"), ("z2_fp32", 2, "fp32"), ("z3_fp32", 3, "fp32"),
+VARIANTS = [("z0_fp32", 0, "fp32"), ("z0_bf16", 0, "bf16"), ("z0_fp16", 0, "fp16"), ("z1_fp32", 1, "fp32"), ("z2_fp32", 2, "fp32"), ("z3_fp32", 3, "fp32"),
             ("z1_bf16", 1, "bf16"), ("z2_bf16", 2, "bf16"), ("z3_bf16", 3, "bf16"),
             ("z1_fp16", 1, "fp16"), ("z2_fp16", 2, "fp16"), ("z3_fp16", 3, "fp16")]
 
@@ -119,8 +119,7 @@ def main() -> None:
         entry = {"stage": stage, "precision": precision, "config": cfg, "losses_before_save": before,
                  "losses_after_save": after, "tag": f"global_step{engine.global_steps - CONT_STEPS}"}
         if precision == "fp16":
-            entry["loss_scale_at_end"] = float(engine.optimizer.cur_scale if stage != 3 else
-                                               engine.optimizer.loss_scale)
+            entry["loss_scale_at_end"] = float(engine.optimizer.loss_scale)
         if rank == 0:
             for script in ("zero_to_fp32.py", "zero_to_torch.py"):  # DS copies its scripts in; not needed here
                 (save_dir / script).unlink(missing_ok=True)
