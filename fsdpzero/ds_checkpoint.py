@@ -120,6 +120,10 @@ def read_checkpoint(ds_dir: str | Path, tag: str | None = None) -> DeepSpeedChec
     model_files = sorted(tag_dir.glob("*_model_states.pt"), key=_natural_key)
     if not model_files:
         raise FileNotFoundError(f"{tag_dir}: no *_model_states.pt files: not a DeepSpeed checkpoint")
+    for f in list(model_files) + list(tag_dir.glob("*_optim_states.pt")):
+        if f.name.startswith(("expert_", "layer_", "expp_rank_")) or re.search(r"mp_rank_(?!00_)\d+", f.name):
+            raise NotImplementedError(f"{f}: MoE expert, pipeline-layer and tensor-parallel (mp_rank > 0) "
+                                      f"checkpoints are not supported; plain data-parallel ZeRO only")
     model_states = [load_ds_file(f) for f in model_files]
     optim_files = sorted(tag_dir.glob("*_optim_states.pt"), key=_natural_key)
     if not optim_files:
