@@ -367,10 +367,36 @@ def save_engine(engine, save_dir, tag=None, client_state=None, save_latest=True,
                            **options)
 
 
+def _clean_fqn(name: str) -> str:
+    """Parameter name as the unwrapped model has it (activation-checkpoint and torch.compile wrappers removed)."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def _from_deepspeed(engine, load_dir: Path, tag: str | None) -> tuple[Path, str | None]:
+    """A DeepSpeed checkpoint dir: convert it once (rank 0) into <load_dir>/.fsdpzero-<tag>/, then load that.
+    The engine knows the trainable parameters in order, which makes stage-0 files exact."""
+    try:
+        path = resolve_tag(load_dir, tag)
+    except FileNotFoundError:
+        return load_dir, tag
+    if (path / MANIFEST).exists() or not any(path.glob("*_model_states.pt")):
+        return load_dir, tag
+    out = load_dir / f".fsdpzero-{path.name}"
+    if _rank() == 0 and checkpoint_problems(out / path.name):
+        from fsdpzero.convert import deepspeed_to_ours
+        names = [_clean_fqn(n) for n, p in engine.module.named_parameters() if p.requires_grad]
+        deepspeed_to_ours(path, None, out, to="dcp", trainable_names=names)
+    _barrier()
+    return out, path.name
+
+
 def load_engine(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
                 load_module_only=False) -> tuple[Path | None, dict | None]:
     """DeepSpeed semantics: no `latest` and no tag -> warn, return (None, None). A checkpoint converted from
     DeepSpeed (`fsdpzero convert --from deepspeed`) carries "counters"/"loss_scaler" instead of "engine"."""
+    load_dir, tag = _from_deepspeed(engine, Path(load_dir), tag)
     try:
         path = resolve_tag(load_dir, tag)
     except FileNotFoundError as e:

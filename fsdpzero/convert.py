@@ -96,9 +96,9 @@ def dcp_to_safetensors(ckpt_dir: str | Path, tag: str | None = None, out: str | 
 
 
 def deepspeed_to_ours(ds_dir: str | Path, tag: str | None = None, out: str | Path | None = None, *, to: str = "dcp",
-                      dtype=None, max_shard_size: int | str = "5GB") -> Path:
+                      dtype=None, max_shard_size: int | str = "5GB", trainable_names: list[str] | None = None) -> Path:
     from fsdpzero import ds_checkpoint
-    st = ds_checkpoint.training_state(ds_dir, tag)
+    st = ds_checkpoint.training_state(ds_dir, tag, trainable_names)
     tag = st["tag"]
     if to in ("safetensors", "fp32"):
         from fsdpzero.export import save_state_dict

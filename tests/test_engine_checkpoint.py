@@ -132,6 +132,16 @@ def test_engine_resumes_converted_deepspeed_checkpoint(tmp_path, variant, tol):
         assert scale == record["loss_scale_at_end"]
 
 
+@pytest.mark.parametrize("variant", ["z3_fp16", "z0_bf16"])
+def test_engine_loads_deepspeed_dir_directly(tmp_path, variant):
+    """engine.load_checkpoint(<DeepSpeed save_dir>) converts once into <dir>/.fsdpzero-<tag>/ and resumes."""
+    import shutil
+    shutil.copytree(ASSETS / variant, tmp_path / "ds")
+    losses, _, _ = run_distributed(_resume_from_deepspeed, 2, str(tmp_path / "ds"), variant, timeout=180)[0]
+    assert losses[0] == RECORD["variants"][variant]["losses_after_save"][0]
+    assert (tmp_path / "ds" / ".fsdpzero-global_step3" / "latest").is_file()
+
+
 def _export_job(rank, world, out_dir):
     engine = wrap(build_model("gpt2"), make_plan(stage=3, dtype="bfloat16", world=world))
     engine_losses(engine, _data()[:2], rank, world)
