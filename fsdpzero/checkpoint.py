@@ -62,11 +62,6 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def _crash_point(name: str) -> None:
     """Fault injection for the crash-safety tests: FSDPZERO_CKPT_CRASH_AT=<name> kills the process here."""
     if os.environ.get("FSDPZERO_CKPT_CRASH_AT") == name:
@@ -170,12 +165,12 @@ def checkpoint_problems(path: str | Path) -> list[str]:
     return problems
 
 
-def _finalize(save_dir: Path, tag: str, tmp: Path, save_latest: bool, keep_last: int | None) -> None:
+def _finalize(save_dir: Path, tag: str, tmp: Path, save_latest: bool, keep_last: int | None, world: int) -> None:
     """Rank 0, after every rank's files are written: manifest, fsync, rename, `latest`, rotation."""
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
     for name in files:
         _fsync_path(tmp / name)
-    manifest = {"format": FORMAT, "tag": tag, "world_size": _world(), "saved_at_ns": time.time_ns(), "files": files}
+    manifest = {"format": FORMAT, "tag": tag, "world_size": world, "saved_at_ns": time.time_ns(), "files": files}
     _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
     _crash_point("before_rename")
     final = save_dir / tag
@@ -234,11 +229,12 @@ def wait_for_pending_save() -> Path | None:
 
 def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_state: dict | None = None, *,
                     step: int | None = None, save_latest: bool = True, keep_last: int | None = None,
-                    async_save: bool = False, save_rng: bool = True) -> Path | PendingSave:
+                    async_save: bool = False, save_rng: bool = True, no_dist: bool = False) -> Path | PendingSave:
     """Save `state` ({name: Stateful | tensor | nested dict}) under <save_dir>/<tag>; collective over all ranks.
 
     tag defaults to f"global_step{step}". With async_save the tensors are staged to CPU and written in the
-    background; the returned PendingSave's result() (or the next save) completes the checkpoint.
+    background; the returned PendingSave's result() (or the next save) completes the checkpoint. no_dist: this
+    process alone writes the whole state (offline conversion), even if a process group exists.
     """
     global _pending
     wait_for_pending_save()
@@ -251,7 +247,8 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
         raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain directory name (no '/', not hidden)")
     save_dir = Path(save_dir)
     tmp = save_dir / f".tmp-{tag}"
-    rank = _rank()
+    distributed = dist.is_initialized() and not no_dist
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     tensors: dict[str, torch.Tensor] = {}
     rest = _split(_materialize(state), "state", tensors, "state")
     client_json = json.dumps(_split(client_state or {}, "client", {}, "client_state"))  # no tensors allowed there
@@ -261,7 +258,8 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
         tmp.mkdir()
         (tmp / "state.json").write_text(json.dumps(rest))
         (tmp / "client_state.json").write_text(client_json)
-    _barrier()
+    if distributed:
+        dist.barrier()
     if save_rng:
         save_file(_rng_state(), tmp / f"rng_{rank}.safetensors")
     _crash_point("before_data")
@@ -270,19 +268,20 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
     def finish() -> Path:
         _crash_point("mid_write")
         if rank == 0:
-            _finalize(save_dir, tag, tmp, save_latest, keep_last)
+            _finalize(save_dir, tag, tmp, save_latest, keep_last, world)
         return save_dir / tag
 
     if async_save:
         global _async_group
-        if dist.is_initialized() and _async_group is None:
+        if distributed and _async_group is None:
             _async_group = dist.new_group(backend="gloo")
-        future = dcp.async_save(tensors, storage_writer=writer, process_group=_async_group)
+        future = dcp.async_save(tensors, storage_writer=writer, process_group=_async_group, no_dist=not distributed)
         _pending = PendingSave(future, finish)
         return _pending
-    dcp.save(tensors, storage_writer=writer)
+    dcp.save(tensors, storage_writer=writer, no_dist=not distributed)
     path = finish()
-    _barrier()
+    if distributed:
+        dist.barrier()
     return path
 
 
@@ -338,94 +337,3 @@ def load_checkpoint(load_dir: str | Path, tag: str | None = None, state: dict | 
     client = json.loads((path / "client_state.json").read_text())
     return path, _join(client, {})
 
-
-# ---- the Engine's save/load (DeepSpeed's engine.save_checkpoint / load_checkpoint signatures) ---------------------
-
-class EngineState(Stateful):
-    """The engine's model + optimizer (through its gradient path) under the key "train", as the converter writes."""
-
-    def __init__(self, engine, with_optimizer: bool = True):
-        self.engine, self.with_optimizer = engine, with_optimizer
-
-    def state_dict(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-        sd = {"model": get_model_state_dict(self.engine.module)}
-        if self.with_optimizer:
-            sd["optim"] = self.engine.grad_path.state_dict()
-        return sd
-
-    def load_state_dict(self, sd: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-        set_model_state_dict(self.engine.module, sd["model"])
-        if self.with_optimizer:
-            self.engine.grad_path.load_state_dict(sd["optim"])
-
-
-def save_engine(engine, save_dir, tag=None, client_state=None, save_latest=True, **options) -> Path | PendingSave:
-    state = {"train": EngineState(engine), "engine": engine.client_state()}
-    return save_checkpoint(save_dir, tag, state, client_state, step=engine.global_steps, save_latest=save_latest,
-                           **options)
-
-
-def _clean_fqn(name: str) -> str:
-    """Parameter name as the unwrapped model has it (activation-checkpoint and torch.compile wrappers removed)."""
-    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
-        name = name.replace(wrapper, "")
-    return name
-
-
-def _from_deepspeed(engine, load_dir: Path, tag: str | None) -> tuple[Path, str | None]:
-    """A DeepSpeed checkpoint dir: convert it once (rank 0) into <load_dir>/.fsdpzero-<tag>/, then load that.
-    The engine knows the trainable parameters in order, which makes stage-0 files exact."""
-    try:
-        path = resolve_tag(load_dir, tag)
-    except FileNotFoundError:
-        return load_dir, tag
-    if (path / MANIFEST).exists() or not any(path.glob("*_model_states.pt")):
-        return load_dir, tag
-    out = load_dir / f".fsdpzero-{path.name}"
-    if _rank() == 0 and checkpoint_problems(out / path.name):
-        from fsdpzero.convert import deepspeed_to_ours
-        names = [_clean_fqn(n) for n, p in engine.module.named_parameters() if p.requires_grad]
-        deepspeed_to_ours(path, None, out, to="dcp", trainable_names=names)
-    _barrier()
-    return out, path.name
-
-
-def load_engine(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
-                load_module_only=False) -> tuple[Path | None, dict | None]:
-    """DeepSpeed semantics: no `latest` and no tag -> warn, return (None, None). A checkpoint converted from
-    DeepSpeed (`fsdpzero convert --from deepspeed`) carries "counters"/"loss_scaler" instead of "engine"."""
-    load_dir, tag = _from_deepspeed(engine, Path(load_dir), tag)
-    try:
-        path = resolve_tag(load_dir, tag)
-    except FileNotFoundError as e:
-        if _rank() == 0:
-            import logging
-            logging.getLogger(__name__).warning("%s", e)
-        return None, None
-    top = dict(json.loads((path / "state.json").read_text())["__dict__"]) if (path / "state.json").is_file() else {}
-    with_optim = load_optimizer_states and not load_module_only
-    state: dict = {"train": EngineState(engine, with_optim)}
-    engine_state: dict = {}
-    if not load_module_only:
-        for key in ("engine", "counters", "loss_scaler"):
-            if key in top:
-                state[key] = engine_state.setdefault(key, {})
-    path, client = load_checkpoint(load_dir, path.name if path.parent == Path(load_dir) else tag, state,
-                                   load_rng=not load_module_only)
-    if "engine" in engine_state:
-        saved = engine_state["engine"]
-        if not load_lr_scheduler_states:
-            saved = {**saved, "lr_scheduler": None}
-        engine.load_client_state(saved)
-    elif "counters" in engine_state:
-        c = engine_state["counters"]
-        engine.global_steps, engine.global_samples = c.get("global_steps", 0), c.get("global_samples", 0)
-        engine.skipped_steps = c.get("skipped_steps", 0)
-        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
-        if engine.loss_scaler is not None and "loss_scaler" in engine_state:
-            own = engine.loss_scaler.state_dict()
-            engine.loss_scaler.load_state_dict({**own, **{k: v for k, v in engine_state["loss_scaler"].items()
-                                                          if k in own}})
-    return path, client

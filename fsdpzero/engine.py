@@ -148,13 +148,13 @@ class Engine(nn.Module):
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, **options):
         """DeepSpeed's signature; options: keep_last, async_save (see fsdpzero.checkpoint)."""
-        from fsdpzero.checkpoint import save_engine
+        from fsdpzero.engine_checkpoint import save_engine
         return save_engine(self, save_dir, tag, client_state, save_latest, **options)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
                         load_module_only=False):
         """-> (path, client_state); (None, None) when there is nothing to load, as DeepSpeed."""
-        from fsdpzero.checkpoint import load_engine
+        from fsdpzero.engine_checkpoint import load_engine
         return load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
 
     def save_16bit_model(self, save_dir, save_filename="model.safetensors", exclude_frozen_parameters=False):
