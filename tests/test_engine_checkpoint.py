@@ -29,7 +29,14 @@ def _skip_without_stage1():
 
 
 def _plan(stage, world):
-    return make_plan(stage=stage, gas=2, world=world, micro=GLOBAL_MICRO // world, fp16=SCALER)
+    import dataclasses
+
+    from fsdpzero.plan import SchedulerPlan
+    plan = make_plan(stage=stage, gas=2, world=world, micro=GLOBAL_MICRO // world, fp16=SCALER)
+    warmup = SchedulerPlan(type="WarmupDecayLR", params={"warmup_min_lr": 0.0, "warmup_max_lr": 5e-4,
+                                                         "warmup_num_steps": 4, "total_num_steps": STEPS,
+                                                         "warmup_type": "linear"})
+    return dataclasses.replace(plan, scheduler=warmup)  # the LR schedule must resume mid-decay too
 
 
 def _data():
@@ -38,8 +45,10 @@ def _data():
 
 def _straight(rank, world, stage):
     engine = wrap(build_model("gpt2"), _plan(stage, world))
-    losses = engine_losses(engine, _data(), rank, world)
-    return losses, full_params(engine.module), engine.get_loss_scale()
+    losses = engine_losses(engine, _data()[:HALF], rank, world)
+    lr = engine.get_lr()
+    losses += engine_losses(engine, _data()[HALF:], rank, world)
+    return losses, full_params(engine.module), engine.get_loss_scale(), lr
 
 
 def _first_half(rank, world, stage, save_dir):
@@ -54,17 +63,19 @@ def _second_half(rank, world, stage, save_dir):
     path, client = engine.load_checkpoint(save_dir)
     assert Path(path).name == f"global_step{HALF}" and client == {"epoch": 1}
     assert engine.global_steps == HALF and engine.micro_steps == 2 * HALF
+    lr = engine.get_lr()
     losses = engine_losses(engine, _data()[HALF:], rank, world)
-    return losses, full_params(engine.module), engine.get_loss_scale()
+    return losses, full_params(engine.module), engine.get_loss_scale(), lr
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_exact_resume_through_engine(tmp_path, stage):
     if stage == 1:
         _skip_without_stage1()
-    ref_losses, ref_params, ref_scale = run_distributed(_straight, 2, stage, timeout=180)[0]
+    ref_losses, ref_params, ref_scale, ref_lr = run_distributed(_straight, 2, stage, timeout=180)[0]
     first, _ = run_distributed(_first_half, 2, stage, str(tmp_path), timeout=180)[0]
-    second, params, scale = run_distributed(_second_half, 2, stage, str(tmp_path), timeout=180)[0]
+    second, params, scale, lr = run_distributed(_second_half, 2, stage, str(tmp_path), timeout=180)[0]
+    assert lr == ref_lr and 0 < lr[0] < 5e-4
     assert first + second == ref_losses
     assert scale == ref_scale > 1
     assert all(torch.equal(params[k], ref_params[k]) for k in ref_params)
@@ -72,9 +83,9 @@ def test_exact_resume_through_engine(tmp_path, stage):
 
 @pytest.mark.parametrize("save_world,load_world", [(2, 1), (1, 2)])
 def test_resharded_resume_through_engine(tmp_path, save_world, load_world):
-    ref_losses, ref_params, _ = run_distributed(_straight, 2, 3, timeout=180)[0]
+    ref_losses, ref_params, _, _ = run_distributed(_straight, 2, 3, timeout=180)[0]
     run_distributed(_first_half, save_world, 3, str(tmp_path), timeout=180)
-    second, params, _ = run_distributed(_second_half, load_world, 3, str(tmp_path), timeout=180)[0]
+    second, params, _, _ = run_distributed(_second_half, load_world, 3, str(tmp_path), timeout=180)[0]
     assert max(abs(a - b) for a, b in zip(second, ref_losses[HALF:])) <= 1e-6
     for k in ref_params:
         torch.testing.assert_close(params[k], ref_params[k], rtol=0, atol=1e-5)
