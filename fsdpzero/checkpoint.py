@@ -15,6 +15,7 @@ pickle non-tensor values and read them back with weights_only=False).
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
@@ -34,6 +35,7 @@ MANIFEST = "fsdpzero_complete.json"
 FORMAT = "fsdpzero-dcp-1"
 _SEP = "/"  # joins nested keys; FQNs contain dots, never slashes
 _pending: "PendingSave | None" = None
+_pending_registered = False
 _async_group = None  # background saves use their own process group, so they never interleave with training's
 
 
@@ -272,10 +274,13 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
         return save_dir / tag
 
     if async_save:
-        global _async_group
+        global _async_group, _pending_registered
         if distributed and _async_group is None:
             _async_group = dist.new_group(backend="gloo")
         future = dcp.async_save(tensors, storage_writer=writer, process_group=_async_group, no_dist=not distributed)
+        if not _pending_registered:
+            atexit.register(wait_for_pending_save)  # a run that ends right after an async save still completes it
+            _pending_registered = True
         _pending = PendingSave(future, finish)
         return _pending
     dcp.save(tensors, storage_writer=writer, no_dist=not distributed)
