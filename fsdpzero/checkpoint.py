@@ -97,15 +97,23 @@ def _split(obj: Any, prefix: str, tensors: dict, where: str) -> Any:
                     f"tuples and dicts can be saved (no pickle); convert it, e.g. to a tensor or a string")
 
 
-def _join(obj: Any, tensors: dict) -> Any:
+def _join(obj: Any, tensors: dict, live: Any = None) -> Any:
+    """Inverse of _split. Saved subtrees holding tensors that the live state does not have are left out (e.g. the
+    optimizer when loading the model only)."""
     if isinstance(obj, list):
-        return [_join(v, tensors) for v in obj]
+        return [_join(v, tensors, live[i] if isinstance(live, (list, tuple)) and i < len(live) else None)
+                for i, v in enumerate(obj)]
     if isinstance(obj, dict):
         if "__tensor__" in obj:
             return tensors[obj["__tensor__"]]
         if "__tuple__" in obj:
             return tuple(_join(v, tensors) for v in obj["__tuple__"])
-        return {k: _join(v, tensors) for k, v in obj["__dict__"]}
+        out = {}
+        for k, v in obj["__dict__"]:
+            if isinstance(live, dict) and k not in live and "__tensor__" in json.dumps(v):
+                continue
+            out[k] = _join(v, tensors, live.get(k) if isinstance(live, dict) else None)
+        return out
     return obj
 
 
@@ -323,7 +331,7 @@ def load_checkpoint(load_dir: str | Path, tag: str | None = None, state: dict | 
     template: dict[str, torch.Tensor] = {}
     _split({k: live[k] for k in state}, "state", template, "state")
     dcp.load(template, checkpoint_id=path)
-    loaded = {k: _join(saved_top[k], template) for k in state}
+    loaded = {k: _join(saved_top[k], template, live[k]) for k in state}
     for k, target in state.items():
         if isinstance(target, Stateful) or hasattr(target, "load_state_dict"):
             target.load_state_dict(loaded[k])

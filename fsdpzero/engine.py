@@ -161,7 +161,8 @@ class Engine(nn.Module):
         """Consolidated weights in the compute dtype for from_pretrained (see fsdpzero.export)."""
         from fsdpzero.export import save_16bit_model
         dtype = getattr(torch, self.plan.precision.param_dtype)
-        return save_16bit_model(self.module, save_dir, dtype=None if dtype == torch.float32 else dtype)
+        return save_16bit_model(self.module, save_dir, dtype=None if dtype == torch.float32 else dtype,
+                                filename=save_filename, exclude_frozen_parameters=exclude_frozen_parameters)
 
     def load_client_state(self, state: dict) -> None:
         for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):

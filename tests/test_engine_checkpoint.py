@@ -153,6 +153,27 @@ def test_engine_loads_deepspeed_dir_directly(tmp_path, variant):
     assert (tmp_path / "ds" / ".fsdpzero-global_step3" / "latest").is_file()
 
 
+def _module_only_job(rank, world, save_dir):
+    full = wrap(build_model("gpt2", seed=5), _plan(3, world))
+    full.load_checkpoint(save_dir)
+    only = wrap(build_model("gpt2", seed=6), _plan(3, world))
+    path, client = only.load_checkpoint(save_dir, load_module_only=True)
+    no_opt = wrap(build_model("gpt2", seed=7), _plan(3, world))
+    no_opt.load_checkpoint(save_dir, load_optimizer_states=False, load_lr_scheduler_states=False)
+    return (full_params(full.module), full_params(only.module), only.global_steps, len(only.optimizer.state),
+            no_opt.global_steps, len(no_opt.optimizer.state), full.get_lr(), no_opt.get_lr())
+
+
+def test_load_module_only_and_without_optimizer_states(tmp_path):
+    run_distributed(_first_half, 2, 3, str(tmp_path), timeout=180)
+    full, only, steps, n_state, steps2, n_state2, lr, lr2 = run_distributed(
+        _module_only_job, 2, str(tmp_path), timeout=180)[0]
+    assert all(torch.equal(full[k], only[k]) for k in full)
+    assert steps == 0 and n_state == 0            # module only: counters and optimizer untouched
+    assert steps2 == HALF and n_state2 == 0       # counters loaded, optimizer state not
+    assert lr != lr2                              # scheduler state not loaded
+
+
 def _export_job(rank, world, out_dir):
     engine = wrap(build_model("gpt2"), make_plan(stage=3, dtype="bfloat16", world=world))
     engine_losses(engine, _data()[:2], rank, world)
