@@ -93,8 +93,7 @@ def load_engine(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_
         for key in ("engine", "counters", "loss_scaler"):
             if key in top:
                 state[key] = engine_state.setdefault(key, {})
-    path, client = load_checkpoint(load_dir, path.name if path.parent == Path(load_dir) else tag, state,
-                                   load_rng=not load_module_only)
+    path, client = load_checkpoint(load_dir, path.name, state, load_rng=not load_module_only)
     if "engine" in engine_state:
         saved = engine_state["engine"]
         if not load_lr_scheduler_states:
