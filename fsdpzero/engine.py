@@ -44,8 +44,7 @@ class Engine(nn.Module):
         self._printer = StepPrinter(plan.batch.steps_per_print, self.timers)
         # bf16 overflow checks without a host sync: the optimizer skips on the device, the host learns the verdict
         # one step later (see _settle). fp16 needs the verdict at once (the next loss scale depends on it).
-        self._defer_verdict = (checks_overflow(plan) and scaler is None
-                               and getattr(path, "can_skip_on_device", lambda: False)()
+        self._defer_verdict = (checks_overflow(plan) and scaler is None and hasattr(path, "can_skip_on_device")
                                and (lr_scheduler is None or hasattr(lr_scheduler, "rewind"))
                                and os.environ.get("FSDPZERO_SYNC_OVERFLOW_CHECK") != "1")
         self._verdict: DeferredVerdict | None = None
@@ -141,7 +140,7 @@ class Engine(nn.Module):
         if scale != 1.0:
             norm = norm / scale
         self._grad_norm = norm
-        if self._defer_verdict:
+        if self._defer_verdict and path.can_skip_on_device():
             found_inf = (~torch.isfinite(norm)).float()
             path.scale_grads_(clip_factor(norm, self.plan.batch.gradient_clipping))
             path.step(found_inf=found_inf)       # a no-op on the device where found_inf is 1

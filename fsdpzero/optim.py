@@ -148,7 +148,8 @@ class FSDPGradPath:
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
     """Fused torch Adam/AdamW/SGD read a `found_inf` tensor and skip the whole update on the device (they also undo
     their step count), so an overflow verdict needs no host sync before the step."""
-    return bool(optimizer.defaults.get("fused")) and isinstance(optimizer, (torch.optim.Adam, torch.optim.SGD))
+    return (isinstance(optimizer, (torch.optim.Adam, torch.optim.SGD))   # groups, not defaults: a loaded state
+            and all(g.get("fused") for g in optimizer.param_groups))       # dict can turn `fused` off
 
 
 def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None = None) -> None:
