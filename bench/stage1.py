@@ -146,17 +146,20 @@ def run_all(args):
         rows.append(json.loads((out / f"{name}.json").read_text()))
         print(f"{name}: {rows[-1]['step_s']:.3f} s/step", flush=True)
     (out / "stage1.json").write_text(json.dumps(rows, indent=2))
-    ds = next((r for r in rows if r["config"] == "ds_z1" and "error" not in r), None)
+    ok = {r["config"]: r for r in rows if "error" not in r}
+    ds, z2 = ok.get("ds_z1"), ok.get("ours_z2")
     print("\n| config | step s median (min-max) | tokens/s/GPU | vs DS z1 | peak alloc / reserved GiB (max rank) "
-          "| loss first -> last |\n|---|---|---|---|---|---|")
+          "| loss first -> last | max abs loss diff vs ours_z2 |\n|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['config']} | {r['error']} | | | | |")
+            print(f"| {r['config']} | {r['error']} | | | | | |")
             continue
         vs = f"{r['tokens_per_s_per_gpu'] / ds['tokens_per_s_per_gpu']:.3f}x" if ds else "-"
+        drift = f"{max(abs(a - b) for a, b in zip(r['losses'], z2['losses'])):.2e}" if z2 else "-"
         print(f"| {r['config']} | {r['step_s']:.3f} ({r['step_min']:.3f}-{r['step_max']:.3f}) | "
               f"{r['tokens_per_s_per_gpu']:,.0f} | {vs} | {r['peak_alloc_GiB_max_over_ranks']:.2f} / "
-              f"{r['peak_reserved_GiB_max_over_ranks']:.2f} | {r['loss_first']:.4f} -> {r['loss_last']:.4f} |")
+              f"{r['peak_reserved_GiB_max_over_ranks']:.2f} | {r['loss_first']:.4f} -> {r['loss_last']:.4f} | "
+              f"{drift} |")
 
 
 def main():

@@ -15,7 +15,7 @@ from torch import nn
 from fsdpzero.dist import broadcast_module, detect_device_type
 from fsdpzero.dist import init_distributed as init_distributed_env
 from fsdpzero.engine import Engine
-from fsdpzero.log import log, log_startup, setup_logging
+from fsdpzero.log import log_startup, setup_logging
 from fsdpzero.optim import check_optimizer, grad_path_kind, make_optimizer_factory, select_grad_path
 from fsdpzero.plan import Env, Plan
 from fsdpzero.precision import make_scaler, mp_policy, upcast_to_master
@@ -173,4 +173,4 @@ def argparse_suppress():
     return argparse.SUPPRESS
 
 
-__all__ = ["wrap", "initialize", "init_distributed", "add_config_arguments", "make_dataloader", "log"]
+__all__ = ["wrap", "initialize", "init_distributed", "add_config_arguments", "make_dataloader"]

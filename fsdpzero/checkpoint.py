@@ -15,6 +15,7 @@ pickle non-tensor values and read them back with weights_only=False).
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
@@ -34,6 +35,7 @@ MANIFEST = "fsdpzero_complete.json"
 FORMAT = "fsdpzero-dcp-1"
 _SEP = "/"  # joins nested keys; FQNs contain dots, never slashes
 _pending: "PendingSave | None" = None
+_pending_registered = False
 _async_group = None  # background saves use their own process group, so they never interleave with training's
 
 
@@ -60,11 +62,6 @@ def _rank() -> int:
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _crash_point(name: str) -> None:
@@ -100,15 +97,23 @@ def _split(obj: Any, prefix: str, tensors: dict, where: str) -> Any:
                     f"tuples and dicts can be saved (no pickle); convert it, e.g. to a tensor or a string")
 
 
-def _join(obj: Any, tensors: dict) -> Any:
+def _join(obj: Any, tensors: dict, live: Any = None) -> Any:
+    """Inverse of _split. Saved subtrees holding tensors that the live state does not have are left out (e.g. the
+    optimizer when loading the model only)."""
     if isinstance(obj, list):
-        return [_join(v, tensors) for v in obj]
+        return [_join(v, tensors, live[i] if isinstance(live, (list, tuple)) and i < len(live) else None)
+                for i, v in enumerate(obj)]
     if isinstance(obj, dict):
         if "__tensor__" in obj:
             return tensors[obj["__tensor__"]]
         if "__tuple__" in obj:
             return tuple(_join(v, tensors) for v in obj["__tuple__"])
-        return {k: _join(v, tensors) for k, v in obj["__dict__"]}
+        out = {}
+        for k, v in obj["__dict__"]:
+            if isinstance(live, dict) and k not in live and "__tensor__" in json.dumps(v):
+                continue
+            out[k] = _join(v, tensors, live.get(k) if isinstance(live, dict) else None)
+        return out
     return obj
 
 
@@ -170,12 +175,12 @@ def checkpoint_problems(path: str | Path) -> list[str]:
     return problems
 
 
-def _finalize(save_dir: Path, tag: str, tmp: Path, save_latest: bool, keep_last: int | None) -> None:
+def _finalize(save_dir: Path, tag: str, tmp: Path, save_latest: bool, keep_last: int | None, world: int) -> None:
     """Rank 0, after every rank's files are written: manifest, fsync, rename, `latest`, rotation."""
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
     for name in files:
         _fsync_path(tmp / name)
-    manifest = {"format": FORMAT, "tag": tag, "world_size": _world(), "saved_at_ns": time.time_ns(), "files": files}
+    manifest = {"format": FORMAT, "tag": tag, "world_size": world, "saved_at_ns": time.time_ns(), "files": files}
     _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
     _crash_point("before_rename")
     final = save_dir / tag
@@ -234,11 +239,12 @@ def wait_for_pending_save() -> Path | None:
 
 def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_state: dict | None = None, *,
                     step: int | None = None, save_latest: bool = True, keep_last: int | None = None,
-                    async_save: bool = False, save_rng: bool = True) -> Path | PendingSave:
+                    async_save: bool = False, save_rng: bool = True, no_dist: bool = False) -> Path | PendingSave:
     """Save `state` ({name: Stateful | tensor | nested dict}) under <save_dir>/<tag>; collective over all ranks.
 
     tag defaults to f"global_step{step}". With async_save the tensors are staged to CPU and written in the
-    background; the returned PendingSave's result() (or the next save) completes the checkpoint.
+    background; the returned PendingSave's result() (or the next save) completes the checkpoint. no_dist: this
+    process alone writes the whole state (offline conversion), even if a process group exists.
     """
     global _pending
     wait_for_pending_save()
@@ -251,7 +257,8 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
         raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain directory name (no '/', not hidden)")
     save_dir = Path(save_dir)
     tmp = save_dir / f".tmp-{tag}"
-    rank = _rank()
+    distributed = dist.is_initialized() and not no_dist
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     tensors: dict[str, torch.Tensor] = {}
     rest = _split(_materialize(state), "state", tensors, "state")
     client_json = json.dumps(_split(client_state or {}, "client", {}, "client_state"))  # no tensors allowed there
@@ -261,7 +268,8 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
         tmp.mkdir()
         (tmp / "state.json").write_text(json.dumps(rest))
         (tmp / "client_state.json").write_text(client_json)
-    _barrier()
+    if distributed:
+        dist.barrier()
     if save_rng:
         save_file(_rng_state(), tmp / f"rng_{rank}.safetensors")
     _crash_point("before_data")
@@ -270,19 +278,23 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
     def finish() -> Path:
         _crash_point("mid_write")
         if rank == 0:
-            _finalize(save_dir, tag, tmp, save_latest, keep_last)
+            _finalize(save_dir, tag, tmp, save_latest, keep_last, world)
         return save_dir / tag
 
     if async_save:
-        global _async_group
-        if dist.is_initialized() and _async_group is None:
+        global _async_group, _pending_registered
+        if distributed and _async_group is None:
             _async_group = dist.new_group(backend="gloo")
-        future = dcp.async_save(tensors, storage_writer=writer, process_group=_async_group)
+        future = dcp.async_save(tensors, storage_writer=writer, process_group=_async_group, no_dist=not distributed)
+        if not _pending_registered:
+            atexit.register(wait_for_pending_save)  # a run that ends right after an async save still completes it
+            _pending_registered = True
         _pending = PendingSave(future, finish)
         return _pending
-    dcp.save(tensors, storage_writer=writer)
+    dcp.save(tensors, storage_writer=writer, no_dist=not distributed)
     path = finish()
-    _barrier()
+    if distributed:
+        dist.barrier()
     return path
 
 
@@ -319,7 +331,7 @@ def load_checkpoint(load_dir: str | Path, tag: str | None = None, state: dict | 
     template: dict[str, torch.Tensor] = {}
     _split({k: live[k] for k in state}, "state", template, "state")
     dcp.load(template, checkpoint_id=path)
-    loaded = {k: _join(saved_top[k], template) for k in state}
+    loaded = {k: _join(saved_top[k], template, live[k]) for k in state}
     for k, target in state.items():
         if isinstance(target, Stateful) or hasattr(target, "load_state_dict"):
             target.load_state_dict(loaded[k])
@@ -338,68 +350,3 @@ def load_checkpoint(load_dir: str | Path, tag: str | None = None, state: dict | 
     client = json.loads((path / "client_state.json").read_text())
     return path, _join(client, {})
 
-
-# ---- the Engine's save/load (DeepSpeed's engine.save_checkpoint / load_checkpoint signatures) ---------------------
-
-class EngineState(Stateful):
-    """The engine's model + optimizer (through its gradient path) under the key "train", as the converter writes."""
-
-    def __init__(self, engine, with_optimizer: bool = True):
-        self.engine, self.with_optimizer = engine, with_optimizer
-
-    def state_dict(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-        sd = {"model": get_model_state_dict(self.engine.module)}
-        if self.with_optimizer:
-            sd["optim"] = self.engine.grad_path.state_dict()
-        return sd
-
-    def load_state_dict(self, sd: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-        set_model_state_dict(self.engine.module, sd["model"])
-        if self.with_optimizer:
-            self.engine.grad_path.load_state_dict(sd["optim"])
-
-
-def save_engine(engine, save_dir, tag=None, client_state=None, save_latest=True, **options) -> Path | PendingSave:
-    state = {"train": EngineState(engine), "engine": engine.client_state()}
-    return save_checkpoint(save_dir, tag, state, client_state, step=engine.global_steps, save_latest=save_latest,
-                           **options)
-
-
-def load_engine(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
-                load_module_only=False) -> tuple[Path | None, dict | None]:
-    """DeepSpeed semantics: no `latest` and no tag -> warn, return (None, None). A checkpoint converted from
-    DeepSpeed (`fsdpzero convert --from deepspeed`) carries "counters"/"loss_scaler" instead of "engine"."""
-    try:
-        path = resolve_tag(load_dir, tag)
-    except FileNotFoundError as e:
-        if _rank() == 0:
-            import logging
-            logging.getLogger(__name__).warning("%s", e)
-        return None, None
-    top = dict(json.loads((path / "state.json").read_text())["__dict__"]) if (path / "state.json").is_file() else {}
-    with_optim = load_optimizer_states and not load_module_only
-    state: dict = {"train": EngineState(engine, with_optim)}
-    engine_state: dict = {}
-    if not load_module_only:
-        for key in ("engine", "counters", "loss_scaler"):
-            if key in top:
-                state[key] = engine_state.setdefault(key, {})
-    path, client = load_checkpoint(load_dir, path.name if path.parent == Path(load_dir) else tag, state,
-                                   load_rng=not load_module_only)
-    if "engine" in engine_state:
-        saved = engine_state["engine"]
-        if not load_lr_scheduler_states:
-            saved = {**saved, "lr_scheduler": None}
-        engine.load_client_state(saved)
-    elif "counters" in engine_state:
-        c = engine_state["counters"]
-        engine.global_steps, engine.global_samples = c.get("global_steps", 0), c.get("global_samples", 0)
-        engine.skipped_steps = c.get("skipped_steps", 0)
-        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
-        if engine.loss_scaler is not None and "loss_scaler" in engine_state:
-            own = engine.loss_scaler.state_dict()
-            engine.loss_scaler.load_state_dict({**own, **{k: v for k, v in engine_state["loss_scaler"].items()
-                                                          if k in own}})
-    return path, client

@@ -96,9 +96,9 @@ def dcp_to_safetensors(ckpt_dir: str | Path, tag: str | None = None, out: str | 
 
 
 def deepspeed_to_ours(ds_dir: str | Path, tag: str | None = None, out: str | Path | None = None, *, to: str = "dcp",
-                      dtype=None, max_shard_size: int | str = "5GB") -> Path:
+                      dtype=None, max_shard_size: int | str = "5GB", trainable_names: list[str] | None = None) -> Path:
     from fsdpzero import ds_checkpoint
-    st = ds_checkpoint.training_state(ds_dir, tag)
+    st = ds_checkpoint.training_state(ds_dir, tag, trainable_names)
     tag = st["tag"]
     if to in ("safetensors", "fp32"):
         from fsdpzero.export import save_state_dict
@@ -106,7 +106,6 @@ def deepspeed_to_ours(ds_dir: str | Path, tag: str | None = None, out: str | Pat
         save_state_dict(st["weights"], out, dtype=dtype, max_shard_size=max_shard_size)
         return out
     import torch
-    import torch.distributed.checkpoint as dcp
 
     from fsdpzero import checkpoint as ck
     model, seen = {}, set()
@@ -126,24 +125,7 @@ def deepspeed_to_ours(ds_dir: str | Path, tag: str | None = None, out: str | Pat
     if st["loss_scaler"]:
         state["loss_scaler"] = st["loss_scaler"]
     out = Path(out) if out else Path(ds_dir) / "fsdpzero"
-    # single process, no process group: write into the same atomic layout a live save uses
-    _save_offline(out, tag, state, st["client_state"], torch, dcp, ck)
+    # DeepSpeed's client_state may hold anything; keep what JSON can carry
+    client = {k: v for k, v in st["client_state"].items() if isinstance(v, (int, float, str, bool, type(None)))}
+    ck.save_checkpoint(out, tag, state, client, save_rng=False, no_dist=True)  # this process writes it all
     return out
-
-
-def _save_offline(out: Path, tag: str, state: dict, client_state: dict, torch, dcp, ck) -> None:
-    tensors: dict = {}
-    rest = ck._split(state, "state", tensors, "state")
-    tmp = out / f".tmp-{tag}"
-    import shutil
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    (tmp / "state.json").write_text(json.dumps(rest))
-    try:
-        client = ck._split(client_state, "client", {}, "client_state")
-    except TypeError:  # DeepSpeed client_state may hold anything; keep what JSON can carry
-        client = ck._split({k: v for k, v in client_state.items() if isinstance(v, (int, float, str, bool))},
-                           "client", {}, "client_state")
-    (tmp / "client_state.json").write_text(json.dumps(client))
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=True)
-    ck._finalize(out, tag, tmp, save_latest=True, keep_last=None)

@@ -120,11 +120,16 @@ def read_checkpoint(ds_dir: str | Path, tag: str | None = None) -> DeepSpeedChec
     model_files = sorted(tag_dir.glob("*_model_states.pt"), key=_natural_key)
     if not model_files:
         raise FileNotFoundError(f"{tag_dir}: no *_model_states.pt files: not a DeepSpeed checkpoint")
+    for f in list(model_files) + list(tag_dir.glob("*_optim_states.pt")):
+        if f.name.startswith(("expert_", "layer_", "expp_rank_")) or re.search(r"mp_rank_(?!00_)\d+", f.name):
+            raise NotImplementedError(f"{f}: MoE expert, pipeline-layer and tensor-parallel (mp_rank > 0) "
+                                      f"checkpoints are not supported; plain data-parallel ZeRO only")
     model_states = [load_ds_file(f) for f in model_files]
     optim_files = sorted(tag_dir.glob("*_optim_states.pt"), key=_natural_key)
     if not optim_files:
-        if model_states[0].get("optimizer") is not None and "state" not in model_states[0]["optimizer"]:
-            raise NotImplementedError(f"{tag_dir}: stage-0 fp16/bf16 optimizer wrapper checkpoints are not supported")
+        if model_states[0].get("optimizer") is None:
+            raise ValueError(f"{tag_dir}: no *_optim_states.pt and no `optimizer` in the model states: saved without "
+                             f"optimizer state, so only the `module` weights could be used")
         return DeepSpeedCheckpoint(tag_dir, 0, int(model_states[0].get("dp_world_size", 1)), model_states, [])
     optim_states = [load_ds_file(f)["optimizer_state_dict"] for f in optim_files]
     first = optim_states[0]
@@ -200,17 +205,19 @@ def _frozen_params(ckpt: DeepSpeedCheckpoint) -> dict:
 
 
 def fp32_state_dict(ckpt: DeepSpeedCheckpoint | str | Path, tag: str | None = None, *,
-                    include_module_params: bool = False) -> dict[str, torch.Tensor]:
-    """The consolidated weights, equal to DeepSpeed's zero_to_fp32 (same keys, dtypes and bits).
+                    include_module_params: bool = False, trainable_names: list[str] | None = None
+                    ) -> dict[str, torch.Tensor]:
+    """The consolidated weights, equal to DeepSpeed's zero_to_fp32 (same keys, dtypes and bits) for ZeRO 1-3.
 
     Like zero_to_fp32: buffers cast to float, frozen params in their saved 16-bit dtype, tied params aliased.
     include_module_params also adds params found only in `module` (stage 1 does not record frozen params).
+    Stage 0 (which zero_to_fp32 rejects): `module`, with the fp32 masters of a 16-bit run put in.
     """
     if not isinstance(ckpt, DeepSpeedCheckpoint):
         ckpt = read_checkpoint(ckpt, tag)
     meta = ckpt.meta
     if ckpt.stage == 0:
-        return _stage0_weights(ckpt)
+        return _stage0_weights(ckpt, trainable_names)
     out = {k: (v.float() if v.is_floating_point() else v)
            for k, v in meta["module"].items() if k in set(meta.get("buffer_names") or [])}
     out.update(_frozen_params(ckpt))
@@ -224,44 +231,112 @@ def fp32_state_dict(ckpt: DeepSpeedCheckpoint | str | Path, tag: str | None = No
     return out
 
 
-def _stage0_weights(ckpt: DeepSpeedCheckpoint) -> dict:
-    """Stage 0 (fp32 model, plain torch optimizer): `module` holds the weights themselves."""
-    module = ckpt.meta["module"]
-    if any(v.is_floating_point() and v.dtype != torch.float32 for v in module.values()):
-        raise NotImplementedError(f"{ckpt.tag_dir}: 16-bit stage-0 checkpoints keep fp32 masters in an optimizer "
-                                  f"wrapper format that is not supported; only fp32 stage 0 is")
-    return dict(module)
+# ---- stage 0: the whole model on every rank, a torch optimizer indexed by position ------------------------------
+# fp32: `optimizer` is the torch optimizer's state_dict. fp16/bf16: an FP16 optimizer wrapper whose
+# `optimizer_state_dict` is the torch one, with the fp32 masters per param (`fp32_groups`, unfused) or one flat
+# tensor per group (`fp32_groups_flat`, fused). Parameter names are not stored: the i-th optimizer param is the i-th
+# trainable parameter of the model. Without the model, they are matched to `module`'s tensors in order (tied
+# aliases skipped, frozen params skipped where the shapes tell them apart); pass trainable_names to be exact.
+
+def _stage0_parts(ckpt: DeepSpeedCheckpoint) -> tuple[dict, dict | None]:
+    opt = ckpt.meta["optimizer"]
+    return (opt["optimizer_state_dict"], opt) if "optimizer_state_dict" in opt else (opt, None)
 
 
-def _stage0_param_names(ckpt: DeepSpeedCheckpoint, n_states: int, trainable: list[str] | None) -> list[str]:
-    """Stage 0 stores the torch optimizer by index: map indices to unique module tensors in order, matching shapes."""
+def _module_params(ckpt: DeepSpeedCheckpoint) -> list[tuple[str, torch.Tensor]]:
+    """`module` entries that are parameters, tied aliases dropped (they share storage in the file)."""
+    buffers, seen, out = set(ckpt.meta.get("buffer_names") or []), set(), []
+    for k, v in ckpt.meta["module"].items():
+        key = (v.untyped_storage().data_ptr(), v.storage_offset())
+        if k in buffers or key in seen:
+            continue
+        seen.add(key)
+        out.append((k, v))
+    return out
+
+
+def _stage0_names(ckpt: DeepSpeedCheckpoint, shapes: list[torch.Size], trainable: list[str] | None) -> list[str]:
     if trainable is not None:
+        if len(trainable) != len(shapes):
+            raise ValueError(f"{ckpt.tag_dir}: {len(shapes)} optimizer params but {len(trainable)} trainable_names")
         return list(trainable)
-    opt_state = ckpt.meta["optimizer"]["state"]
-    seen, names = set(), []
-    candidates = [(k, v) for k, v in ckpt.meta["module"].items()
-                  if k not in set(ckpt.meta.get("buffer_names") or [])]
-    ci = 0
-    for idx in sorted(opt_state):
-        shape = opt_state[idx]["exp_avg"].shape
-        while ci < len(candidates) and (candidates[ci][1].untyped_storage().data_ptr() in seen
-                                        or candidates[ci][1].shape != shape):
-            ci += 1  # a tied alias or a frozen param: no optimizer state
+    candidates, names, ci = _module_params(ckpt), [], 0
+    for i, shape in enumerate(shapes):
+        while ci < len(candidates) and candidates[ci][1].shape != shape:
+            ci += 1  # a frozen param: no optimizer entry
         if ci == len(candidates):
-            raise ValueError(f"{ckpt.tag_dir}: cannot match stage-0 optimizer state {idx} {tuple(shape)} to a "
-                             f"parameter; pass trainable_names (the trainable parameter names in order)")
-        seen.add(candidates[ci][1].untyped_storage().data_ptr())
+            raise ValueError(f"{ckpt.tag_dir}: cannot match stage-0 optimizer param {i} {tuple(shape)} to a "
+                             f"parameter of `module`; pass trainable_names (the trainable parameter names in order)")
         names.append(candidates[ci][0])
         ci += 1
     return names
 
 
+def _stage0_masters(ckpt: DeepSpeedCheckpoint, trainable: list[str] | None) -> dict[str, torch.Tensor]:
+    """name -> fp32 master (16-bit runs) or the fp32 weight itself (fp32 runs)."""
+    torch_sd, wrapper = _stage0_parts(ckpt)
+    if wrapper is None:
+        names = _stage0_names(ckpt, [torch_sd["state"][i]["exp_avg"].shape for i in sorted(torch_sd["state"])],
+                              trainable)
+        module = dict(ckpt.meta["module"])
+        return {n: module[n] for n in names}
+    if "fp32_groups" in wrapper:
+        masters = [t for group in wrapper["fp32_groups"] for t in group]
+        names = _stage0_names(ckpt, [t.shape for t in masters], trainable)
+        return dict(zip(names, masters))
+    flats = wrapper["fp32_groups_flat"]  # fused: params of each group back to back
+    params = _module_params(ckpt)
+    if trainable is None and sum(f.numel() for f in flats) != sum(v.numel() for _, v in params):
+        raise ValueError(f"{ckpt.tag_dir}: a fused stage-0 checkpoint with frozen params: pass trainable_names")
+    shapes = {k: v.shape for k, v in params}
+    names = list(trainable) if trainable is not None else [k for k, _ in params]
+    out, it = {}, iter(names)
+    for flat in flats:
+        offset = 0
+        while offset < flat.numel():
+            name = next(it)
+            numel = math.prod(shapes[name])
+            out[name] = flat.narrow(0, offset, numel).view(shapes[name])
+            offset += numel
+    return out
+
+
+def _stage0_weights(ckpt: DeepSpeedCheckpoint, trainable: list[str] | None = None) -> dict:
+    module = ckpt.meta["module"]
+    out = {k: (v.float() if v.is_floating_point() else v) if k in set(ckpt.meta.get("buffer_names") or []) else v
+           for k, v in module.items()}
+    masters = _stage0_masters(ckpt, trainable)
+    for k, v in module.items():  # tied aliases follow their source
+        for name, master in masters.items():
+            if k != name and v.untyped_storage().data_ptr() == module[name].untyped_storage().data_ptr():
+                out[k] = master
+    out.update(masters)
+    return out
+
+
+def _stage0_adam(ckpt: DeepSpeedCheckpoint, trainable: list[str] | None) -> dict[str, dict]:
+    torch_sd, wrapper = _stage0_parts(ckpt)
+    masters = _stage0_masters(ckpt, trainable)
+    state = torch_sd["state"]
+    if wrapper is not None and "fp32_groups_flat" in wrapper:  # one flat state per group: split like the masters
+        out, names = {}, iter(masters)
+        for g in sorted(state):
+            offset = 0
+            while offset < state[g]["exp_avg"].numel():
+                name = next(names)
+                numel = masters[name].numel()
+                out[name] = {"step": state[g]["step"].clone(),
+                             **{k: state[g][k].narrow(0, offset, numel).view(masters[name].shape)
+                                for k in ("exp_avg", "exp_avg_sq")}}
+                offset += numel
+        return out
+    return {name: dict(state[idx]) for name, idx in zip(masters, sorted(state))}
+
+
 def adam_states(ckpt: DeepSpeedCheckpoint, trainable_names: list[str] | None = None) -> dict[str, dict]:
     """Per trainable parameter: {"step", "exp_avg", "exp_avg_sq"} (fp32, full shape), as torch.optim.Adam(W) keeps."""
     if ckpt.stage == 0:
-        state = ckpt.meta["optimizer"]["state"]
-        names = _stage0_param_names(ckpt, len(state), trainable_names)
-        return {name: dict(state[idx]) for name, idx in zip(names, sorted(state))}
+        return _stage0_adam(ckpt, trainable_names)
     if ckpt.stage == 3:
         inner = [os_["optimizer_state_dict"]["state"] for os_ in ckpt.optim_states]
     else:
@@ -282,7 +357,7 @@ def adam_states(ckpt: DeepSpeedCheckpoint, trainable_names: list[str] | None = N
 def param_groups(ckpt: DeepSpeedCheckpoint) -> list[dict]:
     """Optimizer hyperparameters per DeepSpeed param group (lr, betas, eps, weight_decay, ...), without `params`."""
     if ckpt.stage == 0:
-        groups = ckpt.meta["optimizer"]["param_groups"]
+        groups = _stage0_parts(ckpt)[0]["param_groups"]
     elif ckpt.stage == 3:
         groups = ckpt.optim_states[0]["optimizer_state_dict"]["param_groups"]
     else:
@@ -292,8 +367,12 @@ def param_groups(ckpt: DeepSpeedCheckpoint) -> list[dict]:
 
 def loss_scaler_state(ckpt: DeepSpeedCheckpoint) -> dict | None:
     """fp16 dynamic loss scaler attributes (cur_scale, cur_iter, last_overflow_iter, ...) or None."""
-    if not ckpt.optim_states:
-        return None
+    if ckpt.stage == 0:  # the FP16 wrapper keeps the scaler's fields itself
+        wrapper = _stage0_parts(ckpt)[1] or {}
+        if not wrapper.get("dynamic_loss_scale") and wrapper.get("cur_scale", 1.0) == 1.0:
+            return None
+        keys = ("cur_scale", "cur_iter", "last_overflow_iter", "scale_factor", "scale_window")
+        return {"dynamic": bool(wrapper.get("dynamic_loss_scale")), **{k: wrapper[k] for k in keys if k in wrapper}}
     scaler = ckpt.optim_states[0].get("loss_scaler")
     if scaler is None or not getattr(scaler, "dynamic", False) and getattr(scaler, "cur_scale", 1.0) == 1.0:
         return None
@@ -313,7 +392,7 @@ def training_state(ds_dir: str | Path, tag: str | None = None, trainable_names: 
     meta = ckpt.meta
     return {
         "stage": ckpt.stage, "world_size": ckpt.world_size, "tag": ckpt.tag_dir.name,
-        "weights": fp32_state_dict(ckpt, include_module_params=True),
+        "weights": fp32_state_dict(ckpt, include_module_params=True, trainable_names=trainable_names),
         "adam": adam_states(ckpt, trainable_names),
         "param_groups": param_groups(ckpt),
         "loss_scaler": loss_scaler_state(ckpt),

@@ -7,6 +7,8 @@ optimizer steps on every `gradient_accumulation_steps`-th call.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -40,6 +42,13 @@ class Engine(nn.Module):
         self._step_applied = False
         self.timers = Timers(plan.batch.wall_clock_breakdown, device.type)
         self._printer = StepPrinter(plan.batch.steps_per_print, self.timers)
+        # bf16 overflow checks without a host sync: the optimizer skips on the device, the host learns the verdict
+        # one step later (see _settle). fp16 needs the verdict at once (the next loss scale depends on it).
+        self._defer_verdict = (checks_overflow(plan) and scaler is None
+                               and getattr(path, "can_skip_on_device", lambda: False)()
+                               and (lr_scheduler is None or hasattr(lr_scheduler, "rewind"))
+                               and os.environ.get("FSDPZERO_SYNC_OVERFLOW_CHECK") != "1")
+        self._verdict: DeferredVerdict | None = None
 
     # -- DeepSpeed accessors -----------------------------------------------------------------------------------
     def train_micro_batch_size_per_gpu(self) -> int:
@@ -71,7 +80,18 @@ class Engine(nn.Module):
 
     @property
     def was_step_applied(self) -> bool:
+        self._settle()
         return self._step_applied
+
+    def _settle(self) -> None:
+        """Account for a deferred overflow verdict: a skipped step is counted and the scheduler's optimistic step
+        undone, as if the skip had been known at once (DeepSpeed: no scheduler step on an overflow step)."""
+        verdict, self._verdict = self._verdict, None
+        if verdict is not None and verdict.overflowed():
+            self.skipped_steps += 1
+            self._step_applied = False
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.rewind()
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -102,8 +122,11 @@ class Engine(nn.Module):
             self.timers.start("step")
             self._boundary_step()
             self.timers.stop("step")
-            self._last_loss = self._loss_sum / self.gradient_accumulation_steps()
+            if self._loss_sum is not None:
+                self._last_loss = self._loss_sum / self.gradient_accumulation_steps()
             self._loss_sum = None
+            if self._printer.due(self.global_steps):
+                self._settle()                   # the printed skip count and lr are final (it syncs anyway)
             self._printer.maybe_print(step=self.global_steps, skipped=self.skipped_steps,
                                       samples=self.global_samples, loss=self._last_loss, lr=self.get_lr(),
                                       grad_norm=self._grad_norm, loss_scale=self.get_loss_scale())
@@ -112,11 +135,24 @@ class Engine(nn.Module):
 
     def _boundary_step(self) -> None:
         path, scale = self.grad_path, self.get_loss_scale()
+        self._settle()
         path.finish_gradients()
         norm = path.grad_norm()                  # collective: the same value on every rank
         if scale != 1.0:
             norm = norm / scale
         self._grad_norm = norm
+        if self._defer_verdict:
+            found_inf = (~torch.isfinite(norm)).float()
+            path.scale_grads_(clip_factor(norm, self.plan.batch.gradient_clipping))
+            path.step(found_inf=found_inf)       # a no-op on the device where found_inf is 1
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()         # optimistic; _settle rewinds it if the step overflowed
+            self._verdict = DeferredVerdict(found_inf)
+            path.zero_grad()
+            self._step_applied = True
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            return
         # the skip decision needs the norm on the host (one sync); without overflow checks nothing waits
         overflow = checks_overflow(self.plan) and not bool(torch.isfinite(norm))
         if overflow:
@@ -141,6 +177,7 @@ class Engine(nn.Module):
 
     # -- state for checkpoints ---------------------------------------------------------------------------------
     def client_state(self) -> dict:
+        self._settle()
         """The engine's own counters plus the scheduler/scaler state (the checkpoint layer saves these)."""
         return {"global_steps": self.global_steps, "global_samples": self.global_samples,
                 "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps,
@@ -149,20 +186,21 @@ class Engine(nn.Module):
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, **options):
         """DeepSpeed's signature; options: keep_last, async_save (see fsdpzero.checkpoint)."""
-        from fsdpzero.checkpoint import save_engine
+        from fsdpzero.engine_checkpoint import save_engine
         return save_engine(self, save_dir, tag, client_state, save_latest, **options)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
                         load_module_only=False):
         """-> (path, client_state); (None, None) when there is nothing to load, as DeepSpeed."""
-        from fsdpzero.checkpoint import load_engine
+        from fsdpzero.engine_checkpoint import load_engine
         return load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
 
     def save_16bit_model(self, save_dir, save_filename="model.safetensors", exclude_frozen_parameters=False):
         """Consolidated weights in the compute dtype for from_pretrained (see fsdpzero.export)."""
         from fsdpzero.export import save_16bit_model
         dtype = getattr(torch, self.plan.precision.param_dtype)
-        return save_16bit_model(self.module, save_dir, dtype=None if dtype == torch.float32 else dtype)
+        return save_16bit_model(self.module, save_dir, dtype=None if dtype == torch.float32 else dtype,
+                                filename=save_filename, exclude_frozen_parameters=exclude_frozen_parameters)
 
     def load_client_state(self, state: dict) -> None:
         for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
@@ -171,3 +209,22 @@ class Engine(nn.Module):
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         if self.loss_scaler is not None and state.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
+
+
+class DeferredVerdict:
+    """A 0-dim overflow flag copied to the host without waiting: read it later, when the GPU is long past it."""
+
+    def __init__(self, found_inf: torch.Tensor):
+        self.event = None
+        if found_inf.is_cuda:
+            self.flag = torch.empty((), dtype=found_inf.dtype, pin_memory=True)
+            self.flag.copy_(found_inf, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.flag = found_inf
+
+    def overflowed(self) -> bool:
+        if self.event is not None:
+            self.event.synchronize()
+        return bool(self.flag)

@@ -47,14 +47,17 @@ def plan_shards(sizes: Iterable[tuple[str, int]], max_shard_bytes: int) -> list[
 
 
 def write_sharded(out_dir: str | Path, names_sizes: list[tuple[str, int]], load: Callable[[list[str]], dict], *,
-                  max_shard_size: int | str = "5GB") -> list[Path]:
+                  max_shard_size: int | str = "5GB", filename: str = WEIGHTS_NAME) -> list[Path]:
     """Write tensors shard by shard; `load(names) -> {name: tensor}` is called once per shard (bounded memory)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     shards = plan_shards(names_sizes, parse_size(max_shard_size))
-    files = ([WEIGHTS_NAME] if len(shards) == 1 else
+    if not filename.endswith(".safetensors"):
+        raise ValueError(f"filename={filename!r}: fsdpzero writes safetensors (DeepSpeed's default "
+                         f"pytorch_model.bin is a pickle); use a name ending in .safetensors")
+    files = ([filename] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    for stale in list(out_dir.glob("model-*-of-*.safetensors")) + [out_dir / WEIGHTS_NAME, out_dir / INDEX_NAME]:
+    for stale in list(out_dir.glob("model-*-of-*.safetensors")) + [out_dir / filename, out_dir / INDEX_NAME]:
         if stale.name not in files:
             stale.unlink(missing_ok=True)  # a previous export with another shard count
     weight_map = {}
@@ -85,25 +88,27 @@ def drop_tied_duplicates(state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 
 
 def save_state_dict(state: dict[str, torch.Tensor], out_dir: str | Path, *, dtype: torch.dtype | None = None,
-                    max_shard_size: int | str = "5GB") -> list[Path]:
+                    max_shard_size: int | str = "5GB", filename: str = WEIGHTS_NAME) -> list[Path]:
     """A full (unsharded) state dict -> safetensors files in out_dir."""
     state = drop_tied_duplicates(state)
     cast = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in state.items()}
     sizes = [(k, v.numel() * v.element_size()) for k, v in cast.items()]
-    return write_sharded(out_dir, sizes, lambda names: {k: cast[k] for k in names}, max_shard_size=max_shard_size)
+    return write_sharded(out_dir, sizes, lambda names: {k: cast[k] for k in names}, max_shard_size=max_shard_size,
+                         filename=filename)
 
 
 def save_16bit_model(model: torch.nn.Module, save_dir: str | Path, *, dtype: torch.dtype | None = torch.bfloat16,
-                     max_shard_size: int | str = "5GB") -> Path | None:
+                     max_shard_size: int | str = "5GB", filename: str = WEIGHTS_NAME,
+                     exclude_frozen_parameters: bool = False) -> Path | None:
     """Gather the (sharded) model and write it for from_pretrained; collective. Returns save_dir on rank 0."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         first: dict[int, str] = {}  # the gathered copies of tied params are distinct tensors: drop by model aliasing
         for name, p in model.named_parameters(remove_duplicate=False):
-            if first.setdefault(id(p), name) != name:
+            if first.setdefault(id(p), name) != name or (exclude_frozen_parameters and not p.requires_grad):
                 full.pop(name, None)
-        save_state_dict(full, save_dir, dtype=dtype, max_shard_size=max_shard_size)
+        save_state_dict(full, save_dir, dtype=dtype, max_shard_size=max_shard_size, filename=filename)
         config = getattr(model, "config", None)
         if hasattr(config, "save_pretrained"):
             config.save_pretrained(save_dir)

@@ -88,13 +88,15 @@ FATES: dict[str, tuple[str, str]] = {
     _Z + "stage": (M, "ShardPlan.stage"),
     _Z + "contiguous_gradients": (N, "FSDP2 always reduce-scatters flat per-group gradient buffers"),
     _Z + "reduce_scatter": (N, "FSDP2 always reduce-scatters"),
-    _Z + "reduce_bucket_size": (M, "ShardPlan.reduce_bucket_size (elements): bucket of the stage 0/1 all-reduce; "
-                                   "at stages 2/3 FSDP2 reduces per wrapped block"),
+    _Z + "reduce_bucket_size": (M, "ShardPlan.reduce_bucket_size (elements): bucket of the stage-0 all-reduce and "
+                                   "of the stage-1 reduce-scatter (ops/stage1.py); at stages 2/3 FSDP2 reduces per "
+                                   "wrapped block"),
     _Z + "use_multi_rank_bucket_allreduce": (N, "FSDP2 buckets per wrapped block"),
     _Z + "allgather_partitions": (N, "FSDP2 always all-gathers"),
     _Z + "allgather_bucket_size": (M, "ShardPlan.allgather_bucket_size: post-step all-gather bucket of the "
                                       "stage-1 optimizer (ops stage1)"),
-    _Z + "overlap_comm": (N, "FSDP2 always overlaps communication on separate streams"),
+    _Z + "overlap_comm": (N, "FSDP2 always overlaps communication on separate streams; at stage 1 it starts the "
+                             "reduce-scatter buckets from backward hooks (ops/stage1.py)"),
     _Z + "compute_grad_norm": (N, "the grad norm is always computed (clipping, overflow check)"),
     _Z + "load_from_fp32_weights": (M, "checkpoint load restores fp32 masters from DCP (always true)"),
     _Z + "elastic_checkpoint": (N, "DCP reshards natively on load"),
@@ -244,6 +246,39 @@ for _k in ("topk_ratio", "select_strategy", "select_interval", "update_interval"
     FATES[_Z + "zenflow." + _k] = (N, "part of the zenflow section (its fate is the section's)")
 
 UNKNOWN_FATE = (N, "unknown to DeepSpeed, ignored as DeepSpeed does")
+
+# Where the value changes the fate (decide() below), in words for docs/migration.md.
+WHEN = {
+    _Z + "stage": "0: replicated params, all-reduced grads; 1: ops stage1; 2/3: fully_shard per block + root",
+    _Z + "zero_hpz_partition_size": "k > 1 at stage 3: reshard_after_forward=k (k must divide the world size)",
+    _Z + "mics_shard_size": "k > 0: HSDP mesh (world/k, k) ('replicate', 'shard'); removed from DeepSpeed 0.19.8",
+    _Z + "zero_quantized_weights": "true: approximated (full-precision all-gather)",
+    _Z + "zero_quantized_gradients": "true: approximated (full-precision reduce-scatter)",
+    _Z + "zero_quantized_nontrainable_weights": "true: unsupported",
+    _Z + "legacy_stage1": "true: unsupported",
+    _Z + "reduce_bucket_size": "stages 2/3: noop (the wrapped block is the unit)",
+    _Z + "allgather_bucket_size": "stages 0/2/3: noop",
+    _Z + "sub_group_size": "without optimizer offload: noop",
+    _OP + "device": "cpu: CPUOffloadPolicy; nvme: ops aio parameter swapper",
+    _OO + "device": "cpu: ops cpuadam; nvme: ops aio swapper + cpuadam",
+    _OO + "ratio": "< 1: approximated (everything offloaded)",
+    _OO + "super_offload": "true: approximated (regular CPU offload)",
+    "optimizer.type": "Adam -> 'adamw' unless adam_w_mode false; OneBitAdam/ZeroOneAdam/OneBitLamb, Lion, "
+                      "MuAdam/MuAdamW/MuSGD, Muon: unsupported",
+    "gradient_allreduce_op": "sum: unsupported",
+    "managed_gradient_accumulation": "false: unsupported",
+    "sequence_parallel_size": "> 1: unsupported",
+    "tensor_parallel.autotp_size": "> 1: unsupported",
+    "compile.deepcompile": "true: unsupported",
+    "hybrid_engine.enabled": "true: unsupported",
+    "data_efficiency": "enabled: unsupported",
+    "datastates": "enabled: unsupported",
+    "activation_checkpointing.partition_activations": "true: approximated",
+    "fp16.enabled": "false: noop (and every other fp16 key)",
+    "bf16.enabled": "false: noop (and every other bf16 key)",
+    "pipeline": "absent: noop", "expert_parallel": "absent: noop", "weight_quantization": "absent: noop",
+    _Z + "zenflow": "absent: noop",
+}
 
 
 def decide(path: str, value: Any, cfg: "DSConfig", env: "Env") -> tuple[str, str]:

@@ -75,8 +75,11 @@ class StepPrinter:
         self._t0 = time.perf_counter()
         self._samples0 = 0
 
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0
+
     def maybe_print(self, *, step: int, skipped: int, samples: int, loss, lr, grad_norm, loss_scale) -> None:
-        if not self.every or step % self.every:
+        if not self.due(step):
             return
         now = time.perf_counter()
         rate = (samples - self._samples0) / max(now - self._t0, 1e-9)

@@ -69,8 +69,8 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
 def evaluate(args: argparse.Namespace, path: str) -> tuple[int, dict]:
     """The migrate result as the --json object, and the exit status."""
     from fsdpzero.translate import translate
-    result: dict[str, Any] = {"config": str(path), "ok": False, "errors": [], "decisions": [], "plan": None, "warnings": [],
-                              "compat_version": COMPAT_VERSION}
+    result: dict[str, Any] = {"config": str(path), "ok": False, "errors": [], "decisions": [], "plan": None,
+                              "warnings": [], "compat_version": COMPAT_VERSION}
     env = Env(world_size=args.world_size, nodes=args.nodes, device_type=args.device)
     try:
         ctx = _parse_set(args.set)
@@ -220,9 +220,15 @@ drops it silently), or is an error with `--strict`.
 
 ## 4. Leaving fsdpzero
 
-`fsdpzero migrate CONFIG --emit yaml` prints a Hydra experiment file for `recipes/train_lm.py`
-(`# @package _global_`, `ds_config:` set to the resolved config); `--emit python` prints a short native FSDP2
-script (`fully_shard`, `MixedPrecisionPolicy`, accumulation with `set_requires_gradient_sync`, clipping).
+`fsdpzero migrate CONFIG --emit yaml` prints a Hydra experiment file for `recipes/train_lm.py`: save it as
+`conf/experiment/NAME.yaml` and run `python recipes/train_lm.py experiment=NAME`. It is a `# @package _global_`
+file that points the recipes' zero/precision/monitor groups at neutral choices, replaces the optim/ and sched/
+groups with your optimizer and scheduler, and sets `ds_config:` to the rest of your resolved config, so the
+composed `ds_config` gives the same plan as your file (a test composes it with Hydra and compares). Written into
+the file when they apply: without a scheduler or optimizer the recipe's are used; optimizers other than
+Adam/AdamW also receive the recipe's betas/eps (use `recipes/train_lm.py ds_config=FILE` for those).
+`--emit python` prints a short native FSDP2 script (`fully_shard`, `MixedPrecisionPolicy`, accumulation with
+`set_requires_gradient_sync`, clipping): the way off fsdpzero, too.
 
 ## 5. `--json`
 
@@ -239,14 +245,23 @@ One object per config (a list for several configs), a stable contract:
 Defaults are DeepSpeed {version}'s. Where the value changes the fate (a feature switched on, a stage), the table
 gives the usual case and `fsdpzero migrate` shows the actual one.
 
-| key | fate | how |
-|---|---|---|
+| key | DeepSpeed default | fate | how; where the value changes it |
+|---|---|---|---|
 """
 
 
 def render_migration_doc() -> str:
-    from fsdpzero.fates import FATES
-    rows = [f"| `{k}` | {s} | {d.replace('|', '/')} |" for k, (s, d) in sorted(FATES.items())]
+    from pydantic import BaseModel
+
+    from fsdpzero.config.load import default_at
+    from fsdpzero.fates import FATES, WHEN
+
+    def default(key: str) -> str:
+        d = default_at(tuple(key.split(".")))
+        return "" if isinstance(d, (BaseModel, dict, list)) else f"`{json.dumps(d)}`"
+
+    rows = [f"| `{k}` | {default(k)} | {s} | {d.replace('|', '/')}" + (f"; {WHEN[k]}" if k in WHEN else "") + " |"
+            for k, (s, d) in sorted(FATES.items())]
     return GUIDE.format(version=COMPAT_VERSION) + "\n".join(rows) + "\n"
 
 

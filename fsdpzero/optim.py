@@ -81,10 +81,10 @@ GRAD_PATHS = {
 
 
 def grad_path_kind(plan: Plan) -> str:
+    if plan.shard.stage == 1:
+        return "stage1"    # the stage-1 path reduces gradients itself, and offloads its own shards (cpu)
     if plan.offload.optimizer_device != "none":
         return "offload"
-    if plan.shard.stage == 1:
-        return "stage1"
     return "fsdp"
 
 
@@ -127,8 +127,11 @@ class FSDPGradPath:
         if grads:
             torch._foreach_mul_(grads, factor)
 
-    def step(self) -> None:
-        self.optimizer.step()
+    def can_skip_on_device(self) -> bool:
+        return skips_on_device(self.optimizer)
+
+    def step(self, found_inf: torch.Tensor | None = None) -> None:
+        step_unless(self.optimizer, found_inf)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -140,6 +143,24 @@ class FSDPGradPath:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
         set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Fused torch Adam/AdamW/SGD read a `found_inf` tensor and skip the whole update on the device (they also undo
+    their step count), so an overflow verdict needs no host sync before the step."""
+    return bool(optimizer.defaults.get("fused")) and isinstance(optimizer, (torch.optim.Adam, torch.optim.SGD))
+
+
+def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None = None) -> None:
+    """optimizer.step(), skipped on the device where the 0-dim `found_inf` is 1.0 (see skips_on_device)."""
+    if found_inf is None:
+        optimizer.step()
+        return
+    optimizer.found_inf = found_inf
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -292,9 +313,11 @@ class AdamNoBiasCorrection(torch.optim.Optimizer):
         return loss
 
 
-def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor | float:
+def clip_factor(norm: torch.Tensor | float, max_norm: float) -> torch.Tensor | float:
     """DeepSpeed / torch clipping coefficient max_norm / (norm + 1e-6), never above 1 (1.0 when clipping is off).
-    Kept on the device: no host sync."""
+    A tensor norm gives a tensor (stays on the device: no host sync); a float norm gives a float."""
     if max_norm <= 0:
         return 1.0
-    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    if isinstance(norm, torch.Tensor):
+        return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    return min(1.0, max_norm / (norm + 1e-6))

@@ -85,6 +85,16 @@ class DeepSpeedSchedule(LRScheduler):
         self.last_epoch = self.last_epoch + 1 if last_batch_iteration is None else last_batch_iteration
         self._write(self.get_lr())
 
+    def rewind(self) -> None:
+        """Undo the last step (the engine stepped optimistically and later learned that the step overflowed)."""
+        self._step_count -= 1
+        if self.last_epoch > 0:
+            self.step(self.last_epoch - 1)
+            self._step_count -= 1
+        else:
+            self.last_epoch = -1
+            self._write(self.initial_lrs())
+
     def _write(self, lrs: Sequence[float]) -> None:
         for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
             if isinstance(group["lr"], torch.Tensor):   # tensor lrs (capturable/fused optimizers) stay tensors
@@ -276,6 +286,12 @@ class OneCycle(DeepSpeedSchedule):
             return list(self.max_moms)
         factor = 1 + self.decay_mom_rate * ((t - self.total_size + 1) / self.decay_step_size)
         return [hi * factor for hi in self.max_moms]
+
+    def rewind(self) -> None:
+        super().rewind()
+        if self.cycle_momentum and self.last_epoch == -1:
+            for group, mom in zip(self.optimizer.param_groups, self.min_moms):
+                group["betas"] = (mom, 0.99)
 
     def step(self, last_batch_iteration: int | None = None) -> None:
         super().step(last_batch_iteration)

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from fsdpzero.activation import checkpoint_blocks
+from fsdpzero.activation import apply_checkpointing
 from fsdpzero.plan import Plan
 
 log = logging.getLogger("fsdpzero")
@@ -104,14 +104,12 @@ def shard_model(model: nn.Module, plan: Plan, mesh: DeviceMesh, mp_policy: Mixed
                 device_type: str = "cpu", block_classes=None, block_predicate: BlockPredicate | None = None,
                 ) -> tuple[nn.Module, list[nn.Module]]:
     """Apply the plan's stage to `model` in place. Returns (model, the blocks sharded one by one)."""
-    if plan.shard.stage == 1 and plan.offload.optimizer_device == "none":   # stage 1 + offload: stage-2 layout
-        if plan.activation_checkpointing.enabled:
-            checkpoint_blocks(find_blocks(model, block_classes, block_predicate),
-                              cpu_offload=plan.activation_checkpointing.cpu_checkpointing)
-        return model, []
     blocks = find_blocks(model, block_classes, block_predicate)
     if plan.activation_checkpointing.enabled:
-        checkpoint_blocks(blocks, cpu_offload=plan.activation_checkpointing.cpu_checkpointing)
+        how = apply_checkpointing(model, blocks, cpu_offload=plan.activation_checkpointing.cpu_checkpointing)
+        log.info("fsdpzero: activation checkpointing on %s (%s)", type(model).__name__, how)
+    if plan.shard.stage == 1:
+        return model, []
     shard_size = mesh.size(mesh.ndim - 1)
     raf = reshard_policy(plan, shard_size)
     offload = offload_policy(plan, device_type)
@@ -171,7 +169,10 @@ def materialize(model: nn.Module, device: torch.device, full_state_dict: dict | 
             fresh = type(m)(m.config)
         for n in names:
             setattr(m, n, getattr(fresh, n).to(device))
-    if full_state_dict is not None:
+    if full_state_dict is None:
+        log.warning("fsdpzero: %s was built on the meta device and no full_state_dict was given: its parameters "
+                    "are uninitialised memory until a checkpoint is loaded", type(model).__name__)
+    else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         set_model_state_dict(model, full_state_dict,
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

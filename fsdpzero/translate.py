@@ -11,7 +11,7 @@ from typing import Any, Mapping
 from pydantic import BaseModel
 
 from fsdpzero.config import ConfigError, DSConfig, Problem, load_config, resolve_batch
-from fsdpzero.config.load import _model_of
+from fsdpzero.config.load import model_of
 from fsdpzero.config.rules import SCHEDULERS, optimizer_kind
 from fsdpzero.fates import UNKNOWN_FATE, decide
 from fsdpzero.plan import (ActivationCheckpointPlan, AioPlan, BatchPlan, CheckpointPlan, Decision, Env,
@@ -42,6 +42,11 @@ def translate(cfg: DSConfig, env: Env) -> Plan:
                                   f"{z.mics_shard_size} does not divide the world size {W}",
                                   "use a divisor of the world size, e.g. the GPUs per node "
                                   f"({env.ranks_per_node})"))
+    hpz = z.zero_hpz_partition_size
+    if z.stage == 3 and hpz > 1 and (W % hpz or hpz > W):
+        raise ConfigError(Problem("zero_optimization.zero_hpz_partition_size",
+                                  f"{hpz} does not divide the world size {W} (FSDP2's reshard_after_forward=int "
+                                  "needs a divisor)", f"use the GPUs per node ({env.ranks_per_node}) or 1"))
     plan = Plan(env=env, shard=_shard(cfg, env), precision=_precision(cfg), offload=_offload(cfg),
                 optimizer=_optimizer(cfg), scheduler=_scheduler(cfg),
                 batch=BatchPlan(train_batch_size=train, micro_batch_size=micro, gradient_accumulation_steps=ga,
@@ -190,7 +195,7 @@ def schema_paths(model: type[BaseModel] = DSConfig, prefix: str = "") -> tuple[s
     for name, f in model.model_fields.items():
         key = prefix + (f.alias or name)
         out.append(key)
-        sub = _model_of(f.annotation)
+        sub = model_of(f.annotation)
         if sub is not None:
             out += schema_paths(sub, key + ".")
     return tuple(out)
@@ -208,7 +213,7 @@ def _canonical(path: str) -> tuple[str, bool]:
         if hit is None:
             return path, False
         out.append(hit[1].alias or hit[0])
-        model = _model_of(hit[1].annotation) or hit[1].annotation
+        model = model_of(hit[1].annotation) or hit[1].annotation
     return ".".join(out), True
 
 
@@ -230,14 +235,16 @@ def _defaulted(cfg: DSConfig) -> list[str]:
     of each section present in the config (or always present: zero_optimization, fp16, bf16)."""
     out = []
     for name, f in DSConfig.model_fields.items():
-        if _model_of(f.annotation) is None:
+        if model_of(f.annotation) is None:
             out.append(f.alias or name)
     for section in ("zero_optimization", "fp16", "bf16", *[k for k in cfg.raw if k in DSConfig.model_fields]):
-        sub = _model_of(DSConfig.model_fields[section].annotation)
+        sub = model_of(DSConfig.model_fields[section].annotation)
         if sub is None:
             continue
         for p in schema_paths(sub, section + "."):
             parent = p.rsplit(".", 1)[0]
+            if parent in _FREE_FORM:
+                continue                            # the section is one row
             if parent == section or _value(cfg, parent) is not None:
                 out.append(p)
     return list(dict.fromkeys(out))
@@ -249,7 +256,7 @@ def decisions(cfg: DSConfig, env: Env) -> list[Decision]:
     autos = cfg.autos
     unknown = cfg.unknown_keys
     for path in cfg.explicit_keys:
-        if not _is_row(cfg, path) or path.rsplit(".", 1)[-1] in cfg.deferred and path.startswith("scheduler."):
+        if not _is_row(cfg, path):
             continue
         canon, known = _canonical(path)
         if path in unknown or not known:

@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import collections
 import logging
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .stage1_state import load_logical_state_dict, logical_state_dict
 
 __all__ = ["Stage1Optimizer"]
 
@@ -81,6 +84,7 @@ class _FlatGroup:
     master: torch.Tensor
     reduce_runs: list[_Run] = field(default_factory=list)
     gather_runs: list[_Run] = field(default_factory=list)
+    grad_cache: torch.Tensor | None = None   # pinned CPU master grad kept between steps (offload only)
 
 
 def _runs(slots: list[_Slot], bucket_elements: int, world: int) -> list[_Run]:
@@ -163,7 +167,7 @@ class Stage1Optimizer(torch.optim.Optimizer):
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  reduce_bucket_size: int = 500_000_000, allgather_bucket_size: int = 500_000_000,
                  overlap_comm: bool = False, max_grad_norm: float = 0.0, check_overflow: bool = True,
-                 reduce_op: str = "reduce_scatter"):
+                 reduce_op: str = "reduce_scatter", master_device: torch.device | str | None = None):
         if reduce_op not in ("reduce_scatter", "all_reduce"):
             raise ValueError(f"reduce_op={reduce_op!r}: use 'reduce_scatter' (default) or 'all_reduce' (reference)")
         for key, value in (("reduce_bucket_size", reduce_bucket_size), ("allgather_bucket_size", allgather_bucket_size)):
@@ -174,6 +178,9 @@ class Stage1Optimizer(torch.optim.Optimizer):
         self.world = dist.get_world_size(self.group) if distributed else 1
         self.rank = dist.get_rank(self.group) if distributed else 0
         self.reduce_dtype, self.reduce_op = reduce_dtype, reduce_op
+        # offload_optimizer: masters, their grads and the optimizer state on `master_device` (the CPU); collectives
+        # and the packing stay on the parameters' device
+        self.master_device = torch.device(master_device) if master_device is not None else None
         self.max_grad_norm, self.check_overflow = float(max_grad_norm or 0.0), check_overflow
         self.overlap_comm, self._sync = overlap_comm, False
         self.last_grad_norm: torch.Tensor | None = None   # unscaled, pre-clip global norm at the last step()
@@ -257,8 +264,8 @@ class Stage1Optimizer(torch.optim.Optimizer):
             local = max(0, min(chunk, n - self.rank * chunk))
             slots.append(_Slot(name, p, n, chunk, offset, local))
             offset += chunk
-        device = slots[0].param.device
-        master = torch.zeros(offset, dtype=torch.float32, device=device)
+        self.comm_device = slots[0].param.device
+        master = torch.zeros(offset, dtype=torch.float32, device=self.master_device or self.comm_device)
         with torch.no_grad():
             for s in slots:
                 start = self.rank * s.chunk
@@ -292,24 +299,32 @@ class Stage1Optimizer(torch.optim.Optimizer):
         master_grad = self._master_grad(fg)
         out = master_grad[run.lo: run.hi]
         dtype = self.reduce_dtype or fg.dtype
-        if self.world == 1:  # no communication: pack (and cast) straight into the master gradient
+        if self.world == 1 and out.device == self.comm_device:  # no communication: pack straight into the master grad
             for s in run.slots:
                 _pack(out[s.offset - run.lo: s.offset - run.lo + s.chunk].view(1, -1), self._flat_grad(s), 1.0)
                 s.param.grad = None
             return
         # the mean over ranks is taken before the sum (exact for power-of-two worlds; keeps fp16 sums in range)
-        buf = torch.empty(self.world, run.hi - run.lo, dtype=dtype, device=out.device)
+        buf = torch.empty(self.world, run.hi - run.lo, dtype=dtype, device=self.comm_device)
         for s in run.slots:
             _pack(buf[:, s.offset - run.lo: s.offset - run.lo + s.chunk], self._flat_grad(s), 1.0 / self.world)
             s.param.grad = None
+        if self.world == 1:   # offloaded master on one rank: no collective, only the copy to the master's device
+            self._inflight.append((fg, run, None, buf, buf[0]))
+            return
         while len(self._inflight) >= 2:
             self._finish_reduce(*self._inflight.popleft())
+        if self.reduce_op == "reduce_scatter":
+            recv = out if dtype == out.dtype and out.device == buf.device else torch.empty_like(buf[0])
+            try:
+                work = _reduce_scatter(recv, buf.view(-1), self.group, async_op=True)
+            except (RuntimeError, NotImplementedError) as exc:   # a backend without reduce-scatter
+                warnings.warn(f"fsdpzero stage 1: reduce-scatter failed ({exc}); using all-reduce + slice (1.5x "
+                              "the gradient traffic) from now on", RuntimeWarning, stacklevel=2)
+                self.reduce_op = "all_reduce"
         if self.reduce_op == "all_reduce":  # reference design: everyone gets the whole sum, keeps its row
             work = dist.all_reduce(buf, group=self.group, async_op=True)
             recv = buf[self.rank]
-        else:
-            recv = out if dtype == out.dtype else torch.empty(run.hi - run.lo, dtype=dtype, device=out.device)
-            work = _reduce_scatter(recv, buf.view(-1), self.group, async_op=True)
         self._inflight.append((fg, run, work, buf, recv))
 
     @staticmethod
@@ -319,8 +334,13 @@ class Stage1Optimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _master_grad(fg: _FlatGroup) -> torch.Tensor:
+        """Allocated at the boundary, freed after the step; offloaded to the CPU it is kept, pinned (fast D2H)."""
         if fg.master.grad is None:
-            fg.master.grad = torch.empty_like(fg.master)
+            if fg.master.device.type == "cpu" and torch.cuda.is_available():
+                fg.grad_cache = fg.grad_cache if fg.grad_cache is not None else torch.empty_like(fg.master).pin_memory()
+                fg.master.grad = fg.grad_cache
+            else:
+                fg.master.grad = torch.empty_like(fg.master)
         return fg.master.grad
 
     def reduce_gradients(self) -> None:
@@ -336,7 +356,8 @@ class Stage1Optimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _finish_reduce(fg: _FlatGroup, run: _Run, work, _buf: torch.Tensor, recv: torch.Tensor) -> None:
-        work.wait()   # NCCL: the current stream waits, the host does not; the buffer is then safe to free
+        if work is not None:
+            work.wait()   # NCCL: the current stream waits, the host does not; the buffer is then safe to free
         out = fg.master.grad[run.lo: run.hi]
         if recv.data_ptr() != out.data_ptr():
             out.copy_(recv)
@@ -349,6 +370,7 @@ class Stage1Optimizer(torch.optim.Optimizer):
         sq = torch.zeros((), dtype=torch.float32, device=self.flat_groups[0].master.device)
         for fg in self.flat_groups:
             sq = sq + torch.linalg.vector_norm(fg.master.grad).square()
+        sq = sq.to(self.comm_device)
         if self.world > 1:
             dist.all_reduce(sq, group=self.group)
         return sq.sqrt()
@@ -356,7 +378,10 @@ class Stage1Optimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def scale_grads_(self, factor: torch.Tensor | float) -> None:
         """Shard gradients *= factor (unscale by the loss scale and clip, in one pass)."""
-        torch._foreach_mul_([fg.master.grad for fg in self.flat_groups], factor)
+        grads = [fg.master.grad for fg in self.flat_groups]
+        if torch.is_tensor(factor):
+            factor = factor.to(grads[0].device)
+        torch._foreach_mul_(grads, factor)
 
     @torch.no_grad()
     def update_params(self) -> None:
@@ -396,6 +421,11 @@ class Stage1Optimizer(torch.optim.Optimizer):
                 s.param.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        for _fg, _run, work, _buf, _recv in self._inflight:   # reductions started from hooks, now abandoned
+            if work is not None:
+                work.wait()
+        self._inflight.clear()
+        self._reset_pending()
         for fg in self.flat_groups:
             fg.master.grad = None
             for s in fg.slots:
@@ -416,7 +446,7 @@ class Stage1Optimizer(torch.optim.Optimizer):
                     for s in run.slots:
                         s.param.view(-1).copy_(fg.master[s.offset: s.offset + s.numel])
                     continue
-                buf = torch.empty(self.world, run.hi - run.lo, dtype=fg.dtype, device=fg.master.device)
+                buf = torch.empty(self.world, run.hi - run.lo, dtype=fg.dtype, device=self.comm_device)
                 buf[self.rank].copy_(fg.master[run.lo: run.hi])
                 window.append((run, buf, _all_gather(buf.view(-1), buf[self.rank], self.group, async_op=True)))
                 if len(window) > 1:
@@ -430,96 +460,16 @@ class Stage1Optimizer(torch.optim.Optimizer):
         for s in run.slots:
             _unpack(s.param.view(-1), buf[:, s.offset - run.lo: s.offset - run.lo + s.chunk])
 
-    # ------------------------------------------------------------ checkpoint: per-parameter logical tensors
-
-    def _mesh(self):
-        from torch.distributed.device_mesh import DeviceMesh
-        if getattr(self, "_device_mesh", None) is None:
-            device = self.flat_groups[0].master.device.type
-            self._device_mesh = DeviceMesh.from_group(self.group or dist.group.WORLD, device)
-        return self._device_mesh
-
-    def _logical(self, fg: _FlatGroup, s: _Slot, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of one parameter's flat tensor, as a 1-D DTensor of the parameter's numel (Shard(0) =
-        torch.chunk of the flattened parameter: exactly our layout), or the plain tensor on one rank."""
-        piece = flat[s.offset: s.offset + s.local]
-        if self.world == 1:
-            return piece
-        from torch.distributed.tensor import DTensor, Shard
-        return DTensor.from_local(piece, self._mesh(), [Shard(0)], run_check=False,
-                                  shape=torch.Size([s.numel]), stride=(1,))
-
-    def _ensure_state(self) -> None:
-        """Create the inner optimizer's state (a zero-gradient step at lr 0) so there is something to load into.
-        Its scalar counters go back to 0, so the next real step behaves as the first (Adam's bias correction)."""
-        if all(fg.master in self.optimizer.state for fg in self.flat_groups):
-            return
-        saved = [g["lr"] for g in self.optimizer.param_groups]
-        for g in self.optimizer.param_groups:
-            g["lr"] = 0.0 if not torch.is_tensor(g["lr"]) else torch.zeros_like(g["lr"])
-        for fg in self.flat_groups:
-            fg.master.grad = torch.zeros_like(fg.master)
-        self.optimizer.step()
-        for g, lr in zip(self.optimizer.param_groups, saved):
-            g["lr"] = lr
-        for fg in self.flat_groups:
-            fg.master.grad = None
-            for value in self.optimizer.state[fg.master].values():
-                if torch.is_tensor(value) and value.dim() == 0:
-                    value.zero_()
+    # ------------------------------------------------------------ checkpoint (ops/stage1_state.py)
 
     def state_dict(self) -> dict[str, Any]:
-        """{"state": {param name: {"master": fp32, <state key>: tensor, ...}}, "param_groups": [...]}.
+        """Per-parameter fp32 master and optimizer state as 1-D DTensors (views of the shard), for DCP: saved from
+        N ranks, loadable into the state_dict() of M ranks. See ops/stage1_state.py."""
+        return logical_state_dict(self)
 
-        Tensors the size of the parameter are 1-D DTensors (views of this rank's shard, no copies): DCP saves them
-        from N ranks and loads them into the state_dict() of M ranks, which `load_state_dict` then applies. Scalar
-        state (Adam's step) is repeated per parameter. Before the first step the state is created (see _ensure_state)."""
-        self._ensure_state()
-        state: dict[str, dict[str, Any]] = {}
-        for fg in self.flat_groups:
-            inner = self.optimizer.state[fg.master]
-            for s in fg.slots:
-                entry = {"master": self._logical(fg, s, fg.master)}
-                for key, value in inner.items():
-                    if torch.is_tensor(value) and value.shape == fg.master.shape:
-                        entry[key] = self._logical(fg, s, value)
-                    elif torch.is_tensor(value) and value.dim() == 0:
-                        entry[key] = value
-                    else:
-                        raise NotImplementedError(f"optimizer state {key!r} of shape {tuple(getattr(value, 'shape', ()))}"
-                                                  " is not elementwise; Stage1Optimizer cannot shard it")
-                state[s.name] = entry
-        groups = []
-        for fg_index, g in enumerate(self.optimizer.param_groups):
-            names = [s.name for fg in self.flat_groups if fg.group_index == fg_index for s in fg.slots]
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "param_names": names})
-        return {"state": state, "param_groups": groups}
-
-    @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Apply a state dict from state_dict() (possibly filled by DCP from a different world size), then rebuild the
-        parameters from the loaded masters."""
-        self._ensure_state()
-        state = state_dict["state"]
-        missing = [s.name for fg in self.flat_groups for s in fg.slots if s.name not in state]
-        if missing:
-            raise KeyError(f"optimizer state dict lacks parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        for fg in self.flat_groups:
-            inner = self.optimizer.state[fg.master]
-            for key in list(inner):
-                if torch.is_tensor(inner[key]) and inner[key].dim() == 0:
-                    inner[key].copy_(state[fg.slots[0].name][key])   # one scalar per flat group
-            for s in fg.slots:
-                entry = state[s.name]
-                for key, target in [("master", fg.master)] + [(k, v) for k, v in inner.items()
-                                                              if torch.is_tensor(v) and v.shape == fg.master.shape]:
-                    src = entry[key]
-                    src = src.to_local() if hasattr(src, "to_local") else src
-                    if self.world == 1 or src.numel() == s.numel and s.local != s.numel:  # a full tensor
-                        src = src.reshape(-1)[self.rank * s.chunk: self.rank * s.chunk + s.local]
-                    target[s.offset: s.offset + s.local].copy_(src)
-        for g, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
-            g.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+        """Apply state_dict() output (possibly filled by DCP from another world size); re-gathers the params."""
+        load_logical_state_dict(self, state_dict)
         self._gather_params()
 
 
@@ -550,8 +500,19 @@ class Stage1GradPath:
         if not (isinstance(factor, float) and factor == 1.0):
             self.stage1.scale_grads_(factor)
 
-    def step(self) -> None:
-        self.stage1.update_params()
+    def can_skip_on_device(self) -> bool:
+        from fsdpzero.optim import skips_on_device
+        return skips_on_device(self.optimizer)
+
+    def step(self, found_inf: torch.Tensor | None = None) -> None:
+        # on a device-side skip the masters stay as they were, so the all-gather rewrites the same parameters
+        if found_inf is not None:
+            self.optimizer.found_inf = found_inf
+        try:
+            self.stage1.update_params()
+        finally:
+            if found_inf is not None:
+                del self.optimizer.found_inf
 
     def zero_grad(self) -> None:
         self.stage1.zero_grad()
@@ -567,17 +528,24 @@ def build_grad_path(model: nn.Module, plan, make_optimizer: Callable, mesh=None)
     """`zero_optimization.stage: 1`: the engine's optimizer (config section or client) over the whole parameters,
     then sharded by Stage1Optimizer.wrap. The model stays unwrapped; its parameters are cast to the plan's
     param_dtype after the fp32 masters are taken."""
+    if plan.offload.optimizer_device not in ("none", "cpu"):
+        raise ValueError(f"zero_optimization.offload_optimizer.device = {plan.offload.optimizer_device!r} with stage "
+                         "1 is not supported: use \"cpu\", or stage 2/3 for NVMe offload")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    dtype = _DTYPES[plan.precision.param_dtype]
+    for p in model.parameters():   # frozen weights compute in the same dtype (DeepSpeed casts the whole module)
+        if not p.requires_grad and p.is_floating_point():
+            p.data = p.data.to(dtype)
     optimizer = make_optimizer([p for _, p in named])
     if type(optimizer).__name__ not in _ELEMENTWISE and (not dist.is_initialized() or dist.get_rank() == 0):
         logging.getLogger("fsdpzero").warning(
             "fsdpzero: ZeRO stage 1 gives %s one flat tensor per param group and rank, as DeepSpeed's ZeRO 1/2 do; "
             "per-tensor quantities (LAMB trust ratios, ...) are then taken over that flat shard and results differ "
             "from stage 0", type(optimizer).__name__)
-    shard, precision = plan.shard, plan.precision
+    shard, precision, offload = plan.shard, plan.precision, plan.offload
     stage1 = Stage1Optimizer.wrap(
         optimizer, {id(p): n for n, p in named}, process_group=mesh.get_group() if mesh is not None else None,
-        param_dtype=_DTYPES[precision.param_dtype], reduce_dtype=_DTYPES[precision.reduce_dtype],
+        param_dtype=dtype, reduce_dtype=_DTYPES[precision.reduce_dtype],
         reduce_bucket_size=shard.reduce_bucket_size, allgather_bucket_size=shard.allgather_bucket_size,
-        overlap_comm=bool(shard.overlap_comm))
+        overlap_comm=bool(shard.overlap_comm), master_device="cpu" if offload.optimizer_device == "cpu" else None)
     return Stage1GradPath(stage1)

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from fsdpzero.plan import BatchPlan, LossScalePlan, OptimizerPlan, Plan, PrecisionPlan, ShardPlan
+from fsdpzero.plan import ActivationCheckpointPlan, BatchPlan, LossScalePlan, OptimizerPlan, Plan, PrecisionPlan, ShardPlan
 
 SEQ = 16
 VOCAB = 128
@@ -39,13 +39,14 @@ def batches(steps: int, gas: int, global_micro: int, seed: int = 1234) -> torch.
 def make_plan(stage: int = 3, dtype: str = "float32", gas: int = 1, world: int = 2, micro: int = 2,
               mesh: tuple[int, ...] | None = None, hpz: int | None = None, clip: float = 1.0,
               reduce_dtype: str = "float32", fp16: LossScalePlan | None = None, opt: str = "adamw",
-              opt_params: dict | None = None, **batch_extra) -> Plan:
+              opt_params: dict | None = None, ac: bool = False, ac_cpu: bool = False, **batch_extra) -> Plan:
     raf: bool | int = (hpz if hpz else True) if stage == 3 else False
     shard = ShardPlan(stage=stage, reshard_after_forward=raf, mesh_shape=mesh or (world,),
                       mesh_dim_names=("replicate", "shard") if mesh else ("dp",), param_persistence_threshold=0)
     precision = PrecisionPlan(param_dtype=dtype, reduce_dtype=reduce_dtype, loss_scale=fp16,
                               check_grad_overflow=dtype == "bfloat16")
     return Plan(shard=shard, precision=precision,
+                activation_checkpointing=ActivationCheckpointPlan(enabled=ac, cpu_checkpointing=ac_cpu),
                 optimizer=OptimizerPlan(type=opt, params=dict(ADAMW if opt_params is None else opt_params)),
                 batch=BatchPlan(train_batch_size=micro * gas * world, micro_batch_size=micro,
                                 gradient_accumulation_steps=gas, gradient_clipping=clip, **batch_extra))

@@ -262,7 +262,7 @@ def test_stage3_only_and_strict_section_autos():
     assert "no resolver" in errs["optimizer.params.momentum"].message
 
 
-# ---------------------------------------------------------------- batch triad (DeepSpeedConfig._set_batch_related_parameters)
+# ---------------------------------------------------------------- batch triad (DeepSpeedConfig._set_batch_...)
 @pytest.mark.parametrize("given, world, want", [
     ((32, 4, 2), 4, (32, 4, 2)),
     ((32, 4, None), 4, (32, 4, 2)),

@@ -4,7 +4,7 @@ import copy
 import json
 from pathlib import Path
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from fsdpzero.config import ConfigError
 from fsdpzero.plan import Env, Plan
@@ -67,9 +67,11 @@ def check_one(cfg, world, ctx, hf):
     try:
         plan = build_plan(cfg, Env(world_size=world), context=ctx, hf_defaults=hf)
     except ConfigError as e:
+        event("ConfigError")                                 # --hypothesis-show-statistics shows the mix
         assert e.problems and all(isinstance(p.key, str) and p.message for p in e.problems)
         assert "Traceback" not in str(e)
         return
+    event("plan" + (" (unsupported)" if plan.unsupported else ""))
     assert isinstance(plan, Plan)
     json.dumps(plan.to_dict())                               # the plan is plain data
     assert all(d.status in ("mapped", "approximated", "noop", "unsupported") for d in plan.decisions)
@@ -115,8 +117,8 @@ SECTIONS = {"zero_optimization": ["stage", "offload_param", "offload_optimizer",
 @SETTINGS
 @given(st.data(), st.integers(1, 8))
 def test_random_values_for_known_keys(data, world):
-    cfg = {"train_micro_batch_size_per_gpu": data.draw(st.one_of(st.integers(-1, 8), values))}
+    cfg = {"train_micro_batch_size_per_gpu": data.draw(st.one_of(st.integers(-1, 8), scalars))}
     for section, keys in SECTIONS.items():
         if data.draw(st.booleans()):
-            cfg[section] = data.draw(st.dictionaries(st.sampled_from(keys), values, max_size=4))
+            cfg[section] = data.draw(st.dictionaries(st.sampled_from(keys), st.one_of(scalars, values), max_size=4))
     check_one(cfg, world, {"hidden_size": 64}, data.draw(st.booleans()))

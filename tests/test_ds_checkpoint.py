@@ -95,6 +95,42 @@ def test_resume_in_plain_torch_continues_deepspeed_loss_curve(variant):
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 2e-6, (losses, expected)
 
 
+def test_stage0_16bit_masters_and_fused_flat_layout(tmp_path):
+    """Stage-0 fp16/bf16 (FP16 optimizer wrapper): the fp32 masters replace `module`'s 16-bit copies; the fused
+    wrapper's layout (one flat fp32 tensor and one flat Adam state per group) reads back to the same tensors."""
+    unfused = dc.read_checkpoint(ASSETS / "z0_fp16")
+    weights, adam = dc.fp32_state_dict(unfused), dc.adam_states(unfused)
+    module = unfused.meta["module"]
+    assert weights["transformer.h.0.mlp.c_fc.weight"].dtype == torch.float32
+    torch.testing.assert_close(weights["transformer.h.0.mlp.c_fc.weight"].half(),
+                               module["transformer.h.0.mlp.c_fc.weight"], rtol=0, atol=0)  # module = fp16(master)
+    assert weights["transformer.wpe.weight"].dtype == torch.float16  # frozen: no master, as saved
+    assert dc.loss_scaler_state(unfused)["cur_scale"] == 512.0
+    # the fused layout of the same state
+    sd = dc.load_ds_file(ASSETS / "z0_fp16" / "global_step3" / "mp_rank_00_model_states.pt")
+    opt = sd["optimizer"]
+    groups = opt.pop("fp32_groups")
+    opt["fp32_groups_flat"] = [torch.cat([t.reshape(-1) for t in g]) for g in groups]
+    state, firsts = opt["optimizer_state_dict"]["state"], 0
+    flat_state = {}
+    for g, group in enumerate(groups):
+        idx = range(firsts, firsts + len(group))
+        flat_state[g] = {"step": state[firsts]["step"],
+                         **{k: torch.cat([state[i][k].reshape(-1) for i in idx]) for k in ("exp_avg", "exp_avg_sq")}}
+        firsts += len(group)
+    opt["optimizer_state_dict"]["state"] = flat_state
+    (tmp_path / "global_step3").mkdir()
+    torch.save(sd, tmp_path / "global_step3" / "mp_rank_00_model_states.pt")
+    (tmp_path / "latest").write_text("global_step3")
+    trainable = list(adam)  # fused files cannot tell a frozen param from a trainable one: the engine knows
+    with pytest.raises(ValueError, match="pass trainable_names"):
+        dc.fp32_state_dict(dc.read_checkpoint(tmp_path))
+    fused = dc.read_checkpoint(tmp_path)
+    fused_w, fused_adam = dc.fp32_state_dict(fused, trainable_names=trainable), dc.adam_states(fused, trainable)
+    assert all(torch.equal(fused_w[k], weights[k]) for k in weights)
+    assert all(torch.equal(fused_adam[n][k], adam[n][k]) for n in adam for k in adam[n])
+
+
 class _Evil:
     def __reduce__(self):
         return (os.system, (f"touch {self.marker}",))

@@ -29,7 +29,14 @@ def _skip_without_stage1():
 
 
 def _plan(stage, world):
-    return make_plan(stage=stage, gas=2, world=world, micro=GLOBAL_MICRO // world, fp16=SCALER)
+    import dataclasses
+
+    from fsdpzero.plan import SchedulerPlan
+    plan = make_plan(stage=stage, gas=2, world=world, micro=GLOBAL_MICRO // world, fp16=SCALER)
+    warmup = SchedulerPlan(type="WarmupDecayLR", params={"warmup_min_lr": 0.0, "warmup_max_lr": 5e-4,
+                                                         "warmup_num_steps": 4, "total_num_steps": STEPS,
+                                                         "warmup_type": "linear"})
+    return dataclasses.replace(plan, scheduler=warmup)  # the LR schedule must resume mid-decay too
 
 
 def _data():
@@ -38,8 +45,10 @@ def _data():
 
 def _straight(rank, world, stage):
     engine = wrap(build_model("gpt2"), _plan(stage, world))
-    losses = engine_losses(engine, _data(), rank, world)
-    return losses, full_params(engine.module), engine.get_loss_scale()
+    losses = engine_losses(engine, _data()[:HALF], rank, world)
+    lr = engine.get_lr()
+    losses += engine_losses(engine, _data()[HALF:], rank, world)
+    return losses, full_params(engine.module), engine.get_loss_scale(), lr
 
 
 def _first_half(rank, world, stage, save_dir):
@@ -54,17 +63,19 @@ def _second_half(rank, world, stage, save_dir):
     path, client = engine.load_checkpoint(save_dir)
     assert Path(path).name == f"global_step{HALF}" and client == {"epoch": 1}
     assert engine.global_steps == HALF and engine.micro_steps == 2 * HALF
+    lr = engine.get_lr()
     losses = engine_losses(engine, _data()[HALF:], rank, world)
-    return losses, full_params(engine.module), engine.get_loss_scale()
+    return losses, full_params(engine.module), engine.get_loss_scale(), lr
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_exact_resume_through_engine(tmp_path, stage):
     if stage == 1:
         _skip_without_stage1()
-    ref_losses, ref_params, ref_scale = run_distributed(_straight, 2, stage, timeout=180)[0]
+    ref_losses, ref_params, ref_scale, ref_lr = run_distributed(_straight, 2, stage, timeout=180)[0]
     first, _ = run_distributed(_first_half, 2, stage, str(tmp_path), timeout=180)[0]
-    second, params, scale = run_distributed(_second_half, 2, stage, str(tmp_path), timeout=180)[0]
+    second, params, scale, lr = run_distributed(_second_half, 2, stage, str(tmp_path), timeout=180)[0]
+    assert lr == ref_lr and 0 < lr[0] < 5e-4
     assert first + second == ref_losses
     assert scale == ref_scale > 1
     assert all(torch.equal(params[k], ref_params[k]) for k in ref_params)
@@ -72,9 +83,9 @@ def test_exact_resume_through_engine(tmp_path, stage):
 
 @pytest.mark.parametrize("save_world,load_world", [(2, 1), (1, 2)])
 def test_resharded_resume_through_engine(tmp_path, save_world, load_world):
-    ref_losses, ref_params, _ = run_distributed(_straight, 2, 3, timeout=180)[0]
+    ref_losses, ref_params, _, _ = run_distributed(_straight, 2, 3, timeout=180)[0]
     run_distributed(_first_half, save_world, 3, str(tmp_path), timeout=180)
-    second, params, _ = run_distributed(_second_half, load_world, 3, str(tmp_path), timeout=180)[0]
+    second, params, _, _ = run_distributed(_second_half, load_world, 3, str(tmp_path), timeout=180)[0]
     assert max(abs(a - b) for a, b in zip(second, ref_losses[HALF:])) <= 1e-6
     for k in ref_params:
         torch.testing.assert_close(params[k], ref_params[k], rtol=0, atol=1e-5)
@@ -114,7 +125,10 @@ def _resume_from_deepspeed(rank, world, ckpt_dir, variant):
 # fp32: DeepSpeed's curve to float noise. 16-bit: the first step after the resume is bit-identical (the fp32 masters
 # and Adam states came over exactly; compute is the same bf16/fp16 cast), later steps drift by 16-bit rounding
 # (DeepSpeed accumulates 16-bit grads, FSDP2 here reduces in fp32), and the fp16 loss scale ends where DeepSpeed's did.
-@pytest.mark.parametrize("variant,tol", [("z2_fp32", 2e-6), ("z3_fp32", 2e-6), ("z1_fp32", 2e-6),
+# Stage-0 fp16 drifts most (1.3e-2 by the third step): DeepSpeed's FP16_UnfusedOptimizer all-reduces fp16 grads, so
+# which tiny grads underflow to 0 differs, and at lr 1e-2 Adam turns zero-vs-tiny into lr-sized steps.
+@pytest.mark.parametrize("variant,tol", [("z0_fp32", 2e-6), ("z0_bf16", 2e-3), ("z0_fp16", 2e-2),
+                                         ("z2_fp32", 2e-6), ("z3_fp32", 2e-6), ("z1_fp32", 2e-6),
                                          ("z2_bf16", 2e-3), ("z3_bf16", 2e-3), ("z2_fp16", 2e-3), ("z3_fp16", 2e-3)])
 def test_engine_resumes_converted_deepspeed_checkpoint(tmp_path, variant, tol):
     if variant.startswith("z1"):
@@ -127,6 +141,37 @@ def test_engine_resumes_converted_deepspeed_checkpoint(tmp_path, variant, tol):
     assert max(abs(a - b) for a, b in zip(losses, expected)) < tol, (losses, expected)
     if record["precision"] == "fp16":
         assert scale == record["loss_scale_at_end"]
+
+
+@pytest.mark.parametrize("variant", ["z3_fp16", "z0_bf16"])
+def test_engine_loads_deepspeed_dir_directly(tmp_path, variant):
+    """engine.load_checkpoint(<DeepSpeed save_dir>) converts once into <dir>/.fsdpzero-<tag>/ and resumes."""
+    import shutil
+    shutil.copytree(ASSETS / variant, tmp_path / "ds")
+    losses, _, _ = run_distributed(_resume_from_deepspeed, 2, str(tmp_path / "ds"), variant, timeout=180)[0]
+    assert losses[0] == RECORD["variants"][variant]["losses_after_save"][0]
+    assert (tmp_path / "ds" / ".fsdpzero-global_step3" / "latest").is_file()
+
+
+def _module_only_job(rank, world, save_dir):
+    full = wrap(build_model("gpt2", seed=5), _plan(3, world))
+    full.load_checkpoint(save_dir)
+    only = wrap(build_model("gpt2", seed=6), _plan(3, world))
+    path, client = only.load_checkpoint(save_dir, load_module_only=True)
+    no_opt = wrap(build_model("gpt2", seed=7), _plan(3, world))
+    no_opt.load_checkpoint(save_dir, load_optimizer_states=False, load_lr_scheduler_states=False)
+    return (full_params(full.module), full_params(only.module), only.global_steps, len(only.optimizer.state),
+            no_opt.global_steps, len(no_opt.optimizer.state), full.get_lr(), no_opt.get_lr())
+
+
+def test_load_module_only_and_without_optimizer_states(tmp_path):
+    run_distributed(_first_half, 2, 3, str(tmp_path), timeout=180)
+    full, only, steps, n_state, steps2, n_state2, lr, lr2 = run_distributed(
+        _module_only_job, 2, str(tmp_path), timeout=180)[0]
+    assert all(torch.equal(full[k], only[k]) for k in full)
+    assert steps == 0 and n_state == 0            # module only: counters and optimizer untouched
+    assert steps2 == HALF and n_state2 == 0       # counters loaded, optimizer state not
+    assert lr != lr2                              # scheduler state not loaded
 
 
 def _export_job(rank, world, out_dir):

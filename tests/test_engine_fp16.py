@@ -8,12 +8,14 @@ leaves out the skipped steps."""
 import os
 import types
 
-import pytest
 import torch
 import transformers  # noqa: F401
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-ds_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
+try:    # DeepSpeed itself, when the [oracle] extra is installed; CI without it checks the hand-derived sequence
+    import deepspeed.runtime.fp16.loss_scaler as ds_scaler
+except ImportError:
+    ds_scaler = None
 
 from fsdpzero.api import wrap  # noqa: E402
 from fsdpzero.plan import LossScalePlan, SchedulerPlan  # noqa: E402
@@ -21,6 +23,10 @@ from tests.engine_cases import ADAMW, batches, build_model, full_params, make_pl
 from tests.multirank import run_distributed  # noqa: E402
 
 STEPS, OVERFLOW_AT, WINDOW = 10, (2, 3), 3
+# DeepSpeed's DynamicLossScaler.update_scale by hand (iteration i, last_overflow starts at -1, stable = i-last-1):
+# i=2 overflow, hysteresis 2 -> 1, scale kept; i=3 overflow, hysteresis at 1 -> halve; i=7: stable = 3 = window ->
+# double. Scale after each step's update:
+EXPECTED = [2.0 ** 16] * 3 + [2.0 ** 15] * 4 + [2.0 ** 16] * 3
 SCALER = LossScalePlan(initial_scale_power=16, loss_scale_window=WINDOW, hysteresis=2, min_loss_scale=1.0)
 WARMUP = {"warmup_min_lr": 0.0, "warmup_max_lr": ADAMW["lr"], "warmup_num_steps": 20, "warmup_type": "linear"}
 
@@ -34,9 +40,11 @@ def _plan(world):
 def _train(rank, world):
     plan = _plan(world)
     engine = wrap(build_model("llama"), plan)
-    ds_scaler.dist = types.SimpleNamespace(get_rank=lambda: 1)   # its logging asks DeepSpeed's comm for the rank
-    oracle = ds_scaler.DynamicLossScaler(init_scale=2.0 ** 16, scale_window=WINDOW, min_scale=1.0,
-                                         delayed_shift=2, consecutive_hysteresis=False)
+    oracle = None
+    if ds_scaler is not None:
+        ds_scaler.dist = types.SimpleNamespace(get_rank=lambda: 1)   # its logging asks DeepSpeed's comm for the rank
+        oracle = ds_scaler.DynamicLossScaler(init_scale=2.0 ** 16, scale_window=WINDOW, min_scale=1.0,
+                                             delayed_shift=2, consecutive_hysteresis=False)
     data = batches(STEPS, 2, plan.batch.micro_batch_size * world)
     m = plan.batch.micro_batch_size
     log = []
@@ -51,8 +59,10 @@ def _train(rank, world):
             engine.backward(loss)
             engine.step()
         overflow = step in OVERFLOW_AT
-        oracle.update_scale(overflow)
-        entry = {"scale": engine.get_loss_scale(), "oracle": oracle.cur_scale, "applied": engine.was_step_applied,
+        if oracle is not None:
+            oracle.update_scale(overflow)
+        entry = {"scale": engine.get_loss_scale(), "oracle": oracle.cur_scale if oracle else EXPECTED[step],
+                 "applied": engine.was_step_applied,
                  "t_before": t_before, "t_after": engine.lr_scheduler.last_epoch}
         if before is not None:
             after = full_params(engine.module)
@@ -94,10 +104,7 @@ def test_fp16_overflow_skips_step_and_follows_deepspeed_scaler():
                 assert e["t_after"] == e["t_before"], "scheduler advanced on an overflow step"
             else:
                 assert e["applied"] and e["t_after"] == e["t_before"] + 1
-        scales = [e["scale"] for e in log]
-        assert scales[OVERFLOW_AT[0]] == 2.0 ** 16          # hysteresis absorbs the first overflow
-        assert scales[OVERFLOW_AT[1]] == 2.0 ** 15          # the second halves the scale
-        assert scales[-1] == 2.0 ** 16                      # and it grows back after the window
+        assert [e["scale"] for e in log] == EXPECTED
     ref = _reference(2)
     worst = max((results[0]["params"][k] - ref[k]).abs().max().item() for k in ref)
     assert worst <= 1e-5, f"final params differ from the run without the skipped steps by {worst:.3g}"

@@ -99,16 +99,17 @@ def test_set_fills_autos_and_is_checked(tmp_path):
 
 def test_emit_yaml_is_a_hydra_experiment_carrying_the_config():
     omegaconf = pytest.importorskip("omegaconf")
+    from fsdpzero.config import load_config
     path = HERE / "ds_configs" / "hf_transformers_zero3.json"
     code, out, _ = cli("migrate", path, *MUST_SHOW, "--emit", "yaml")
     assert code == 0 and out.startswith("# @package _global_")
     doc = omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.create(out))
     assert "override /zero: stage0" in out and doc["data"]["micro_batch_size"] == 8
-    from fsdpzero.config import load_config
-    want = load_config(path, context={"world_size": 8, "hidden_size": 4096}, hf_defaults=True).raw
+    want = dict(load_config(path, context={"world_size": 8, "hidden_size": 4096}, hf_defaults=True).raw)
+    assert doc["sched"] == want.pop("scheduler")       # ds_config.scheduler is ${sched} in the recipes
     assert doc["ds_config"] == want                     # floats survive YAML (1.0e-08 style)
     # and the emitted config is itself valid, with nothing left to resolve
-    code, _, _ = cli("validate", "--world-size", "8", _write(doc["ds_config"]))
+    code, _, _ = cli("validate", "--world-size", "8", _write({**doc["ds_config"], "scheduler": doc["sched"]}))
     assert code == 0
 
 
@@ -132,3 +133,36 @@ def test_emit_python_is_valid_fsdp2_code():
 def test_docs_are_in_sync_with_the_fate_table():
     doc = (HERE.parent / "docs" / "migration.md").read_text()
     assert doc == render_migration_doc(), "regenerate: python -m fsdpzero.migrate --write-docs"
+
+
+@pytest.mark.parametrize("name", ["hf_transformers_zero2", "hf_transformers_zero3", "llava_zero3_offload",
+                                  "dsex_bf16_master_weight_full", "llamafactory_ds_z3_offload"])
+def test_emitted_experiment_composes_to_the_same_plan(tmp_path, name):
+    """Compose the recipes' Hydra config with the emitted experiment: the ds_config it hands the engine must give
+    the same plan as the original file."""
+    hydra = pytest.importorskip("hydra")
+    import shutil
+    from omegaconf import OmegaConf
+    from fsdpzero.plan import Env
+    from fsdpzero.translate import build_plan
+    conf = tmp_path / "conf"
+    shutil.copytree(HERE.parent / "conf", conf)
+    path = HERE / "ds_configs" / f"{name}.json"
+    args = ["--hf-defaults", "--world-size", "2", "--hidden-size", "64", "--set", "max_steps=100"]
+    code, out, _ = cli("migrate", path, *args, "--emit", "yaml")
+    assert code == 0
+    (conf / "experiment" / f"{name}.yaml").write_text(out)
+    with hydra.initialize_config_dir(config_dir=str(conf), version_base=None):
+        cfg = hydra.compose(config_name="config", overrides=[f"experiment={name}"])
+    composed = OmegaConf.to_container(cfg.ds_config, resolve=True)
+    ctx = {"hidden_size": 64, "max_steps": 100}
+    want = build_plan(path, Env(world_size=2), context=ctx, hf_defaults=True).to_dict()
+    original = json.loads(path.read_text())
+    if "scheduler" not in original:             # documented: the recipe's sched group supplies one
+        ctx.pop("max_steps")
+        want.pop("scheduler")
+    got = build_plan(composed, Env(world_size=2), context=ctx, hf_defaults=True).to_dict()
+    got.pop("scheduler") if "scheduler" not in original else None
+    if "optimizer" not in original:             # documented: the recipe's AdamW
+        assert got.pop("optimizer")["type"] == "adamw" and want.pop("optimizer")["type"] is None
+    assert got == want

@@ -7,11 +7,10 @@ suite's tolerance), bf16 <= 2e-2.
 import dataclasses
 
 import pytest
-import torch
 import transformers  # noqa: F401  imported before forking the ranks
 
 from fsdpzero.api import wrap
-from fsdpzero.plan import LossScalePlan
+from fsdpzero.plan import LossScalePlan, OffloadPlan
 from tests.engine_cases import batches, build_model, engine_losses, full_params, make_plan, reference_run
 from tests.multirank import run_distributed
 
@@ -19,7 +18,10 @@ STEPS = 6
 
 
 def _train(rank, world, kind, plan_kwargs, steps):
+    plan_kwargs = dict(plan_kwargs)
+    offload = plan_kwargs.pop("offload", "none")
     plan = make_plan(world=world, **plan_kwargs)
+    plan = dataclasses.replace(plan, offload=OffloadPlan(optimizer_device=offload, pin_memory=False))
     # SGD is outside DeepSpeed's ZeRO-tested list: the config needs zero_allow_untested_optimizer, as with DeepSpeed
     plan = dataclasses.replace(plan, optimizer=dataclasses.replace(plan.optimizer, zero_allow_untested_optimizer=True))
     data = batches(steps, plan.batch.gradient_accumulation_steps, plan.batch.micro_batch_size * world)
@@ -28,6 +30,16 @@ def _train(rank, world, kind, plan_kwargs, steps):
     return {"losses": losses, "params": full_params(engine.module), "steps": engine.global_steps,
             "path": type(engine.grad_path).__name__, "skipped": engine.skipped_steps,
             "dtype": str(next(engine.module.parameters()).dtype)}
+
+
+def test_stage1_with_offload_optimizer_reduces_gradients():
+    """offload_optimizer at stage 1 goes through the stage-1 path (masters on the CPU): gradients are still reduced
+    across ranks, so the result is stage 0's (without the routing, ranks would silently diverge)."""
+    s1 = _run("llama", dict(stage=1, gas=2, offload="cpu"), steps=3)
+    s0 = _run("llama", dict(stage=0, gas=2), steps=3)
+    assert s1[0]["path"] == "Stage1GradPath"
+    assert max(abs(a - b) for a, b in zip(s1[0]["losses"], s0[0]["losses"])) <= 1e-5
+    assert _max_diff(s1[0]["params"], s0[0]["params"]) <= 1e-5 and _max_diff(s1[1]["params"], s1[0]["params"]) == 0
 
 
 def _run(kind, plan_kwargs, steps=STEPS):
@@ -73,3 +85,15 @@ def test_stage1_fp16_loss_scaling_matches_stage0():
     assert s1[0]["dtype"] == "torch.float16" and s1[0]["skipped"] == s0[0]["skipped"]
     assert max(abs(a - b) for a, b in zip(s1[0]["losses"], s0[0]["losses"])) <= 2e-2
     assert _max_diff(s1[0]["params"], s0[0]["params"]) <= 2e-2
+
+
+@pytest.mark.parametrize("save_world,load_world", [(2, 1), (1, 2)])
+def test_stage1_engine_checkpoint_reshards(tmp_path, save_world, load_world):
+    """engine.save_checkpoint at stage 1 on N ranks, load_checkpoint on M: the continuation matches a straight run
+    (fp16 with the dynamic loss scaler, gas 2: the checkpoint suite's setup)."""
+    from tests.test_engine_checkpoint import HALF, _first_half, _second_half, _straight
+    ref_losses, ref_params, _ = run_distributed(_straight, 2, 1, timeout=180)[0]
+    run_distributed(_first_half, save_world, 1, str(tmp_path), timeout=180)
+    second, params, _ = run_distributed(_second_half, load_world, 1, str(tmp_path), timeout=180)[0]
+    assert max(abs(a - b) for a, b in zip(second, ref_losses[HALF:])) <= 1e-6
+    assert _max_diff(params, ref_params) <= 1e-5

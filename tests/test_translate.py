@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fsdpzero.config import ConfigError
-from fsdpzero.fates import FATES
+from fsdpzero.fates import FATES, WHEN
 from fsdpzero.plan import Env
 from fsdpzero.translate import build_plan, schema_paths
 
@@ -30,6 +30,9 @@ def test_stage_to_reshard_after_forward(stage, reshard):
 def test_hpz_and_mics():
     s = plan_of({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}}).shard
     assert s.reshard_after_forward == 4 and type(s.reshard_after_forward) is int
+    with pytest.raises(ConfigError) as e:
+        plan_of({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 3}})
+    assert e.value.problems[0].key == "zero_optimization.zero_hpz_partition_size"
     s = plan_of({"zero_optimization": {"stage": 3, "mics_shard_size": 2}}).shard
     assert s.mesh_shape == (4, 2) and s.mesh_dim_names == ("replicate", "shard")
     with pytest.raises(ConfigError) as e:
@@ -140,8 +143,8 @@ def test_non_string_keys_are_an_error():
 def test_decision_table_covers_every_schema_field():
     missing = [p for p in schema_paths() if p not in FATES]
     assert not missing, f"add these keys to fsdpzero.fates.FATES: {missing}"
-    stale = [k for k in FATES if k not in set(schema_paths())]
-    assert not stale, f"FATES has keys the schema does not know: {stale}"
+    stale = [k for k in list(FATES) + list(WHEN) if k not in set(schema_paths())]
+    assert not stale, f"FATES / WHEN have keys the schema does not know: {stale}"
 
 
 def test_translate_is_pure_and_torch_free():

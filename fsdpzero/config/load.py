@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 from fsdpzero.config import rules
 from fsdpzero.config.auto import resolve_autos
 from fsdpzero.config.errors import ConfigError, Problem, closest, did_you_mean
-from fsdpzero.config.schema import DSConfig, Strict, STRICT_SECTIONS
+from fsdpzero.config.schema import COMPAT_VERSION, DSConfig, Strict, STRICT_SECTIONS
 
 NEAR_MISS_CUTOFF = 0.8      # an unknown lenient key this close to a real one is a typo, not another tool's key
 
@@ -114,7 +114,7 @@ def _non_string_keys(node: Any, prefix: str = ""):
 def normalize(raw: dict, problems: list[Problem], notes: list[str]) -> dict:
     for key, why in REMOVED_TOP_LEVEL.items():
         if key in raw:
-            problems.append(Problem(key, f"DeepSpeed 0.19.8 rejects this key: {why}",
+            problems.append(Problem(key, f"DeepSpeed {COMPAT_VERSION} rejects this key: {why}",
                                     f"remove the `{key}` entry"))
     if "bfloat16" in raw:
         if "bf16" in raw:
@@ -136,12 +136,13 @@ def normalize(raw: dict, problems: list[Problem], notes: list[str]) -> dict:
     if isinstance(zero, dict):
         for key, why in REMOVED_ZERO.items():
             if key in zero:
-                problems.append(Problem(f"zero_optimization.{key}", f"DeepSpeed 0.19.8 rejects this key: {why}",
+                problems.append(Problem(f"zero_optimization.{key}",
+                                        f"DeepSpeed {COMPAT_VERSION} rejects this key: {why}",
                                         f"remove `zero_optimization.{key}`"))
         for key in CARRIED_REMOVED_ZERO:
             if key in zero:
-                notes.append(f"zero_optimization.{key}: removed in DeepSpeed 0.19.8 (MiCS); fsdpzero keeps it "
-                             "as an HSDP (replicate, shard) mesh")
+                notes.append(f"zero_optimization.{key}: removed in DeepSpeed {COMPAT_VERSION} (MiCS); fsdpzero keeps "
+                             "it as an HSDP (replicate, shard) mesh")
         for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
             if old in zero:
                 val = zero.pop(old)
@@ -177,12 +178,12 @@ def normalize(raw: dict, problems: list[Problem], notes: list[str]) -> dict:
 
 
 # ---------------------------------------------------------------- unknown keys
-def _model_of(annotation: Any) -> type[BaseModel] | None:
+def model_of(annotation: Any) -> type[BaseModel] | None:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         for arg in typing.get_args(annotation):
-            m = _model_of(arg)
+            m = model_of(arg)
             if m is not None:
                 return m
     return None
@@ -205,7 +206,7 @@ def judge_unknown(raw: dict, model: type[BaseModel], prefix: str, strict: bool,
     for key, value in raw.items():
         path = f"{prefix}{key}"
         if key in names:
-            sub = _model_of(model.model_fields[names[key]].annotation)
+            sub = model_of(model.model_fields[names[key]].annotation)
             if sub is not None and isinstance(value, dict):
                 judge_unknown(value, sub, path + ".", strict, problems, notes, unknown)
             continue
@@ -225,7 +226,7 @@ def judge_unknown(raw: dict, model: type[BaseModel], prefix: str, strict: bool,
 
 
 # ---------------------------------------------------------------- pydantic errors -> problems
-def _default_at(loc: tuple) -> Any:
+def default_at(loc: tuple) -> Any:
     model: Any = DSConfig
     for part in loc:
         if not (isinstance(model, type) and issubclass(model, BaseModel)):
@@ -236,13 +237,13 @@ def _default_at(loc: tuple) -> Any:
         f = model.model_fields[name]
         if part == loc[-1]:
             return f.get_default(call_default_factory=True)
-        model = _model_of(f.annotation)
+        model = model_of(f.annotation)
     return None
 
 
 def _hint(err: dict, loc: tuple) -> str:
     kind, value = err["type"], err.get("input")
-    default = _default_at(loc)
+    default = default_at(loc)
     tail = f" (DeepSpeed's default: {default!r})" if default is not None and not isinstance(default, BaseModel) else ""
     if kind == "literal_error" and isinstance(value, str):
         expected = re.findall(r"'([^']*)'", err["msg"])
@@ -278,8 +279,8 @@ def pydantic_problems(exc: ValidationError, seen: set[str]) -> list[Problem]:
         seen.add(path)
         msg = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
         shown = err.get("input")
-        msg = f"{msg[0].lower()}{msg[1:]}" + (f", got {shown!r}" if err["type"] not in ("value_error", "assertion_error")
-                                              and not isinstance(shown, dict) else "")
+        own = err["type"] in ("value_error", "assertion_error") or isinstance(shown, dict)
+        msg = f"{msg[0].lower()}{msg[1:]}" + ("" if own else f", got {shown!r}")
         out.append(Problem(path, msg, _hint(err, loc)))
     return out
 

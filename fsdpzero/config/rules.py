@@ -113,11 +113,14 @@ def check(cfg: DSConfig, raw: dict, deferred: list[str]) -> list[Problem]:
 def check_sections(raw: dict, deferred: list[str]) -> list[Problem]:
     """Optimizer and scheduler kwargs, checked on the raw dicts so they are reported even when other sections
     fail validation."""
+    def usable(section):        # malformed sections are reported by the schema instead
+        return isinstance(section, dict) and isinstance(section.get("params", {}), dict) \
+            and isinstance(section.get("type"), (str, type(None)))
     opt, sch = raw.get("optimizer"), raw.get("scheduler")
     out = []
-    if isinstance(opt, dict) and isinstance(opt.get("params", {}), dict) and isinstance(opt.get("type"), (str, type(None))):
+    if usable(opt):
         out += _check_optimizer(opt.get("type"), opt.get("params") or {})
-    if isinstance(sch, dict) and isinstance(sch.get("params", {}), dict) and isinstance(sch.get("type"), (str, type(None))):
+    if usable(sch):
         out += _check_scheduler(sch.get("type"), sch.get("params") or {}, deferred)
     return out
 
@@ -181,9 +184,11 @@ def _check_scheduler(name: str | None, params: dict, deferred: list[str]) -> lis
                 isinstance(value, float) and value.is_integer())
             positive = key in ("warmup_num_steps", "total_num_steps", "lr_range_test_step_size")
             if not ok or value < (1 if positive else 0):
+                floor = 1 if positive else 0
                 out.append(Problem(path, f"must be a {'positive' if positive else 'non-negative'} integer, "
-                                   f"got {value!r}", f"DeepSpeed's default: {spec[key]!r}"
-                                   if spec[key] not in (REQUIRED, None) else "e.g. 1000"))
+                                   f"got {value!r}", f"use an integer >= {floor}" + (
+                                       f" (DeepSpeed's default: {spec[key]!r})"
+                                       if spec[key] not in (REQUIRED, None) else "")))
         elif not (_is_number(value) or (value is None and spec[key] is None)):
             out.append(Problem(path, f"must be a number, got {value!r}",
                                f"DeepSpeed's default: {spec[key]!r}" if spec[key] != REQUIRED else ""))

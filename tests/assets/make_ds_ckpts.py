@@ -25,15 +25,16 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 OUT = Path(__file__).parent / "deepspeed_ckpts"
 SAVE_STEP, CONT_STEPS, GA, MICRO, SEQ, WORLD = 3, 3, 2, 2, 16, 2
+VOCAB, HIDDEN, HEADS = 63, 15, 3  # odd sizes: parameters with odd numel exercise DeepSpeed's partition padding
 LR, WD = 1e-2, 0.01
 # (name, zero stage, precision)
-VARIANTS = [("z0_fp32", 0, "fp32"), ("z1_fp32", 1, "fp32"), ("z2_fp32", 2, "fp32"), ("z3_fp32", 3, "fp32"),
+VARIANTS = [("z0_fp32", 0, "fp32"), ("z0_bf16", 0, "bf16"), ("z0_fp16", 0, "fp16"), ("z1_fp32", 1, "fp32"), ("z2_fp32", 2, "fp32"), ("z3_fp32", 3, "fp32"),
             ("z1_bf16", 1, "bf16"), ("z2_bf16", 2, "bf16"), ("z3_bf16", 3, "bf16"),
             ("z1_fp16", 1, "fp16"), ("z2_fp16", 2, "fp16"), ("z3_fp16", 3, "fp16")]
 
 
 def model_config() -> GPT2Config:
-    return GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=SEQ, resid_pdrop=0.0,
+    return GPT2Config(n_layer=2, n_embd=HIDDEN, n_head=HEADS, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
                       embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)
 
 
@@ -47,7 +48,7 @@ def make_model() -> GPT2LMHeadModel:
 def make_data() -> torch.Tensor:
     """Token ids [step, micro-step, rank, micro-batch, seq] for SAVE_STEP + CONT_STEPS steps."""
     g = torch.Generator().manual_seed(1234)
-    return torch.randint(0, 64, (SAVE_STEP + CONT_STEPS, GA, WORLD, MICRO, SEQ), generator=g)
+    return torch.randint(0, VOCAB, (SAVE_STEP + CONT_STEPS, GA, WORLD, MICRO, SEQ), generator=g)
 
 
 def ds_config(stage: int, precision: str) -> dict:
@@ -119,8 +120,7 @@ def main() -> None:
         entry = {"stage": stage, "precision": precision, "config": cfg, "losses_before_save": before,
                  "losses_after_save": after, "tag": f"global_step{engine.global_steps - CONT_STEPS}"}
         if precision == "fp16":
-            entry["loss_scale_at_end"] = float(engine.optimizer.cur_scale if stage != 3 else
-                                               engine.optimizer.loss_scale)
+            entry["loss_scale_at_end"] = float(engine.optimizer.loss_scale)
         if rank == 0:
             for script in ("zero_to_fp32.py", "zero_to_torch.py"):  # DS copies its scripts in; not needed here
                 (save_dir / script).unlink(missing_ok=True)
