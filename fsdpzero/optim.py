@@ -29,7 +29,6 @@ Two things live here:
 from __future__ import annotations
 
 import importlib
-import math
 from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
 import torch
@@ -57,7 +56,7 @@ class GradPath(Protocol):
         (collective: every rank gets the same value, so the skip decision agrees)."""
 
     def scale_grads_(self, factor: float) -> None:
-        """grads *= factor (unscale by 1/loss_scale and clip, fused into one pass)."""
+        """grads *= factor, a float or a 0-dim device tensor (unscale by 1/loss_scale and clip, in one pass)."""
 
     def step(self) -> None:
         """Optimizer step (after it, the model's parameters hold the updated weights)."""
@@ -120,9 +119,12 @@ class FSDPGradPath:
     def grad_norm(self) -> torch.Tensor:
         return global_grad_norm(self._params)
 
-    def scale_grads_(self, factor: float) -> None:
-        grads = [p.grad for p in self._params if p.grad is not None]
-        if factor != 1.0 and grads:
+    @torch.no_grad()
+    def scale_grads_(self, factor: torch.Tensor | float) -> None:
+        if isinstance(factor, float) and factor == 1.0:
+            return
+        grads = [_local(p.grad) for p in self._params if p.grad is not None]
+        if grads:
             torch._foreach_mul_(grads, factor)
 
     def step(self) -> None:
@@ -138,6 +140,10 @@ class FSDPGradPath:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
         set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFactory, mesh=None) -> FSDPGradPath:
@@ -189,58 +195,68 @@ def _client_name(client: Any) -> str:
 
 
 def make_optimizer_factory(plan: Plan, client: Any = None, *, device_type: str = "cpu",
-                           param_names: dict[int, str] | None = None) -> OptimizerFactory:
-    """params -> optimizer. `client` is a torch optimizer instance (rebuilt over the new parameters with its own
-    param groups' hyperparameters, matched by parameter name via `param_names`: id(original param) -> name), or a
-    callable `params -> optimizer` like DeepSpeed accepts."""
+                           original_params: list[torch.Tensor] | None = None,
+                           param_groups: list[dict] | None = None) -> OptimizerFactory:
+    """Returns `params -> optimizer`, where params are the trainable parameters in model order (FSDP2 shards,
+    or whatever tensors a gradient path optimises in their place).
+
+    The client's `model_parameters` groups and a client optimizer instance were built over the *original*
+    parameters (`original_params`, same order); they are re-pointed at the new tensors by position. A client
+    optimizer is rebound in place, so a client LR scheduler built on it keeps working. A callable client is
+    called with the params, as DeepSpeed does."""
+    def remap(params) -> list[dict] | list[torch.Tensor]:
+        params = list(params)
+        if original_params is None:
+            return params
+        if len(params) != len(original_params):
+            raise ValueError(f"expected {len(original_params)} trainable tensors, got {len(params)}")
+        new_of = {id(o): n for o, n in zip(original_params, params)}
+        if param_groups is None:
+            return params
+        return [{**{k: v for k, v in g.items() if k != "params"},
+                 "params": [new_of[id(p)] for p in g["params"] if id(p) in new_of]} for g in param_groups]
+
     if client is not None:
         if isinstance(client, torch.optim.Optimizer):
-            return lambda params: _rebind(client, params, param_names or {})
-        return client
+            def rebind(params):
+                params = list(params)
+                if original_params is None or client.state:
+                    raise ValueError("the client optimizer must be fresh (no state) and built over the model's "
+                                     "parameters")
+                new_of = {id(o): n for o, n in zip(original_params, params)}
+                for g in client.param_groups:
+                    g["params"] = [new_of[id(p)] for p in g["params"] if id(p) in new_of]
+                return client
+            return rebind
+        return lambda params: client(remap(params))
     opt = plan.optimizer
     kwargs = {k: v for k, v in opt.params.items() if k not in _DS_ONLY_KEYS}
     name = opt.type
     if name in ("adam", "adamw"):
         adamw = opt.adam_w_mode if name == "adam" else True
-        bias_correction = opt.params.get("bias_correction", True)
-        if not bias_correction:
-            return lambda params: AdamNoBiasCorrection(params, adamw=adamw, **kwargs)
+        if not opt.torch_adam:   # DeepSpeed's FusedAdam / CPUAdam default to no weight decay; torch's AdamW to 0.01
+            kwargs.setdefault("weight_decay", 0.0)
+        if not opt.params.get("bias_correction", True):
+            return lambda params: AdamNoBiasCorrection(remap(params), adamw=adamw, **kwargs)
         cls = torch.optim.AdamW if adamw else torch.optim.Adam
-        return lambda params: cls(params, **_fast_impl(kwargs, device_type))
+        return lambda params: cls(remap(params), **_fast_impl(kwargs, device_type, fused_ok=True))
     if name == "lamb":
         from fsdpzero.lamb import Lamb
-        return lambda params: Lamb(params, **kwargs)
-    if name == "sgd":
-        return lambda params: torch.optim.SGD(params, **_fast_impl(kwargs, device_type))
-    if name == "adagrad":
-        return lambda params: torch.optim.Adagrad(params, **_fast_impl(kwargs, device_type))
-    cls = getattr(torch.optim, name)
-    return lambda params: cls(params, **kwargs)
+        lamb_kwargs = {k: v for k, v in opt.params.items() if k == "bias_correction" or k not in _DS_ONLY_KEYS}
+        return lambda params: Lamb(remap(params), **lamb_kwargs)
+    cls = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}.get(name) or getattr(torch.optim, name)
+    fast = name in ("sgd", "adagrad")
+    return lambda params: cls(remap(params), **(_fast_impl(kwargs, device_type) if fast else kwargs))
 
 
-def _fast_impl(kwargs: dict, device_type: str) -> dict:
-    """foreach on every device (multi-tensor kernels; work on DTensor shards), unless the user chose."""
+def _fast_impl(kwargs: dict, device_type: str, fused_ok: bool = False) -> dict:
+    """Fused Adam/AdamW kernels (CUDA and CPU; they run on DTensor shards), else multi-tensor foreach, unless the
+    user chose."""
     if "fused" in kwargs or "foreach" in kwargs:
         return kwargs
+    if fused_ok and not kwargs.get("amsgrad") and device_type in ("cuda", "cpu"):
+        return {**kwargs, "fused": True}
     return {**kwargs, "foreach": True}
-
-
-def _rebind(client: torch.optim.Optimizer, params: Any, names: dict[int, str]) -> torch.optim.Optimizer:
-    """The client built its optimizer over the original parameters; rebuild the same class over the sharded ones,
-    keeping each group's hyperparameters."""
-    if client.state:
-        raise ValueError("the client optimizer already has state (it has stepped); pass a fresh optimizer")
-    new = list(params) if not isinstance(params, list) else params
-    if new and isinstance(new[0], dict):
-        return type(client)(new, **client.defaults)
-    by_name = {names[id(p)]: p for p in new if id(p) in names} if names else {}
-    if not by_name:   # caller passed tensors without names: one group, client's defaults
-        return type(client)(new, **client.defaults)
-    groups = []
-    for g in client.param_groups:
-        hyper = {k: v for k, v in g.items() if k != "params"}
-        groups.append({**hyper, "params": [by_name[names[id(p)]] for p in g["params"] if id(p) in names]})
-    return type(client)(groups, **client.defaults)
 
 
 class AdamNoBiasCorrection(torch.optim.Optimizer):
@@ -276,8 +292,9 @@ class AdamNoBiasCorrection(torch.optim.Optimizer):
         return loss
 
 
-def clip_factor(norm: float, max_norm: float) -> float:
-    """DeepSpeed / torch clipping coefficient: max_norm / (norm + 1e-6), never above 1; 1 when clipping is off."""
-    if max_norm <= 0 or not math.isfinite(norm):
+def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor | float:
+    """DeepSpeed / torch clipping coefficient max_norm / (norm + 1e-6), never above 1 (1.0 when clipping is off).
+    Kept on the device: no host sync."""
+    if max_norm <= 0:
         return 1.0
-    return min(1.0, max_norm / (norm + 1e-6))
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)

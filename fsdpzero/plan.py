@@ -68,6 +68,7 @@ class PrecisionPlan:
     param_dtype: DType = "float32"          # compute dtype of the all-gathered params (MixedPrecisionPolicy)
     reduce_dtype: DType = "float32"         # communication_data_type (DeepSpeed default: the model dtype)
     master_dtype: DType = "float32"         # DeepSpeed always keeps fp32 masters unless bf16_master_weights...
+    optimizer_state_dtype: DType = "float32"  # bf16.bf16_optimizer_states -> "bfloat16"
     loss_scale: LossScalePlan | None = None  # set iff fp16
     check_grad_overflow: bool = False       # bf16: skip steps with inf/nan grads (DeepSpeed >= 0.19.3 default)
     autocast_dtype: DType | None = None     # torch_autocast section
@@ -113,7 +114,8 @@ class OptimizerPlan:
 @dataclass(frozen=True, kw_only=True)
 class SchedulerPlan:
     type: str | None = None                 # "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"
-    params: dict[str, Any] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)   # DeepSpeed's defaults filled in
+    deferred: tuple[str, ...] = ()          # params given as "auto" that the trainer fills from the step count
 
 
 @dataclass(frozen=True, kw_only=True)

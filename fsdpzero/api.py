@@ -1,0 +1,176 @@
+"""Public entry points: `wrap(model, ds_config)` and the `deepspeed.initialize`-shaped `initialize(...)`.
+
+Order matters and is fixed: translate the config and refuse what cannot run (no process group, no GPU memory
+touched yet), join the process group, build the mesh, upcast to fp32 masters, broadcast rank 0's weights, shard,
+materialise meta models, build the gradient path and its optimizer, the scheduler and the loss scaler.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from fsdpzero.dist import broadcast_module, detect_device_type
+from fsdpzero.dist import init_distributed as init_distributed_env
+from fsdpzero.engine import Engine
+from fsdpzero.log import log, log_startup, setup_logging
+from fsdpzero.optim import check_optimizer, grad_path_kind, make_optimizer_factory, select_grad_path
+from fsdpzero.plan import Env, Plan
+from fsdpzero.precision import make_scaler, mp_policy, upcast_to_master
+from fsdpzero.sharding import build_mesh, is_meta, materialize, shard_model
+
+
+def launch_env(device_type: str | None = None) -> Env:
+    """The Env the plan is built for, from torchrun's variables (read before any process group exists)."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return Env(world_size=world, nodes=max(1, world // max(1, per_node)),
+               device_type=device_type or detect_device_type())
+
+
+def make_plan(ds_config: Any, env: Env, context: dict | None = None) -> Plan:
+    """A Plan as given, or translated from a ds_config (path, dict or JSON string) by the config layer."""
+    if isinstance(ds_config, Plan):
+        return ds_config
+    from fsdpzero.translate import build_plan
+    return build_plan(ds_config, env, context=context or {}, strict=False)
+
+
+def refuse_unsupported(plan: Plan) -> None:
+    bad = plan.unsupported
+    if bad:
+        lines = "\n".join(f"  {d.key} = {d.value!r}: {d.detail}" for d in bad)
+        raise ValueError(f"the config asks for {len(bad)} thing(s) fsdpzero cannot run; remove or change:\n{lines}")
+
+
+def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, lr_scheduler: Any = None,
+         model_parameters: Iterable | None = None, block_classes: Iterable[str | type] | None = None,
+         block_predicate: Callable[[nn.Module], bool] | None = None, full_state_dict: dict | None = None,
+         device_type: str | None = None, **context: Any) -> Engine:
+    """Shard `model` per the DeepSpeed config and return the training Engine.
+
+    optimizer: a torch optimizer built over `model`'s parameters (rebound in place to the shards), or a callable
+      `params -> optimizer`; None uses the config's `optimizer` section.
+    lr_scheduler: a scheduler object (on that optimizer), or a callable `optimizer -> scheduler`; None uses the
+      config's `scheduler` section.
+    block_classes / block_predicate: which submodules are the transformer blocks (default: HF `_no_split_modules`).
+    full_state_dict: weights for a model built on the meta device (rank 0's copy is broadcast).
+    context: values for the config's "auto" entries (e.g. hidden_size=..., num_training_steps=...).
+    """
+    setup_logging()
+    env = launch_env(device_type)
+    plan = make_plan(ds_config, env, context)
+    refuse_unsupported(plan)
+    check_optimizer(plan, optimizer)
+    build_path = select_grad_path(plan)            # fails now, not after init, if the path is unavailable
+    info = init_distributed_env(env.device_type)
+    mesh = mesh if mesh is not None else build_mesh(plan, info.world_size, info.device_type)
+
+    meta = is_meta(model)
+    if not meta:
+        upcasts = upcast_to_master(model, plan)
+        model.to(info.device)
+        broadcast_module(model)
+    else:
+        upcasts = []
+    original = [p for p in model.parameters() if p.requires_grad]
+    groups = _param_groups(model_parameters)
+    model, blocks = shard_model(model, plan, mesh, mp_policy(plan), device_type=info.device_type,
+                                block_classes=block_classes, block_predicate=block_predicate)
+    if meta:
+        materialize(model, info.device, full_state_dict)
+    factory = make_optimizer_factory(plan, optimizer, device_type=info.device_type, original_params=original,
+                                     param_groups=groups)
+    path = build_path(model, plan, factory, mesh)
+    scheduler = _scheduler(plan, lr_scheduler, path.optimizer)
+    engine = Engine(model, plan, path, lr_scheduler=scheduler, scaler=make_scaler(plan), device=info.device,
+                    mesh=mesh, local_rank=info.local_rank)
+    log_startup(plan, {"world_size": info.world_size, "mesh": str(mesh), "grad_path": grad_path_kind(plan),
+                       "blocks_sharded": len(blocks), "upcast_params": len(upcasts),
+                       "optimizer": type(path.optimizer).__name__})
+    return engine
+
+
+def _param_groups(model_parameters) -> list[dict] | None:
+    """DeepSpeed's model_parameters: an iterable of tensors or of param-group dicts."""
+    if model_parameters is None:
+        return None
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return [dict(g, params=list(g["params"])) for g in items]
+    if items and isinstance(items[0], tuple):   # named_parameters()
+        items = [p for _, p in items]
+    return [{"params": items}]
+
+
+def _scheduler(plan: Plan, client: Any, optimizer: torch.optim.Optimizer):
+    if client is not None:
+        return client if hasattr(client, "step") else client(optimizer)
+    if plan.scheduler.type is None:
+        return None
+    from fsdpzero.schedulers import build_scheduler
+    return build_scheduler(plan.scheduler, optimizer)
+
+
+def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
+               model_parameters: Iterable | None = None, training_data: Any = None, lr_scheduler: Any = None,
+               distributed_port: int | None = None, mpu: Any = None, dist_init_required: bool | None = None,
+               collate_fn: Callable | None = None, config: Any = None, config_params: Any = None, **context: Any):
+    """Drop-in for `deepspeed.initialize`: returns (engine, optimizer, training_dataloader, lr_scheduler).
+
+    The config comes from `config`, `config_params`, or `args.deepspeed_config`, as with DeepSpeed. `mpu` (model
+    parallelism) is not supported."""
+    if model is None:
+        raise ValueError("initialize(model=...) is required")
+    if mpu is not None:
+        raise ValueError("initialize(mpu=...): model/tensor parallel units are not supported by fsdpzero")
+    config = config if config is not None else config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if config is None:
+        raise ValueError("no DeepSpeed config: pass config=<path|dict> or args with --deepspeed_config")
+    if distributed_port is not None and "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(distributed_port)
+    engine = wrap(model, config, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                  model_parameters=model_parameters, **context)
+    loader = None
+    if training_data is not None:
+        loader = make_dataloader(training_data, engine, collate_fn)
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def make_dataloader(dataset, engine: Engine, collate_fn: Callable | None = None):
+    """Like DeepSpeed's: micro-batch size per rank, a DistributedSampler over the data-parallel ranks."""
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, DistributedSampler
+    sampler = DistributedSampler(dataset, num_replicas=dist.get_world_size(), rank=dist.get_rank())
+    return DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
+                      collate_fn=collate_fn, drop_last=engine.plan.batch.dataloader_drop_last)
+
+
+def init_distributed(dist_backend: str | None = None, **_ignored: Any):
+    """`deepspeed.init_distributed()`: join the process group from the launcher's environment. The backend follows
+    the device (NCCL + gloo on GPU, gloo on CPU); DeepSpeed's other arguments (ports, MPI discovery) do not apply."""
+    device_type = "cpu" if dist_backend == "gloo" else None
+    return init_distributed_env(device_type)
+
+
+def add_config_arguments(parser):
+    """`deepspeed.add_config_arguments(parser)`: --deepspeed, --deepspeed_config (and the old deepscale names).
+    --local_rank is tolerated by `init_distributed` whether the script declares it or not."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true", help="enable the DeepSpeed config")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse_suppress())
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse_suppress())
+    return parser
+
+
+def argparse_suppress():
+    import argparse
+    return argparse.SUPPRESS
+
+
+__all__ = ["wrap", "initialize", "init_distributed", "add_config_arguments", "make_dataloader", "log"]

@@ -1,0 +1,225 @@
+"""Hugging Face integration: sharded `from_pretrained`, the `Trainer` path, and ZeRO-3-style inference.
+
+- `from_pretrained(path, ds_config)`: DeepSpeed's `zero.Init` + `from_pretrained`, on FSDP2. The model is built on
+  the meta device, sharded by `fsdpzero.wrap` per the config, and each rank then reads *only its own rows* of each
+  tensor from the safetensors files (`safe_open(...).get_slice`), so no rank ever holds the whole model: peak host
+  memory per rank is ~1/N of the checkpoint plus one tensor slice. Non-persistent buffers (rotary `inv_freq`), which
+  no checkpoint holds and `to_empty` leaves as garbage, are rebuilt by the engine's `materialize`.
+- `TrainingArguments(..., deepspeed="ds.json")` + `Trainer(...)` from this module: a DeepSpeed user's Trainer
+  script, with the import changed, runs through fsdpzero (DeepSpeed need not be installed). "auto" values are
+  resolved from the TrainingArguments the way transformers' DeepSpeed integration does. How: transformers >= 5.2x
+  supports models "sharded at load time" (FSDP2 DTensors, no DDP wrap, accumulation through
+  `set_requires_gradient_sync`); we shard with the engine, mark the model so, and let the Trainer drive the
+  engine's gradient path (clip, step, zero) through a thin optimizer. The accelerate FSDP plugin was not used:
+  accelerate only enables it on accelerators and silently falls back to DDP on CPU (checked with accelerate 1.15).
+- `generate(engine_or_model, ...)`: evaluation and generation with stage-3-sharded parameters; with several ranks
+  `synced_gpus=True` keeps every rank stepping the forward (and its all-gathers) until all have finished.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch import nn
+
+# -- sharded loading -----------------------------------------------------------------------------------------------
+
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def _weight_map(path: Path) -> dict[str, Path]:
+    """Checkpoint key -> safetensors file, for a single file or an index (model.safetensors.index.json)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json (only safetensors "
+                                f"checkpoints load sharded; convert .bin files with save_pretrained first)")
+    from safetensors import safe_open
+    with safe_open(str(single), framework="pt") as f:
+        return {k: single for k in f.keys()}
+
+
+def _local_box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """(the tensor this rank writes, the slice of the full tensor it holds)."""
+    from torch.distributed.tensor import DTensor
+    if not isinstance(t, DTensor):
+        return t.data, tuple(slice(0, n) for n in t.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return t.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+@torch.no_grad()
+def load_sharded_safetensors(model: nn.Module, path: str | Path) -> None:
+    """Fill a sharded (or plain) model in place from a Hugging Face safetensors checkpoint, each rank reading only
+    the rows it holds. Every parameter and persistent buffer must be found (tied weights count once)."""
+    from safetensors import safe_open
+    path = Path(path)
+    where = _weight_map(path)
+    tensors = dict(model.named_parameters())
+    persistent = set(model.state_dict().keys())
+    tensors.update({n: b for n, b in model.named_buffers() if n in persistent})
+    missing = []
+    for name, t in tensors.items():
+        key = name
+        for part in _WRAPPER_PARTS:
+            key = key.replace(part, "")
+        if key not in where:
+            missing.append(key)
+            continue
+        local, box = _local_box(t)
+        if local.numel() == 0:
+            continue
+        # one open per tensor: safetensors memory-maps the file and touched pages count as this process's memory
+        # until it is closed, so a long-lived handle would grow toward the whole file
+        with safe_open(str(where[key]), framework="pt", device="cpu") as f:
+            piece = f.get_slice(key)[box] if local.dim() else f.get_tensor(key)
+        local.copy_(piece.to(dtype=local.dtype))
+    if missing:
+        raise KeyError(f"{path}: {len(missing)} tensor(s) of the model are not in the checkpoint, e.g. "
+                       f"{missing[:3]} (is it the same architecture and config?)")
+
+
+def from_pretrained(path: str | Path, ds_config: Any, *, model_class: Any = None,
+                    attn_implementation: str | None = None, **wrap_kwargs: Any):
+    """A sharded, trainable Engine for a local Hugging Face checkpoint: meta-device build, shard per ds_config,
+    then each rank loads only its shard. Returns the Engine (its `.module` is the sharded transformers model)."""
+    import fsdpzero
+    path = Path(path)
+    config = transformers.AutoConfig.from_pretrained(str(path))
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    model_class = model_class or transformers.AutoModelForCausalLM
+    with torch.device("meta"):
+        model = model_class.from_config(config)
+    wrap_kwargs.setdefault("hidden_size", getattr(config, "hidden_size", None))
+    engine = fsdpzero.wrap(model, ds_config, **wrap_kwargs)
+    load_sharded_safetensors(engine.module, path)
+    return engine
+
+
+# -- ZeRO inference ----------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def generate(model: nn.Module, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """`model.generate` for a sharded model (an Engine or its module) with every rank kept in step: a rank whose
+    sequences finished early keeps running forwards (and their all-gathers) until all ranks are done."""
+    module = getattr(model, "module", model)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        kwargs.setdefault("synced_gpus", True)
+    was_training = module.training
+    module.eval()
+    try:
+        return module.generate(input_ids=input_ids, **kwargs)
+    finally:
+        module.train(was_training)
+
+
+# -- Trainer path ---------------------------------------------------------------------------------------------------
+
+class TrainingArguments(transformers.TrainingArguments):
+    """`transformers.TrainingArguments` whose `deepspeed=` (a path or dict) is run by fsdpzero instead of DeepSpeed."""
+
+    def __post_init__(self):
+        self.fsdpzero_config = self.deepspeed
+        self.deepspeed = None            # keep transformers from importing and configuring DeepSpeed
+        super().__post_init__()
+
+
+def trainer_context(args: transformers.TrainingArguments, model: nn.Module, train_dataset=None) -> dict:
+    """The values HF's DeepSpeed integration fills "auto" from (names as in TrainingArguments)."""
+    world = dist.get_world_size() if dist.is_initialized() else int(__import__("os").environ.get("WORLD_SIZE", 1))
+    ctx = {k: getattr(args, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
+                                         "learning_rate", "weight_decay", "adam_beta1", "adam_beta2",
+                                         "adam_epsilon", "max_grad_norm", "warmup_steps", "bf16", "fp16")}
+    ctx["world_size"] = world
+    ctx["hidden_size"] = getattr(getattr(model, "config", None), "hidden_size", None)
+    if args.max_steps and args.max_steps > 0:
+        ctx["max_steps"] = ctx["num_training_steps"] = args.max_steps
+    elif train_dataset is not None and hasattr(train_dataset, "__len__"):
+        per_step = args.per_device_train_batch_size * world * args.gradient_accumulation_steps
+        ctx["num_training_steps"] = math.ceil(len(train_dataset) / per_step) * math.ceil(args.num_train_epochs)
+    return ctx
+
+
+class _EngineOptimizer(torch.optim.Optimizer):
+    """What the Trainer calls `optimizer`: step/zero_grad go to the engine's gradient path (which may keep its
+    optimizer states sharded, on the CPU, or on NVMe); param_groups and state are the real optimizer's."""
+
+    def __init__(self, engine):              # no super().__init__: this object owns no parameters of its own
+        self.engine = engine
+        self.inner = engine.optimizer
+        self.defaults = self.inner.defaults
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+
+    param_groups = property(lambda self: self.inner.param_groups)
+    state = property(lambda self: self.inner.state)
+
+    def step(self, closure=None):
+        self.engine.grad_path.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.engine.grad_path.zero_grad()
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.inner.load_state_dict(state_dict)
+
+
+class Trainer(transformers.Trainer):
+    """`transformers.Trainer` running the DeepSpeed config of `args.deepspeed` (use this module's
+    TrainingArguments) or `ds_config=` on fsdpzero: sharding, precision policy, optimizer and scheduler come from
+    the config; the Trainer keeps its loop, data, logging and evaluation. Checkpoints: save_only_model=True
+    (or save_strategy="no"), as transformers requires for models sharded at load time."""
+
+    def __init__(self, model: nn.Module = None, args: transformers.TrainingArguments = None, *pos,
+                 ds_config: Any = None, **kwargs):
+        import fsdpzero
+        ds_config = ds_config if ds_config is not None else getattr(args, "fsdpzero_config", None)
+        if ds_config is None:
+            raise ValueError("fsdpzero.hf.Trainer needs a DeepSpeed config: "
+                             "fsdpzero.hf.TrainingArguments(..., deepspeed='ds.json') or Trainer(..., ds_config=...)")
+        if kwargs.get("optimizers", (None, None)) != (None, None):
+            raise ValueError("fsdpzero.hf.Trainer builds the optimizer and scheduler from the DeepSpeed config; "
+                             "do not pass optimizers=")
+        context = trainer_context(args, model, kwargs.get("train_dataset"))
+        self.engine = fsdpzero.wrap(model, ds_config, **context)
+        sharded = self.engine.module
+        sharded._is_distributed_loading_by_transformers = True   # no DDP wrap, no .to(): FSDP2 owns placement
+        kwargs["optimizers"] = (_EngineOptimizer(self.engine), self.engine.lr_scheduler)
+        super().__init__(sharded, args, *pos, **kwargs)
+
+    @contextlib.contextmanager
+    def _defer_fsdp_gradient_reduction(self):
+        """Off-boundary micro-steps: accumulate locally, no reduce-scatter (the engine's set_sync)."""
+        self.engine.grad_path.set_sync(False)
+        try:
+            yield
+        finally:
+            self.engine.grad_path.set_sync(True)
+
+    def _clip_grad_norm(self, model):
+        """The engine's clipping: the global norm over all shards, DeepSpeed's clip factor."""
+        from fsdpzero.optim import clip_factor
+        path = self.engine.grad_path
+        path.finish_gradients()
+        norm = path.grad_norm()
+        path.scale_grads_(clip_factor(norm, self.args.max_grad_norm))
+        return norm
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None:
+            self.engine.grad_path.finish_gradients()
+            grad_norm = self.engine.grad_path.grad_norm()
+        return grad_norm.item() if hasattr(grad_norm, "item") else grad_norm

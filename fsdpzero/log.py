@@ -1,0 +1,89 @@
+"""Rank-0 logging: the effective config and decision table once, `steps_per_print` lines, and the
+`wall_clock_breakdown` timers (forward / backward / step, synchronised like DeepSpeed's so they mean wall time)."""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from fsdpzero.plan import Plan
+
+log = logging.getLogger("fsdpzero")
+
+
+def is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def setup_logging() -> None:
+    """One stderr handler on rank 0; other ranks log warnings only (errors must not be silenced)."""
+    if not log.handlers:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("[fsdpzero] %(message)s"))
+        log.addHandler(h)
+        log.propagate = False
+    log.setLevel(logging.INFO if is_rank0() else logging.ERROR)
+
+
+def log_startup(plan: Plan, extra: dict) -> None:
+    """DeepSpeed prints its resolved configuration at start; users look for it. Ours, plus each key's fate."""
+    if not is_rank0():
+        return
+    log.info("effective plan:\n%s", json.dumps({**plan.to_dict(), **extra}, indent=1, default=str))
+    if plan.decisions:
+        w = max(len(d.key) for d in plan.decisions)
+        rows = [f"  {d.key:<{w}}  {d.status:<12} {d.detail}" for d in plan.decisions]
+        log.info("config decisions (%d keys):\n%s", len(rows), "\n".join(rows))
+
+
+class Timers:
+    """Accumulated wall time per phase since the last report; no-ops unless enabled."""
+
+    def __init__(self, enabled: bool, device_type: str):
+        self.enabled = enabled
+        self.sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+        self.total: dict[str, float] = defaultdict(float)
+        self._start: dict[str, float] = {}
+
+    def start(self, name: str) -> None:
+        if self.enabled:
+            self.sync()
+            self._start[name] = time.perf_counter()
+
+    def stop(self, name: str) -> None:
+        if self.enabled and name in self._start:
+            self.sync()
+            self.total[name] += time.perf_counter() - self._start.pop(name)
+
+    def report(self) -> str:
+        line = " | ".join(f"{k}: {v * 1000:.2f}" for k, v in self.total.items())
+        self.total.clear()
+        return f"time (ms) | {line}"
+
+
+class StepPrinter:
+    """Every `steps_per_print` optimizer steps, one line like DeepSpeed's, with samples/s since the last one."""
+
+    def __init__(self, every: int | None, timers: Timers):
+        self.every = every
+        self.timers = timers
+        self._t0 = time.perf_counter()
+        self._samples0 = 0
+
+    def maybe_print(self, *, step: int, skipped: int, samples: int, loss, lr, grad_norm, loss_scale) -> None:
+        if not self.every or step % self.every:
+            return
+        now = time.perf_counter()
+        rate = (samples - self._samples0) / max(now - self._t0, 1e-9)
+        self._t0, self._samples0 = now, samples
+        loss_v = float(loss) if loss is not None else float("nan")   # one host sync, only on print steps
+        if is_rank0():
+            log.info("step=%d, skipped=%d, loss=%.6f, lr=%s, grad_norm=%.4g, loss_scale=%s, samples/s=%.2f",
+                     step, skipped, loss_v, lr, float(grad_norm), loss_scale, rate)
+            if self.timers.enabled:
+                log.info(self.timers.report())

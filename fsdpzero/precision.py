@@ -1,0 +1,69 @@
+"""fp32 / bf16 / fp16 on FSDP2, the way DeepSpeed does it: fp32 master weights in the optimizer, low-precision
+copies for compute, gradients reduced in `communication_data_type`, fp16 with DeepSpeed's dynamic loss scaler.
+
+FSDP2 keeps the sharded parameters in their own dtype and casts the all-gathered copy to `param_dtype`, so fp32
+masters mean: make the sharded parameters fp32 (upcast, loudly, if the model was loaded in 16 bits) and set
+`MixedPrecisionPolicy(param_dtype=<16-bit>)`. Overflow detection uses the global gradient norm, which is already
+all-reduced, so every rank reaches the same skip decision without an extra collective.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from fsdpzero.plan import Plan
+
+log = logging.getLogger("fsdpzero")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def mp_policy(plan: Plan) -> MixedPrecisionPolicy:
+    p = plan.precision
+    param = DTYPES[p.param_dtype]
+    master = DTYPES[p.master_dtype]
+    reduce = DTYPES[p.reduce_dtype]
+    return MixedPrecisionPolicy(param_dtype=None if param == master else param,
+                                reduce_dtype=None if reduce == param else reduce,
+                                cast_forward_inputs=True)
+
+
+def upcast_to_master(model: nn.Module, plan: Plan) -> list[str]:
+    """Cast floating parameters to the master dtype (fp32 unless bf16_master_weights_and_grads); returns their
+    names. DeepSpeed always optimises fp32 masters; an FSDP2 user who loads a bf16 model would otherwise train
+    bf16 weights with a bf16 optimizer, the classic cause of "FSDP loss differs from DeepSpeed"."""
+    master = DTYPES[plan.precision.master_dtype]
+    upcast = []
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.dtype != master:
+            p.data = p.data.to(master)
+            upcast.append(name)
+    if upcast:
+        log.warning("fsdpzero: upcast %d parameters to %s master weights (DeepSpeed keeps %s masters): %s",
+                    len(upcast), plan.precision.master_dtype, plan.precision.master_dtype, ", ".join(upcast))
+    return upcast
+
+
+def make_scaler(plan: Plan):
+    """DeepSpeed's fp16 loss scaler (dynamic, or static when loss_scale > 0), or None without fp16."""
+    if plan.precision.loss_scale is None:
+        return None
+    from fsdpzero.loss_scaler import make_loss_scaler
+    return make_loss_scaler(plan.precision.loss_scale)
+
+
+def checks_overflow(plan: Plan) -> bool:
+    """fp16 always skips steps with inf/nan grads; bf16 when check_grad_overflow (DeepSpeed >= 0.19.3 default)."""
+    return plan.precision.loss_scale is not None or plan.precision.check_grad_overflow
+
+
+def autocast(plan: Plan, device_type: str):
+    """The `torch_autocast` section: forward under torch.autocast with fp32 params."""
+    dtype = plan.precision.autocast_dtype
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=DTYPES[dtype])

@@ -1,0 +1,97 @@
+"""Shared pieces of the engine tests: tiny HF models from configs, deterministic token batches, hand-built plans,
+and the unsharded single-process reference loop (plain torch: AdamW + clip_grad_norm_)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from fsdpzero.plan import BatchPlan, LossScalePlan, OptimizerPlan, Plan, PrecisionPlan, ShardPlan
+
+SEQ = 16
+VOCAB = 128
+LR = 5e-4   # Adam moves a weight by ~lr whatever its grad size: at 1e-3 one near-zero-grad element drifted 1.05e-5
+ADAMW = {"lr": LR, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+
+
+def build_model(kind: str, seed: int = 0, device: str | None = None) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    ctx = torch.device(device) if device else torch.device("cpu")
+    with ctx:
+        if kind == "llama":
+            cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                              num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+                              bos_token_id=0, eos_token_id=1, pad_token_id=2)
+            cfg._attn_implementation = "eager"
+            return LlamaForCausalLM(cfg)
+        cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0,
+                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1)
+        cfg._attn_implementation = "eager"
+        return GPT2LMHeadModel(cfg)
+
+
+def batches(steps: int, gas: int, global_micro: int, seed: int = 1234) -> torch.Tensor:
+    """[steps, gas, global_micro, SEQ] token ids; rank r of w takes rows r*m:(r+1)*m of each micro-step."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (steps, gas, global_micro, SEQ), generator=g)
+
+
+def make_plan(stage: int = 3, dtype: str = "float32", gas: int = 1, world: int = 2, micro: int = 2,
+              mesh: tuple[int, ...] | None = None, hpz: int | None = None, clip: float = 1.0,
+              reduce_dtype: str = "float32", fp16: LossScalePlan | None = None, opt: str = "adamw",
+              opt_params: dict | None = None, **batch_extra) -> Plan:
+    raf: bool | int = (hpz if hpz else True) if stage == 3 else False
+    shard = ShardPlan(stage=stage, reshard_after_forward=raf, mesh_shape=mesh or (world,),
+                      mesh_dim_names=("replicate", "shard") if mesh else ("dp",), param_persistence_threshold=0)
+    precision = PrecisionPlan(param_dtype=dtype, reduce_dtype=reduce_dtype, loss_scale=fp16,
+                              check_grad_overflow=dtype == "bfloat16")
+    return Plan(shard=shard, precision=precision,
+                optimizer=OptimizerPlan(type=opt, params=dict(ADAMW if opt_params is None else opt_params)),
+                batch=BatchPlan(train_batch_size=micro * gas * world, micro_batch_size=micro,
+                                gradient_accumulation_steps=gas, gradient_clipping=clip, **batch_extra))
+
+
+def reference_run(kind: str, data: torch.Tensor, clip: float) -> tuple[list[float], dict]:
+    """Unsharded, one process, the whole global micro-batch at once: plain torch."""
+    model = build_model(kind)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW, fused=True)
+    losses = []
+    gas = data.shape[1]
+    for step in data:
+        total = 0.0
+        for micro in step:
+            loss = model(input_ids=micro, labels=micro).loss
+            (loss / gas).backward()
+            total += loss.item()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / gas)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def engine_losses(engine, data: torch.Tensor, rank: int, world: int) -> list[float]:
+    """Run the DeepSpeed-style loop; per optimizer step, the loss averaged over micro-steps and ranks."""
+    m = data.shape[2] // world
+    losses = []
+    for step in data:
+        acc = torch.zeros(())
+        for micro in step:
+            x = micro[rank * m:(rank + 1) * m]
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            acc += loss.detach().float().cpu()
+        acc /= data.shape[1]
+        dist.all_reduce(acc, op=dist.ReduceOp.AVG)
+        losses.append(acc.item())
+    return losses
+
+
+def full_params(model) -> dict:
+    """Every rank's copy of the full (unsharded) fp32 parameters, on CPU."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().cpu().clone()
+            for k, v in sd.items()}
