@@ -94,7 +94,7 @@ def optimizer_pipeline(nvme_dir: Path, n_params: int, sub_group_size: int, cfg: 
             t0 = time.perf_counter()
             opt._reader.pread(view, opt._file, g.file_offset).wait()
             t1 = time.perf_counter()
-            opt._compute(view, g, {}, 1.0)
+            opt._compute(view, g, {id(p): p.grad.view(-1) for p in params}, 1.0)
             t2 = time.perf_counter()
             opt._writer.pwrite(view, opt._file, g.file_offset).wait()
             t3 = time.perf_counter()

@@ -14,7 +14,7 @@ of the swap file (per slice: [master] exp_avg exp_avg_sq, each padded to the O_D
 read and one write, on separate read and write engines. The update is `fsdpzero_ops.cpu_adam.adam_step_`, the
 kernel CPUAdam runs with its states in memory: the results are bit-identical.
 
-Swap directories (`SwapDir`): <nvme_path>/fsdpzero_swap/<host>.<pid>.rank<r>/, created at start with a marker
+Swap directories (`SwapDir`): <nvme_path>/fsdpzero_swap/<host>.<pid>.<n>.rank<r>/, created at start with a marker
 naming the owning process; free space and writability are checked before anything is written; the directory is
 removed on close/exit, and one left by a killed process (dead pid, or another boot) is removed by the next start
 on the same host. The marker file says it is not a checkpoint; checkpoints go through state_dict().
@@ -22,6 +22,7 @@ on the same host. The marker file says it is not a checkpoint; checkpoints go th
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import shutil
@@ -36,6 +37,7 @@ from fsdpzero_ops.aio import ALIGN, AioConfig, AioHandle, aligned_empty, padded_
 from fsdpzero_ops.cpu_adam import adam_step_
 
 SWAP_ROOT = "fsdpzero_swap"
+_instances = itertools.count()
 MARKER = "FSDPZERO_SWAP_NOT_A_CHECKPOINT.json"
 _ELEMS = ALIGN // 4                       # fp32 elements per alignment unit
 
@@ -71,7 +73,7 @@ def remove_stale_swap_dirs(nvme_path) -> list[Path]:
         return removed
     for d in base.iterdir():
         try:
-            owner_host, pid, _ = d.name.rsplit(".", 2)
+            owner_host, pid, _, _ = d.name.rsplit(".", 3)
             pid = int(pid)
         except ValueError:
             continue                       # not ours: leave it alone
@@ -108,7 +110,8 @@ class SwapDir:
             base = self.root / SWAP_ROOT
             base.mkdir(exist_ok=True)
             remove_stale_swap_dirs(self.root)
-            self.path = base / f"{socket.gethostname()}.{os.getpid()}.rank{rank}"
+            # one directory per optimizer: a process may hold several (a resumed copy, tests)
+            self.path = base / f"{socket.gethostname()}.{os.getpid()}.{next(_instances)}.rank{rank}"
             self.path.mkdir(exist_ok=True)
             (self.path / MARKER).write_text(json.dumps(
                 {"what": "fsdpzero NVMe swap space (optimizer states of a running job); not a checkpoint",
@@ -182,7 +185,9 @@ class NVMeAdam(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, adamw_mode=False,
                  bias_correction=True, nvme_path, rank: int | None = None, sub_group_size: int = 1_000_000_000,
                  buffer_count: int = 4, aio: AioConfig | None = None, pin_memory: bool = False,
-                 impl: str | None = None):
+                 impl: str | None = None, initial: dict[int, torch.Tensor] | None = None):
+        """initial: id(param) -> the starting value of its fp32 master, when not the param itself (the offload
+        path hands in low-precision CPU buffers and keeps the fp32 weights only until they are on disk)."""
         if sub_group_size < 1:
             raise ValueError(f"zero_optimization.sub_group_size={sub_group_size}: must be >= 1")
         if buffer_count < 1:
@@ -203,7 +208,7 @@ class NVMeAdam(torch.optim.Optimizer):
             size = max((g.numel for g in self._groups), default=0)
             self._buffers = [aligned_empty(size, torch.float32, pin=pin_memory)
                              for _ in range(min(buffer_count, len(self._groups)))]
-            self._write_initial_states()
+            self._write_initial_states(initial or {})
         except BaseException:
             self.close()
             raise
@@ -237,7 +242,7 @@ class NVMeAdam(torch.optim.Optimizer):
         views.setdefault("master", _local(p).view(-1)[start:stop])
         return views
 
-    def _write_initial_states(self) -> None:
+    def _write_initial_states(self, initial: dict[int, torch.Tensor]) -> None:
         """masters = the params (in fp32), moments = 0; streamed out through the buffers before step 1."""
         writes = [None] * len(self._buffers)
         for i, g in enumerate(self._groups):
@@ -248,8 +253,11 @@ class NVMeAdam(torch.optim.Optimizer):
             buf.zero_()
             for s in g.slices:
                 views = self._views(buf, s)
+                src = _local(initial.get(id(s[0]), s[0])).detach().reshape(-1)[s[2]:s[3]]
                 if _local(s[0]).dtype != torch.float32:
-                    views["master"].copy_(_local(s[0]).detach().reshape(-1)[s[2]:s[3]])
+                    views["master"].copy_(src)
+                elif id(s[0]) in initial:
+                    views["master"].copy_(src)               # an fp32 param is its own master: set it
             writes[b] = self._writer.pwrite(buf, self._file, g.file_offset)
         for w in writes:
             if w is not None:
@@ -257,19 +265,22 @@ class NVMeAdam(torch.optim.Optimizer):
 
     # -- the step
     @torch.no_grad()
-    def step(self, closure=None, *, grad_scale: float = 1.0):
+    def step(self, closure=None, *, grad_scale: float = 1.0, grads: dict[int, torch.Tensor] | None = None):
+        """grads: id(param) -> gradient, instead of param.grad (any of fp32/bf16/fp16, CPU)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        todo = [g for g in self._groups if any(s[0].grad is not None for s in g.slices)]
+        if grads is None:
+            grads = {id(p): p.grad for g in self.param_groups for p in g["params"] if p.grad is not None}
+        todo = [g for g in self._groups if any(id(s[0]) in grads for s in g.slices)]
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
+                if id(p) in grads:
                     st = self.state[p]
                     st["step"] = st.get("step", torch.tensor(0.0)) + 1
-        grads = {}
-        self._pipeline(todo, lambda buf, g: self._compute(buf, g, grads, grad_scale))
+        flat = {k: _local(g).contiguous().view(-1) for k, g in grads.items()}
+        self._pipeline(todo, lambda buf, g: self._compute(buf, g, flat, grad_scale))
         return loss
 
     def _pipeline(self, todo: list[_SubGroup], compute, write_back: bool = True) -> None:
@@ -303,12 +314,11 @@ class NVMeAdam(torch.optim.Optimizer):
                 r.wait()
 
     def _compute(self, buf, g: _SubGroup, grads: dict, grad_scale: float) -> None:
+        """grads: id(param) -> flat contiguous gradient."""
         for s in g.slices:
             p, group, start, stop, _ = s
-            if p.grad is None:
-                continue
             if id(p) not in grads:
-                grads[id(p)] = _local(p.grad).contiguous().view(-1)
+                continue
             v = self._views(buf, s)
             out = None if _local(p).dtype == torch.float32 else _local(p).view(-1)[start:stop]
             beta1, beta2 = group["betas"]
@@ -402,3 +412,92 @@ def nvme_optimizer_from_plan(params, plan, rank: int | None = None) -> NVMeAdam:
     return NVMeAdam(params, **kw, adamw_mode=adamw, nvme_path=off.optimizer_nvme_path, rank=rank,
                     sub_group_size=off.sub_group_size, buffer_count=off.buffer_count,
                     aio=AioConfig.from_plan(off.aio))   # swap buffers never meet the GPU: pinning them buys nothing
+
+
+def nvme_optimizer(groups: list[dict], plan, initial: dict[int, torch.Tensor] | None = None) -> NVMeAdam:
+    """NVMeAdam over Adam hyperparameter groups (fsdpzero.offload's), configured by the plan's offload section."""
+    off = plan.offload
+    return NVMeAdam(groups, nvme_path=off.optimizer_nvme_path, sub_group_size=off.sub_group_size,
+                    buffer_count=off.buffer_count, aio=AioConfig.from_plan(off.aio), initial=initial)
+
+
+# ------------------------------------------------------------------------------------ the engine's gradient path
+
+from fsdpzero.offload import OffloadGradPath, _like, _on  # noqa: E402  (offload imports this module lazily)
+
+
+class NVMeGradPath(OffloadGradPath):
+    """fsdpzero.offload's gradient path with NVMeAdam as the optimizer: gradients land where they do for
+    `offload_optimizer: cpu` (pinned buffers, or the CPU shards), one NVMeAdam.step() swaps the states through
+    per sub-group, then the updated shards go back. Checkpoints have the cpu path's layout, so a run can resume
+    from one into the other."""
+
+    def _step_chunks(self, work, factor) -> None:
+        grads = {}
+        for chunk, items in work:
+            if chunk.d2h_done is not None:
+                chunk.d2h_done.synchronize()
+            if chunk.h2d_done is not None:       # last step's H2D must have read the buffers we overwrite
+                chunk.h2d_done.synchronize()
+            grads.update({id(e.master): grad for e, grad in items})
+        self.optimizer.step(grad_scale=factor, grads=grads)
+        for chunk, items in work:
+            with _on(self.h2d):
+                for e, _ in items:
+                    if e.master is not _local(e.param):
+                        _local(e.param).copy_(e.master, non_blocking=self.h2d is not None)
+                if self.h2d is not None and items:
+                    chunk.h2d_done = torch.cuda.Event()
+                    chunk.h2d_done.record(self.h2d)
+            chunk.ready.set()
+
+    def _order(self):
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        by_stand_in = {id(e.master): e for e in self.entries}
+        return params, [by_stand_in[id(p)] for p in params]
+
+    def state_dict(self) -> dict:
+        self._join()
+        saved = self.optimizer.state_dict()              # read back from disk, fp32
+        params, entries = self._order()
+        state = {}
+        for i, (p, e) in enumerate(zip(params, entries)):
+            st = saved["state"].get(i, {})
+            tensors = {k: st[k] for k in ("exp_avg", "exp_avg_sq") if k in st}
+            tensors["master"] = st.get("master", p)     # an fp32 stand-in is its own master
+            state[e.name] = {"step": st.get("step", torch.tensor(0.0)),
+                             **{k: _like(e.param, v) for k, v in tensors.items()}}
+        groups, at = [], 0
+        for g in self.optimizer.param_groups:
+            groups.append({**{k: v for k, v in g.items() if k != "params"},
+                           "params": [e.name for e in entries[at:at + len(g["params"])]]})
+            at += len(g["params"])
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        self._join()
+        params, entries = self._order()
+        state = {}
+        for i, (p, e) in enumerate(zip(params, entries)):
+            saved = sd["state"].get(e.name)
+            if saved is None:
+                continue
+            master = _local(saved["master"]).reshape(p.shape)
+            state[i] = {"step": saved["step"].clone(), "exp_avg": _local(saved["exp_avg"]).reshape(p.shape),
+                        "exp_avg_sq": _local(saved["exp_avg_sq"]).reshape(p.shape)}
+            if p.dtype == torch.float32:
+                p.copy_(master)
+            else:
+                state[i]["master"] = master
+            _local(e.param).copy_(master.view(_local(e.param).shape))   # the device copy follows the master
+        groups, at = [], 0
+        for g, s in zip(self.optimizer.param_groups, sd["param_groups"]):
+            groups.append({**{k: v for k, v in s.items() if k != "params"},
+                           "params": list(range(at, at + len(g["params"])))})
+            at += len(g["params"])
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    def close(self) -> None:
+        self._join()
+        self.optimizer.close()

@@ -209,7 +209,7 @@ def test_killed_mid_step_leaves_nothing_after_next_start(tmp_path, monkeypatch):
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
     stale = list((tmp_path / nvme.SWAP_ROOT).iterdir())
-    assert len(stale) == 1 and stale[0].name.endswith(f".{pid}.rank0") and any(stale[0].iterdir())
+    assert len(stale) == 1 and f".{pid}." in stale[0].name and stale[0].name.endswith(".rank0") and any(stale[0].iterdir())
     opt = NVMeAdam(_params(torch.float32), nvme_path=tmp_path)            # the next start
     assert list((tmp_path / nvme.SWAP_ROOT).iterdir()) == [opt.swap_dir.path]
     opt.close()
@@ -219,7 +219,7 @@ def test_killed_mid_step_leaves_nothing_after_next_start(tmp_path, monkeypatch):
 def test_live_and_foreign_dirs_are_kept(tmp_path):
     """Another live process's directory, and other hosts' ones, are never removed."""
     live = SwapDir(tmp_path, rank=0)
-    foreign = tmp_path / nvme.SWAP_ROOT / "otherhost.1.rank0"
+    foreign = tmp_path / nvme.SWAP_ROOT / "otherhost.1.0.rank0"
     foreign.mkdir()
     assert nvme.remove_stale_swap_dirs(tmp_path) == []
     assert live.path.exists() and foreign.exists()
@@ -290,3 +290,63 @@ def test_removed_when_collected_and_at_exit(tmp_path):
                          cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 0, out.stderr
     assert "fsdpzero_swap" in out.stdout and not (tmp_path / nvme.SWAP_ROOT).exists()
+
+
+# ------------------------------------------------------------- the engine's offload path: nvme == cpu, bit for bit
+
+def _offload_nvme_vs_cpu(rank, world, kind, nvme_path, dtype):
+    from fsdpzero import offload
+    from fsdpzero.plan import PrecisionPlan
+    from fsdpzero.optim import clip_factor
+    from tests.test_offload import HYPER, _model
+
+    def _train(model, path, steps, clip=0.0):
+        gen = torch.Generator().manual_seed(100 + rank)
+        losses = []
+        for _ in range(steps):
+            x, y = torch.randn(6, 7, generator=gen), torch.randn(6, 5, generator=gen)
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            loss.backward()
+            path.finish_gradients()
+            path.scale_grads_(clip_factor(path.grad_norm(), clip))
+            path.step()
+            path.zero_grad()
+            dist.all_reduce(loss := loss.detach())
+            losses.append(loss.item())
+        return losses, {n: p.full_tensor().float() for n, p in model.named_parameters()}
+    torch.set_num_threads(1)
+    bf16 = dtype == "bfloat16"
+    runs = []
+    for device in ("cpu", "nvme"):
+        plan = Plan(offload=OffloadPlan(optimizer_device=device, param_device="cpu" if kind == "param" else "none",
+                                        optimizer_nvme_path=nvme_path, sub_group_size=700, buffer_count=3),
+                    precision=PrecisionPlan(param_dtype=dtype))
+        model = _model(param_dtype=torch.bfloat16 if bf16 else None, cpu_offload=kind == "param")
+        path = offload.build_grad_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER),
+                                       stage=kind == "staged")
+        runs.append(_train(model, path, steps=5, clip=0.05))
+        if device == "nvme":
+            assert len(path.optimizer._groups) > 1 and path.optimizer.swap_dir.path.exists()
+            sd = path.state_dict()                       # the cpu path's checkpoint layout, read from disk
+            fresh = _model(param_dtype=torch.bfloat16 if bf16 else None, cpu_offload=kind == "param")
+            path2 = offload.build_grad_path(fresh, plan, lambda ps: torch.optim.AdamW(ps, **HYPER),
+                                            stage=kind == "staged")
+            path2.load_state_dict(sd)
+            resumed = (_train(model, path, steps=2)[0], _train(fresh, path2, steps=2)[0])
+            path.close(), path2.close()
+    return runs, resumed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,dtype", [("staged", "float32"), ("inplace", "float32"), ("param", "float32"),
+                                        ("param", "bfloat16")])
+def test_offload_path_nvme_equals_cpu(tmp_path, kind, dtype):
+    """offload_optimizer nvme through fsdpzero.offload.build_grad_path (the engine's GradPath) on 2 gloo ranks:
+    the same loss trajectory and final params as offload_optimizer cpu, bit for bit; resuming from its
+    state_dict continues identically; no swap files remain."""
+    for (cpu, ours), (a, b) in run_distributed(_offload_nvme_vs_cpu, 2, kind, str(tmp_path), dtype, timeout=180):
+        assert cpu[0] == ours[0]
+        for name, v in cpu[1].items():
+            assert torch.equal(v, ours[1][name]), name
+        assert a == b
+    assert not (tmp_path / nvme.SWAP_ROOT).exists()
