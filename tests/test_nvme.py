@@ -155,8 +155,8 @@ def test_unwritable_path(tmp_path):
 
 def test_not_enough_free_space(tmp_path, monkeypatch):
     """The free-space check names the bytes needed and found (disk_usage reports a nearly full disk)."""
-    real = nvme.shutil.disk_usage
-    monkeypatch.setattr(nvme.shutil, "disk_usage", lambda p: real(p)._replace(free=12345))
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=12345))
     with pytest.raises(OSError, match=r"needs 1\d+ bytes \(0.00 GiB\) of swap space, the file system has 12345 "
                                       r"bytes") as e:
         NVMeAdam(_params(torch.float32), nvme_path=tmp_path)
@@ -209,7 +209,8 @@ def test_killed_mid_step_leaves_nothing_after_next_start(tmp_path, monkeypatch):
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
     stale = list((tmp_path / nvme.SWAP_ROOT).iterdir())
-    assert len(stale) == 1 and f".{pid}." in stale[0].name and stale[0].name.endswith(".rank0") and any(stale[0].iterdir())
+    assert len(stale) == 1 and f".{pid}." in stale[0].name and stale[0].name.endswith(".rank0")
+    assert any(stale[0].iterdir())
     opt = NVMeAdam(_params(torch.float32), nvme_path=tmp_path)            # the next start
     assert list((tmp_path / nvme.SWAP_ROOT).iterdir()) == [opt.swap_dir.path]
     opt.close()
