@@ -87,6 +87,7 @@ def optimizer_pipeline(nvme_dir: Path, n_params: int, sub_group_size: int, cfg: 
             t0 = time.perf_counter()
             opt.step()
             times.append(time.perf_counter() - t0)
+        opt._drain()                                     # the step leaves writes and look-ahead reads in flight
         stage = {"read": 0.0, "compute": 0.0, "write": 0.0}
         buf = opt._buffers[0]
         for g in opt._groups:                            # each stage alone, sub-group by sub-group

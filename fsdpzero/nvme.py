@@ -73,6 +73,7 @@ class NVMeAdam(torch.optim.Optimizer):
         if rank is None:
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.impl = impl
+        self._ring_pos, self._writes, self._prefetched = 0, [], []    # the swap pipeline, across steps
         self._groups = self._plan_sub_groups(int(sub_group_size))
         self.swap_bytes = sum(g.numel for g in self._groups) * 4
         self.swap_dir = SwapDir(nvme_path, rank)                       # may raise: before any state is written
@@ -155,38 +156,67 @@ class NVMeAdam(torch.optim.Optimizer):
                     st = self.state[p]
                     st["step"] = st.get("step", torch.tensor(0.0)) + 1
         flat = {k: _local(g).contiguous().view(-1) for k, g in grads.items()}
-        self._pipeline(todo, lambda buf, g: self._compute(buf, g, flat, grad_scale))
+        self._pipeline(todo, lambda buf, g: self._compute(buf, g, flat, grad_scale), carry=True)
         return loss
 
-    def _pipeline(self, todo: list[_SubGroup], compute, write_back: bool = True) -> None:
-        """read(i+k) | compute(i) | write(i-1) on a ring of buffers; k = buffers - 2 (1 with two, 0 with one)."""
-        nb = len(self._buffers)
+    def _pipeline(self, todo: list[_SubGroup], compute, write_back: bool = True, carry: bool = False) -> None:
+        """read(i+k) | compute(i) | write(i-1) on a ring of buffers; k = buffers - 2 (1 with two, 0 with one).
+        carry (the optimizer step): the ring goes on across calls, so the last writes drain and the next step's
+        first reads run while the model computes; every other caller drains the ring first and last."""
+        if not carry:
+            self._drain()
+        nb, pos = len(self._buffers), self._ring_pos
         ahead = 0 if nb == 1 else max(1, nb - 2)
-        reads, writes = {}, [None] * nb
+        reads = {}
+        for k, (g, b, req) in enumerate(self._prefetched):      # the previous step's look-ahead, if it fits
+            if k < len(todo) and todo[k] is g and b == (pos + k) % nb:
+                reads[k] = req
+            else:
+                req.wait()
+        self._prefetched = []
 
-        def start_read(j):
-            b = j % nb
-            if writes[b] is not None:                 # the buffer's previous group must be on disk first
-                writes[b].wait()
-                writes[b] = None
-            reads[j] = self._reader.pread(self._buffers[b][:todo[j].numel], self._file, todo[j].file_offset)
+        def start_read(j, groups=todo, at=pos):
+            b, g = (at + j) % nb, groups[j]
+            # the buffer's previous group, and this group's last write, must be on disk first
+            self._wait_writes(lambda wb, wg: wb == b or wg is g)
+            return self._reader.pread(self._buffers[b][:g.numel], self._file, g.file_offset)
 
         try:
-            for j in range(min(ahead, len(todo))):
-                start_read(j)
             for i, g in enumerate(todo):
-                if i not in reads:
-                    start_read(i)
-                if i + ahead < len(todo) and i + ahead not in reads and ahead:
-                    start_read(i + ahead)
+                for j in range(i, min(i + ahead, len(todo) - 1) + 1):
+                    if j not in reads:
+                        reads[j] = start_read(j)
                 reads.pop(i).wait()
-                buf = self._buffers[i % nb][:g.numel]
+                b = (pos + i) % nb
+                buf = self._buffers[b][:g.numel]
                 compute(buf, g)
                 if write_back:
-                    writes[i % nb] = self._writer.pwrite(buf, self._file, g.file_offset)
+                    self._writes.append((b, g, self._writer.pwrite(buf, self._file, g.file_offset)))
         finally:
-            for r in list(reads.values()) + [w for w in writes if w is not None]:
+            for r in reads.values():
                 r.wait()
+        self._ring_pos = (pos + len(todo)) % nb
+        if carry:
+            for j in range(min(ahead, len(self._groups))):
+                self._prefetched.append((self._groups[j], (self._ring_pos + j) % nb,
+                                         start_read(j, self._groups, self._ring_pos)))
+        else:
+            self._drain()
+
+    def _wait_writes(self, which) -> None:
+        pending, self._writes = self._writes, []
+        for b, g, req in pending:
+            if which(b, g):
+                req.wait()
+            else:
+                self._writes.append((b, g, req))
+
+    def _drain(self) -> None:
+        """Wait for every write and look-ahead read still in flight (before reading states any other way)."""
+        self._wait_writes(lambda b, g: True)
+        for _, _, req in self._prefetched:
+            req.wait()
+        self._prefetched = []
 
     def _compute(self, buf, g: _SubGroup, grads: dict, grad_scale: float) -> None:
         """grads: id(param) -> flat contiguous gradient."""
@@ -255,6 +285,10 @@ class NVMeAdam(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Finish I/O, close the swap file and remove the swap directory (errors of pending writes are moot)."""
+        try:
+            self._drain()
+        except (OSError, AttributeError):
+            pass
         for name in ("_reader", "_writer"):
             handle = getattr(self, name, None)
             setattr(self, name, None)
