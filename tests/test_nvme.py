@@ -395,3 +395,50 @@ def test_ds_config_nvme_equals_cpu_offload_end_to_end(tmp_path, stage):
             assert torch.equal(v, p_nvme[k]), k
     nvme.remove_stale_swap_dirs(tmp_path)    # whatever a rank left (forked ranks may skip atexit) is stale now
     assert not (tmp_path / nvme.SWAP_ROOT).exists()
+
+
+@pytest.mark.gpu
+def test_nvme_offload_on_gpu_equals_cpu_offload(tmp_path):
+    """1 GPU, bf16 shards on the device, staged D2H / CPU step / H2D: offload_optimizer nvme == cpu, bit for bit."""
+    import dataclasses
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from fsdpzero import offload
+    from fsdpzero.optim import clip_factor
+    from fsdpzero.plan import PrecisionPlan
+    from tests.test_offload import HYPER, Net
+    if not dist.is_initialized():
+        dist.init_process_group("cuda:nccl,cpu:gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    runs = []
+    for device in ("cpu", "nvme"):
+        torch.manual_seed(0)
+        model = Net(d=256, n=4).cuda()
+        mesh = init_device_mesh("cuda", (1,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        plan = dataclasses.replace(Plan(), offload=OffloadPlan(optimizer_device=device, sub_group_size=100_000,
+                                                               optimizer_nvme_path=str(tmp_path)),
+                                   precision=PrecisionPlan(param_dtype="bfloat16"))
+        path = offload.build_grad_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER))
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        losses = []
+        for _ in range(6):
+            x = torch.randn(32, 7, device="cuda", generator=gen)
+            y = torch.randn(32, 5, device="cuda", generator=gen)
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            loss.backward()
+            path.finish_gradients()
+            path.scale_grads_(clip_factor(path.grad_norm(), 1.0))
+            path.step()
+            path.zero_grad()
+            losses.append(loss.item())
+        torch.cuda.synchronize()
+        runs.append((losses, {n: p.full_tensor().float().cpu() for n, p in model.named_parameters()}))
+        if device == "nvme":
+            assert len(path.optimizer._groups) > 1
+            path.close()
+    assert runs[0][0] == runs[1][0]
+    for n, v in runs[0][1].items():
+        assert torch.equal(v, runs[1][1][n]), n
