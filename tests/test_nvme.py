@@ -295,7 +295,7 @@ def test_removed_when_collected_and_at_exit(tmp_path):
 
 # ------------------------------------------------------------- the engine's offload path: nvme == cpu, bit for bit
 
-def _offload_nvme_vs_cpu(rank, world, kind, nvme_path, dtype):
+def _offload_nvme_vs_cpu(rank, world, kind, nvme_path, dtype, overlap=False):
     from fsdpzero import offload
     from fsdpzero.plan import PrecisionPlan
     from fsdpzero.optim import clip_factor
@@ -314,6 +314,7 @@ def _offload_nvme_vs_cpu(rank, world, kind, nvme_path, dtype):
             path.zero_grad()
             dist.all_reduce(loss := loss.detach())
             losses.append(loss.item())
+        path.wait()                                      # an overlapped step may still be running
         return losses, {n: p.full_tensor().float() for n, p in model.named_parameters()}
     torch.set_num_threads(1)
     bf16 = dtype == "bfloat16"
@@ -324,7 +325,7 @@ def _offload_nvme_vs_cpu(rank, world, kind, nvme_path, dtype):
                     precision=PrecisionPlan(param_dtype=dtype))
         model = _model(param_dtype=torch.bfloat16 if bf16 else None, cpu_offload=kind == "param")
         path = offload.build_grad_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER),
-                                       stage=kind == "staged")
+                                       stage=kind == "staged", overlap=overlap)
         runs.append(_train(model, path, steps=5, clip=0.05))
         if device == "nvme":
             assert len(path.optimizer._groups) > 1 and path.optimizer.swap_dir.path.exists()
@@ -339,13 +340,14 @@ def _offload_nvme_vs_cpu(rank, world, kind, nvme_path, dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,dtype", [("staged", "float32"), ("inplace", "float32"), ("param", "float32"),
-                                        ("param", "bfloat16")])
-def test_offload_path_nvme_equals_cpu(tmp_path, kind, dtype):
+@pytest.mark.parametrize("kind,dtype,overlap", [("staged", "float32", False), ("inplace", "float32", False),
+                                                ("param", "float32", True), ("param", "bfloat16", False)])
+def test_offload_path_nvme_equals_cpu(tmp_path, kind, dtype, overlap):
     """offload_optimizer nvme through fsdpzero.offload.build_grad_path (the engine's GradPath) on 2 gloo ranks:
     the same loss trajectory and final params as offload_optimizer cpu, bit for bit; resuming from its
     state_dict continues identically; no swap files remain."""
-    for (cpu, ours), (a, b) in run_distributed(_offload_nvme_vs_cpu, 2, kind, str(tmp_path), dtype, timeout=180):
+    for (cpu, ours), (a, b) in run_distributed(_offload_nvme_vs_cpu, 2, kind, str(tmp_path), dtype, overlap,
+                                               timeout=180):
         assert cpu[0] == ours[0]
         for name, v in cpu[1].items():
             assert torch.equal(v, ours[1][name]), name
