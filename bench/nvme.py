@@ -54,6 +54,8 @@ def fio(path: Path, size: int, bs: int, depth: int, write: bool) -> float:
 def deepspeed_aio(path: Path, size: int, cfg: AioConfig):
     """DeepSpeed's own aio_handle (libaio, its page-locked buffer) on the same file: -> (write, read) GB/s."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    from fsdpzero_ops.build import extensions_dir
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))   # DeepSpeed's build cached in the project
     from deepspeed.ops.op_builder import AsyncIOBuilder    # bench only: the library never imports deepspeed
     h = AsyncIOBuilder().load(verbose=False).aio_handle(cfg.block_size, cfg.queue_depth, cfg.single_submit,
                                                         cfg.overlap_events, cfg.intra_op_parallelism)
