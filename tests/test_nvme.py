@@ -20,6 +20,7 @@ from fsdpzero.plan import OffloadPlan, OptimizerPlan, Plan
 from fsdpzero_ops.aio import AioConfig
 from fsdpzero_ops.cpu_adam import CPUAdam
 from tests.multirank import run_distributed
+from tests.test_aio import _in_child
 
 SHAPES = [(37,), (100, 30), (5000,), (3,), (64, 65)]
 
@@ -110,25 +111,6 @@ def test_missing_path_errors_before_anything(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(NotADirectoryError, match="is not a directory"):
         NVMeAdam(_params(torch.float32), nvme_path=tmp_path / "file")
-
-
-def _in_child(fn):
-    """fn() in a forked child; returns its message (exceptions as 'Type: message')."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        try:
-            msg = fn()
-        except BaseException as e:  # noqa: BLE001
-            msg = f"{type(e).__name__}: {e}"
-        os.write(w, msg.encode())
-        os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as pipe:
-        out = pipe.read().decode()
-    os.waitpid(pid, 0)
-    return out
 
 
 def test_unwritable_path(tmp_path):
