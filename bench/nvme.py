@@ -54,6 +54,8 @@ def fio(path: Path, size: int, bs: int, depth: int, write: bool) -> float:
 def deepspeed_aio(path: Path, size: int, cfg: AioConfig):
     """DeepSpeed's own aio_handle (libaio, its page-locked buffer) on the same file: -> (write, read) GB/s."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    from fsdpzero_ops.build import extensions_dir
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))   # DeepSpeed's build cached in the project
     from deepspeed.ops.op_builder import AsyncIOBuilder    # bench only: the library never imports deepspeed
     h = AsyncIOBuilder().load(verbose=False).aio_handle(cfg.block_size, cfg.queue_depth, cfg.single_submit,
                                                         cfg.overlap_events, cfg.intra_op_parallelism)
@@ -87,6 +89,7 @@ def optimizer_pipeline(nvme_dir: Path, n_params: int, sub_group_size: int, cfg: 
             t0 = time.perf_counter()
             opt.step()
             times.append(time.perf_counter() - t0)
+        opt._drain()                                     # the step leaves writes and look-ahead reads in flight
         stage = {"read": 0.0, "compute": 0.0, "write": 0.0}
         buf = opt._buffers[0]
         for g in opt._groups:                            # each stage alone, sub-group by sub-group
@@ -94,7 +97,7 @@ def optimizer_pipeline(nvme_dir: Path, n_params: int, sub_group_size: int, cfg: 
             t0 = time.perf_counter()
             opt._reader.pread(view, opt._file, g.file_offset).wait()
             t1 = time.perf_counter()
-            opt._compute(view, g, {}, 1.0)
+            opt._compute(view, g, {id(p): p.grad.view(-1) for p in params}, 1.0)
             t2 = time.perf_counter()
             opt._writer.pwrite(view, opt._file, g.file_offset).wait()
             t3 = time.perf_counter()

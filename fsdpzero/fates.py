@@ -304,9 +304,11 @@ def decide(path: str, value: Any, cfg: "DSConfig", env: "Env") -> tuple[str, str
         return "unsupported", "quantized frozen weights (ZeRO++) are not implemented"
     if path == "zero_optimization.legacy_stage1" and on:
         return "unsupported", "DeepSpeed's legacy stage-1 implementation"
+    if path.endswith("offload_param.device") and value == "nvme":
+        return "approximated", ("parameters offloaded to CPU memory (CPUOffloadPolicy), not to NVMe: there is no "
+                                "NVMe parameter swapper yet (optimizer states do go to NVMe with offload_optimizer)")
     if path.endswith("offload_param.device") and value != "none":
-        return "mapped", ("fully_shard(offload_policy=CPUOffloadPolicy(pin_memory)); the optimizer steps on CPU"
-                          if value == "cpu" else "ops aio NVMe parameter swapper")
+        return "mapped", "fully_shard(offload_policy=CPUOffloadPolicy(pin_memory)); the optimizer steps on CPU"
     if path.endswith("offload_optimizer.device") and value != "none":
         return "mapped", ("ops cpuadam: fp32 master + Adam state on CPU, grad shards copied D2H"
                           if value == "cpu" else "ops aio NVMe optimizer-state swapper + ops cpuadam")

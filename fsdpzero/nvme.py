@@ -14,141 +14,19 @@ of the swap file (per slice: [master] exp_avg exp_avg_sq, each padded to the O_D
 read and one write, on separate read and write engines. The update is `fsdpzero_ops.cpu_adam.adam_step_`, the
 kernel CPUAdam runs with its states in memory: the results are bit-identical.
 
-Swap directories (`SwapDir`): <nvme_path>/fsdpzero_swap/<host>.<pid>.rank<r>/, created at start with a marker
-naming the owning process; free space and writability are checked before anything is written; the directory is
-removed on close/exit, and one left by a killed process (dead pid, or another boot) is removed by the next start
-on the same host. The marker file says it is not a checkpoint; checkpoints go through state_dict().
+Swap space: one directory per optimizer under nvme_path (fsdpzero.swapdir: checked before anything is written,
+removed on close/exit, cleaned after a kill; never a checkpoint). Checkpoints go through state_dict().
 """
 from __future__ import annotations
-
-import errno
-import json
-import os
-import shutil
-import socket
-import weakref
-from pathlib import Path
 
 import torch
 
 import fsdpzero.ops  # noqa: F401  registers fsdpzero_ops from a source checkout
-from fsdpzero_ops.aio import ALIGN, AioConfig, AioHandle, aligned_empty, padded_nbytes
+from fsdpzero.swapdir import MARKER, SWAP_ROOT, SwapDir, is_swap_dir, remove_stale_swap_dirs  # noqa: F401
+from fsdpzero_ops.aio import ALIGN, AioConfig, AioHandle, aligned_empty
 from fsdpzero_ops.cpu_adam import adam_step_
 
-SWAP_ROOT = "fsdpzero_swap"
-MARKER = "FSDPZERO_SWAP_NOT_A_CHECKPOINT.json"
 _ELEMS = ALIGN // 4                       # fp32 elements per alignment unit
-
-
-# ------------------------------------------------------------------------------------------------ swap directory
-
-def _proc_start_time(pid: int) -> str | None:
-    """Start time of a live process (field 22 of /proc/<pid>/stat), None when there is no such process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
-def _boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
-def is_swap_dir(path) -> bool:
-    """True for a directory made by SwapDir (checkpoint loaders should refuse these)."""
-    path = Path(path)
-    return path.name == SWAP_ROOT or (path / MARKER).exists() or (path.parent.name == SWAP_ROOT)
-
-
-def remove_stale_swap_dirs(nvme_path) -> list[Path]:
-    """Remove swap directories under nvme_path left by dead processes of this host (killed runs). Returns them."""
-    base, host, removed = Path(nvme_path) / SWAP_ROOT, socket.gethostname(), []
-    if not base.is_dir():
-        return removed
-    for d in base.iterdir():
-        try:
-            owner_host, pid, _ = d.name.rsplit(".", 2)
-            pid = int(pid)
-        except ValueError:
-            continue                       # not ours: leave it alone
-        if owner_host != host:
-            continue                       # another node's process: we cannot tell whether it is alive
-        try:
-            marker = json.loads((d / MARKER).read_text())
-        except (OSError, ValueError):
-            marker = {}
-        alive = (_proc_start_time(pid) is not None and marker.get("boot_id", _boot_id()) == _boot_id()
-                 and marker.get("start_time", _proc_start_time(pid)) == _proc_start_time(pid))
-        if not alive:
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
-    return removed
-
-
-class SwapDir:
-    """This process's swap directory under nvme_path; `key` names the config key in error messages."""
-
-    def __init__(self, nvme_path, rank: int = 0, key: str = "offload_optimizer.nvme_path"):
-        if nvme_path is None:
-            raise ValueError(f"config key '{key}' is not set: NVMe offload needs a directory on a fast local disk, "
-                             f"e.g. \"{key.rsplit('.', 1)[-1]}\": \"/local_nvme\"")
-        self.key, self.root = key, Path(nvme_path)
-        try:
-            if not self.root.exists():
-                raise FileNotFoundError(errno.ENOENT, f"config key '{key}' = {str(self.root)!r}: the directory "
-                                        "does not exist; create it (mkdir -p) or point it at a directory on the "
-                                        "NVMe disk", str(self.root))
-            if not self.root.is_dir():
-                raise NotADirectoryError(errno.ENOTDIR, f"config key '{key}' = {str(self.root)!r} is not a "
-                                         "directory", str(self.root))
-            base = self.root / SWAP_ROOT
-            base.mkdir(exist_ok=True)
-            remove_stale_swap_dirs(self.root)
-            self.path = base / f"{socket.gethostname()}.{os.getpid()}.rank{rank}"
-            self.path.mkdir(exist_ok=True)
-            (self.path / MARKER).write_text(json.dumps(
-                {"what": "fsdpzero NVMe swap space (optimizer states of a running job); not a checkpoint",
-                 "pid": os.getpid(), "start_time": _proc_start_time(os.getpid()), "boot_id": _boot_id(),
-                 "rank": rank}))
-        except PermissionError:
-            raise PermissionError(errno.EACCES, f"config key '{key}' = {str(self.root)!r}: not writable (or not "
-                                  f"reachable) by this user (uid {os.getuid()}); fix its permissions or choose "
-                                  "another directory", str(self.root)) from None
-        self._finalizer = weakref.finalize(self, _remove_swap_dir, self.path)
-
-    def check_space(self, nbytes: int) -> None:
-        """Fail now, not mid-step: the file system must take an O_DIRECT write and have `nbytes` free."""
-        probe = self.path / ".write_probe"
-        try:
-            with AioHandle(AioConfig(block_size=ALIGN), backend="python") as h, h.open(probe, write=True) as f:
-                h.pwrite(aligned_empty(ALIGN), f).wait()
-                os.fsync(f.fd)
-        except OSError as e:
-            raise OSError(e.errno, f"config key '{self.key}' = {str(self.root)!r}: cannot write swap files in "
-                          f"{self.path}: {e.strerror or e}") from None
-        finally:
-            probe.unlink(missing_ok=True)
-        free = shutil.disk_usage(self.path).free
-        if free < nbytes:
-            raise OSError(errno.ENOSPC, f"config key '{self.key}' = {str(self.root)!r}: NVMe offload of this rank "
-                          f"needs {nbytes} bytes ({nbytes / 2**30:.2f} GiB) of swap space, the file system has "
-                          f"{free} bytes ({free / 2**30:.2f} GiB) free; free space, use a bigger disk, or offload "
-                          "to \"cpu\"")
-
-    def close(self) -> None:
-        self._finalizer()
-
-
-def _remove_swap_dir(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    try:
-        path.parent.rmdir()               # the fsdpzero_swap folder too, once no rank uses it
-    except OSError:
-        pass
 
 
 # --------------------------------------------------------------------------------------------------- the optimizer
@@ -182,7 +60,9 @@ class NVMeAdam(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, adamw_mode=False,
                  bias_correction=True, nvme_path, rank: int | None = None, sub_group_size: int = 1_000_000_000,
                  buffer_count: int = 4, aio: AioConfig | None = None, pin_memory: bool = False,
-                 impl: str | None = None):
+                 impl: str | None = None, initial: dict[int, torch.Tensor] | None = None):
+        """initial: id(param) -> the starting value of its fp32 master, when not the param itself (the offload
+        path hands in low-precision CPU buffers and keeps the fp32 weights only until they are on disk)."""
         if sub_group_size < 1:
             raise ValueError(f"zero_optimization.sub_group_size={sub_group_size}: must be >= 1")
         if buffer_count < 1:
@@ -193,6 +73,7 @@ class NVMeAdam(torch.optim.Optimizer):
         if rank is None:
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.impl = impl
+        self._ring_pos, self._writes, self._prefetched = 0, [], []    # the swap pipeline, across steps
         self._groups = self._plan_sub_groups(int(sub_group_size))
         self.swap_bytes = sum(g.numel for g in self._groups) * 4
         self.swap_dir = SwapDir(nvme_path, rank)                       # may raise: before any state is written
@@ -203,7 +84,7 @@ class NVMeAdam(torch.optim.Optimizer):
             size = max((g.numel for g in self._groups), default=0)
             self._buffers = [aligned_empty(size, torch.float32, pin=pin_memory)
                              for _ in range(min(buffer_count, len(self._groups)))]
-            self._write_initial_states()
+            self._write_initial_states(initial or {})
         except BaseException:
             self.close()
             raise
@@ -237,7 +118,7 @@ class NVMeAdam(torch.optim.Optimizer):
         views.setdefault("master", _local(p).view(-1)[start:stop])
         return views
 
-    def _write_initial_states(self) -> None:
+    def _write_initial_states(self, initial: dict[int, torch.Tensor]) -> None:
         """masters = the params (in fp32), moments = 0; streamed out through the buffers before step 1."""
         writes = [None] * len(self._buffers)
         for i, g in enumerate(self._groups):
@@ -248,8 +129,11 @@ class NVMeAdam(torch.optim.Optimizer):
             buf.zero_()
             for s in g.slices:
                 views = self._views(buf, s)
+                src = _local(initial.get(id(s[0]), s[0])).detach().reshape(-1)[s[2]:s[3]]
                 if _local(s[0]).dtype != torch.float32:
-                    views["master"].copy_(_local(s[0]).detach().reshape(-1)[s[2]:s[3]])
+                    views["master"].copy_(src)
+                elif id(s[0]) in initial:
+                    views["master"].copy_(src)               # an fp32 param is its own master: set it
             writes[b] = self._writer.pwrite(buf, self._file, g.file_offset)
         for w in writes:
             if w is not None:
@@ -257,58 +141,89 @@ class NVMeAdam(torch.optim.Optimizer):
 
     # -- the step
     @torch.no_grad()
-    def step(self, closure=None, *, grad_scale: float = 1.0):
+    def step(self, closure=None, *, grad_scale: float = 1.0, grads: dict[int, torch.Tensor] | None = None):
+        """grads: id(param) -> gradient, instead of param.grad (any of fp32/bf16/fp16, CPU)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        todo = [g for g in self._groups if any(s[0].grad is not None for s in g.slices)]
+        if grads is None:
+            grads = {id(p): p.grad for g in self.param_groups for p in g["params"] if p.grad is not None}
+        todo = [g for g in self._groups if any(id(s[0]) in grads for s in g.slices)]
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
+                if id(p) in grads:
                     st = self.state[p]
                     st["step"] = st.get("step", torch.tensor(0.0)) + 1
-        grads = {}
-        self._pipeline(todo, lambda buf, g: self._compute(buf, g, grads, grad_scale))
+        flat = {k: _local(g).contiguous().view(-1) for k, g in grads.items()}
+        self._pipeline(todo, lambda buf, g: self._compute(buf, g, flat, grad_scale), carry=True)
         return loss
 
-    def _pipeline(self, todo: list[_SubGroup], compute, write_back: bool = True) -> None:
-        """read(i+k) | compute(i) | write(i-1) on a ring of buffers; k = buffers - 2 (1 with two, 0 with one)."""
-        nb = len(self._buffers)
+    def _pipeline(self, todo: list[_SubGroup], compute, write_back: bool = True, carry: bool = False) -> None:
+        """read(i+k) | compute(i) | write(i-1) on a ring of buffers; k = buffers - 2 (1 with two, 0 with one).
+        carry (the optimizer step): the ring goes on across calls, so the last writes drain and the next step's
+        first reads run while the model computes; every other caller drains the ring first and last."""
+        if not carry:
+            self._drain()
+        nb, pos = len(self._buffers), self._ring_pos
         ahead = 0 if nb == 1 else max(1, nb - 2)
-        reads, writes = {}, [None] * nb
+        reads = {}
+        for k, (g, b, req) in enumerate(self._prefetched):      # the previous step's look-ahead, if it fits
+            if k < len(todo) and todo[k] is g and b == (pos + k) % nb:
+                reads[k] = req
+            else:
+                req.wait()
+        self._prefetched = []
 
-        def start_read(j):
-            b = j % nb
-            if writes[b] is not None:                 # the buffer's previous group must be on disk first
-                writes[b].wait()
-                writes[b] = None
-            reads[j] = self._reader.pread(self._buffers[b][:todo[j].numel], self._file, todo[j].file_offset)
+        def start_read(j, groups=todo, at=pos):
+            b, g = (at + j) % nb, groups[j]
+            # the buffer's previous group, and this group's last write, must be on disk first
+            self._wait_writes(lambda wb, wg: wb == b or wg is g)
+            return self._reader.pread(self._buffers[b][:g.numel], self._file, g.file_offset)
 
         try:
-            for j in range(min(ahead, len(todo))):
-                start_read(j)
             for i, g in enumerate(todo):
-                if i not in reads:
-                    start_read(i)
-                if i + ahead < len(todo) and i + ahead not in reads and ahead:
-                    start_read(i + ahead)
+                for j in range(i, min(i + ahead, len(todo) - 1) + 1):
+                    if j not in reads:
+                        reads[j] = start_read(j)
                 reads.pop(i).wait()
-                buf = self._buffers[i % nb][:g.numel]
+                b = (pos + i) % nb
+                buf = self._buffers[b][:g.numel]
                 compute(buf, g)
                 if write_back:
-                    writes[i % nb] = self._writer.pwrite(buf, self._file, g.file_offset)
+                    self._writes.append((b, g, self._writer.pwrite(buf, self._file, g.file_offset)))
         finally:
-            for r in list(reads.values()) + [w for w in writes if w is not None]:
+            for r in reads.values():
                 r.wait()
+        self._ring_pos = (pos + len(todo)) % nb
+        if carry:
+            for j in range(min(ahead, len(self._groups))):
+                self._prefetched.append((self._groups[j], (self._ring_pos + j) % nb,
+                                         start_read(j, self._groups, self._ring_pos)))
+        else:
+            self._drain()
+
+    def _wait_writes(self, which) -> None:
+        pending, self._writes = self._writes, []
+        for b, g, req in pending:
+            if which(b, g):
+                req.wait()
+            else:
+                self._writes.append((b, g, req))
+
+    def _drain(self) -> None:
+        """Wait for every write and look-ahead read still in flight (before reading states any other way)."""
+        self._wait_writes(lambda b, g: True)
+        for _, _, req in self._prefetched:
+            req.wait()
+        self._prefetched = []
 
     def _compute(self, buf, g: _SubGroup, grads: dict, grad_scale: float) -> None:
+        """grads: id(param) -> flat contiguous gradient."""
         for s in g.slices:
             p, group, start, stop, _ = s
-            if p.grad is None:
-                continue
             if id(p) not in grads:
-                grads[id(p)] = _local(p.grad).contiguous().view(-1)
+                continue
             v = self._views(buf, s)
             out = None if _local(p).dtype == torch.float32 else _local(p).view(-1)[start:stop]
             beta1, beta2 = group["betas"]
@@ -370,6 +285,10 @@ class NVMeAdam(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Finish I/O, close the swap file and remove the swap directory (errors of pending writes are moot)."""
+        try:
+            self._drain()
+        except (OSError, AttributeError):
+            pass
         for name in ("_reader", "_writer"):
             handle = getattr(self, name, None)
             setattr(self, name, None)
@@ -402,3 +321,92 @@ def nvme_optimizer_from_plan(params, plan, rank: int | None = None) -> NVMeAdam:
     return NVMeAdam(params, **kw, adamw_mode=adamw, nvme_path=off.optimizer_nvme_path, rank=rank,
                     sub_group_size=off.sub_group_size, buffer_count=off.buffer_count,
                     aio=AioConfig.from_plan(off.aio))   # swap buffers never meet the GPU: pinning them buys nothing
+
+
+def nvme_optimizer(groups: list[dict], plan, initial: dict[int, torch.Tensor] | None = None) -> NVMeAdam:
+    """NVMeAdam over Adam hyperparameter groups (fsdpzero.offload's), configured by the plan's offload section."""
+    off = plan.offload
+    return NVMeAdam(groups, nvme_path=off.optimizer_nvme_path, sub_group_size=off.sub_group_size,
+                    buffer_count=off.buffer_count, aio=AioConfig.from_plan(off.aio), initial=initial)
+
+
+# ------------------------------------------------------------------------------------ the engine's gradient path
+
+from fsdpzero.offload import OffloadGradPath, _like, _on  # noqa: E402  (offload imports this module lazily)
+
+
+class NVMeGradPath(OffloadGradPath):
+    """fsdpzero.offload's gradient path with NVMeAdam as the optimizer: gradients land where they do for
+    `offload_optimizer: cpu` (pinned buffers, or the CPU shards), one NVMeAdam.step() swaps the states through
+    per sub-group, then the updated shards go back. Checkpoints have the cpu path's layout, so a run can resume
+    from one into the other."""
+
+    def _step_chunks(self, work, factor) -> None:
+        grads = {}
+        for chunk, items in work:
+            if chunk.d2h_done is not None:
+                chunk.d2h_done.synchronize()
+            if chunk.h2d_done is not None:       # last step's H2D must have read the buffers we overwrite
+                chunk.h2d_done.synchronize()
+            grads.update({id(e.master): grad for e, grad in items})
+        self.optimizer.step(grad_scale=factor, grads=grads)
+        for chunk, items in work:
+            with _on(self.h2d):
+                for e, _ in items:
+                    if e.master is not _local(e.param):
+                        _local(e.param).copy_(e.master, non_blocking=self.h2d is not None)
+                if self.h2d is not None and items:
+                    chunk.h2d_done = torch.cuda.Event()
+                    chunk.h2d_done.record(self.h2d)
+            chunk.ready.set()
+
+    def _order(self):
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        by_stand_in = {id(e.master): e for e in self.entries}
+        return params, [by_stand_in[id(p)] for p in params]
+
+    def state_dict(self) -> dict:
+        self._join()
+        saved = self.optimizer.state_dict()              # read back from disk, fp32
+        params, entries = self._order()
+        state = {}
+        for i, (p, e) in enumerate(zip(params, entries)):
+            st = saved["state"].get(i, {})
+            tensors = {k: st[k] for k in ("exp_avg", "exp_avg_sq") if k in st}
+            tensors["master"] = st.get("master", p)     # an fp32 stand-in is its own master
+            state[e.name] = {"step": st.get("step", torch.tensor(0.0)),
+                             **{k: _like(e.param, v) for k, v in tensors.items()}}
+        groups, at = [], 0
+        for g in self.optimizer.param_groups:
+            groups.append({**{k: v for k, v in g.items() if k != "params"},
+                           "params": [e.name for e in entries[at:at + len(g["params"])]]})
+            at += len(g["params"])
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        self._join()
+        params, entries = self._order()
+        state = {}
+        for i, (p, e) in enumerate(zip(params, entries)):
+            saved = sd["state"].get(e.name)
+            if saved is None:
+                continue
+            master = _local(saved["master"]).reshape(p.shape)
+            state[i] = {"step": saved["step"].clone(), "exp_avg": _local(saved["exp_avg"]).reshape(p.shape),
+                        "exp_avg_sq": _local(saved["exp_avg_sq"]).reshape(p.shape)}
+            if p.dtype == torch.float32:
+                p.copy_(master)
+            else:
+                state[i]["master"] = master
+            _local(e.param).copy_(master.view(_local(e.param).shape))   # the device copy follows the master
+        groups, at = [], 0
+        for g, s in zip(self.optimizer.param_groups, sd["param_groups"]):
+            groups.append({**{k: v for k, v in s.items() if k != "params"},
+                           "params": list(range(at, at + len(g["params"])))})
+            at += len(g["params"])
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    def close(self) -> None:
+        self._join()
+        self.optimizer.close()

@@ -340,6 +340,23 @@ def _units(model: nn.Module, names: list[str]) -> list[tuple[nn.Module | None, l
     return [(m, owned[n]) for n, m in prefixes if owned[n]]
 
 
+def _nvme_stand_in(local, stage, on_accel, low, pin):
+    """(tensor NVMeAdam updates, grad_buf, out_buf) for one shard under offload_optimizer nvme. Staged: the pinned
+    out buffer. CPU shards cast to low precision below: a CPU buffer copied into the shard after each step (the
+    cast replaces the shard). fp32 CPU shards: the shard itself, stepped in place (its own master, as with cpu)."""
+    if stage:
+        dtype = low if on_accel else local.dtype
+        grad_buf = torch.empty(local.shape, dtype=dtype, pin_memory=pin)
+        out_buf = torch.empty(local.shape, dtype=dtype, pin_memory=pin)
+        if dtype == torch.float32:
+            out_buf.copy_(local)
+        return out_buf, grad_buf, out_buf
+    final = low if low != torch.float32 else local.dtype
+    if final == torch.float32:
+        return local, None, None
+    return torch.empty(local.shape, dtype=final), None, None
+
+
 def overlap_default() -> bool:
     """FSDPZERO_OFFLOAD_OVERLAP=1 overlaps the CPU step with the next forward (see OffloadGradPath)."""
     return os.environ.get("FSDPZERO_OFFLOAD_OVERLAP", "0") == "1"
@@ -351,9 +368,10 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
     staging through CPU buffers; default: stage exactly when the shards live on an accelerator. `overlap`: step
     the CPU side in a worker thread while the next forward runs (default: overlap_default())."""
     from fsdpzero.ops import CPUAdam
-    if plan.offload.optimizer_device != "cpu":
-        raise NotImplementedError(f"offload_optimizer.device = {plan.offload.optimizer_device!r}: only \"cpu\" is "
-                                  "handled here (NVMe is the aio path)")
+    if plan.offload.optimizer_device not in ("cpu", "nvme"):
+        raise NotImplementedError(f"offload_optimizer.device = {plan.offload.optimizer_device!r}: only \"cpu\" and "
+                                  "\"nvme\" are handled here")
+    nvme = plan.offload.optimizer_device == "nvme"   # masters and moments on disk: fsdpzero.nvme
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("offload: the model has no trainable parameters")
@@ -375,10 +393,16 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
     units = _units(model, [n for n, _ in named])
     order = {n: i for i, n in enumerate(n for _, ns in units for n in ns)}
     named.sort(key=lambda np_: order[np_[0]])                        # then step them in forward order
-    entries, master_of = [], {}
+    entries, master_of, initial = [], {}, {}
     with torch.no_grad():
         for name, p in named:
             local = _local(p)
+            if nvme:   # NVMeAdam steps a CPU tensor with the param's final dtype; its fp32 master goes to disk
+                master, grad_buf, out_buf = _nvme_stand_in(local, stage, on_accel, low, pin)
+                initial[id(master)] = local
+                entries.append(_Entry(name, p, master, grad_buf, out_buf))
+                master_of[id(p)] = master
+                continue
             if stage or local.dtype != torch.float32:   # a separate fp32 master, taken before any cast below
                 master = local.detach().to("cpu", torch.float32, copy=True)
             else:
@@ -390,18 +414,28 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
                 out_buf = torch.empty(local.shape, dtype=dtype, pin_memory=pin)
             entries.append(_Entry(name, p, master, grad_buf, out_buf))
             master_of[id(p)] = master
+        if nvme:    # written to disk now, while `initial` still holds the fp32 weights
+            for g in hyper:
+                g["params"] = [master_of[id(p)] for p in g["params"]]
+            from fsdpzero.nvme import nvme_optimizer
+            optimizer = nvme_optimizer(hyper, plan, initial)
+            initial.clear()
         if low != torch.float32 and (on_accel or not stage):
             model.to(low)   # device (or CPU-offloaded) shards become low precision; FSDP2 re-registers them
             now = dict(model.named_parameters())
             for e in entries:
                 e.param = now[e.name]   # .to() may replace the Parameter objects
-    for g in hyper:
-        g["params"] = [master_of[id(p)] for p in g["params"]]
-    optimizer = CPUAdam(hyper)
+    if not nvme:
+        for g in hyper:
+            g["params"] = [master_of[id(p)] for p in g["params"]]
+        optimizer = CPUAdam(hyper)
     chunk = max(1, min(int(plan.offload.sub_group_size), CHUNK))
     by_name = {e.name: e for e in entries}
-    path = OffloadGradPath(model, optimizer, [(m, [by_name[n] for n in ns]) for m, ns in units], chunk,
-                           threads=threads, overlap=overlap_default() if overlap is None else overlap)
+    path_class = OffloadGradPath
+    if nvme:
+        from fsdpzero.nvme import NVMeGradPath as path_class
+    path = path_class(model, optimizer, [(m, [by_name[n] for n in ns]) for m, ns in units], chunk,
+                      threads=threads, overlap=overlap_default() if overlap is None else overlap)
     log.info("offload: %d params, %.1f M elements on this rank, %d chunks, %d CPU threads, staged=%s, pinned "
              "copy buffers=%s, "
              "overlap=%s", len(entries), sum(e.master.numel() for e in entries) / 1e6, len(path.chunks), threads,

@@ -254,3 +254,18 @@ def test_pinned_buffers_to_gpu_and_back(tmp_path):
         back = aio.aligned_empty(x.numel(), x.dtype)
         h.pread(back, f).wait()
     assert torch.equal(back.to("cuda", non_blocking=True), x)
+
+
+def test_nvme_bench_cli(tmp_path, capsys):
+    import json
+    from fsdpzero.cli import main
+    assert main(["nvme-bench", str(tmp_path), "--size", "1M", "--block-sizes", "256K,512K", "--queue-depths", "2",
+                 "--parallelism", "1,2", "--repeat", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["results"]) == 4 and all(r["write_GBps"] > 0 and r["read_GBps"] > 0 for r in out["results"])
+    assert set(out["best"]["aio"]) == {"block_size", "queue_depth", "intra_op_parallelism", "single_submit",
+                                       "overlap_events", "use_gds"}
+    assert list(tmp_path.iterdir()) == []                      # the scratch file is gone
+    assert main(["nvme-bench", str(tmp_path), "--size", "1M", "--block-sizes", "1M", "--queue-depths", "2",
+                 "--parallelism", "1", "--repeat", "1"]) == 0
+    assert '"aio": {' in capsys.readouterr().out

@@ -20,6 +20,7 @@ from fsdpzero.plan import OffloadPlan, OptimizerPlan, Plan
 from fsdpzero_ops.aio import AioConfig
 from fsdpzero_ops.cpu_adam import CPUAdam
 from tests.multirank import run_distributed
+from tests.test_aio import _in_child
 
 SHAPES = [(37,), (100, 30), (5000,), (3,), (64, 65)]
 
@@ -112,25 +113,6 @@ def test_missing_path_errors_before_anything(tmp_path):
         NVMeAdam(_params(torch.float32), nvme_path=tmp_path / "file")
 
 
-def _in_child(fn):
-    """fn() in a forked child; returns its message (exceptions as 'Type: message')."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        try:
-            msg = fn()
-        except BaseException as e:  # noqa: BLE001
-            msg = f"{type(e).__name__}: {e}"
-        os.write(w, msg.encode())
-        os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as pipe:
-        out = pipe.read().decode()
-    os.waitpid(pid, 0)
-    return out
-
-
 def test_unwritable_path(tmp_path):
     import tempfile
     top = Path(tempfile.mkdtemp(prefix="fsdpzero_ro_"))   # pytest's tmp root is 0700: the child could not reach it
@@ -155,8 +137,8 @@ def test_unwritable_path(tmp_path):
 
 def test_not_enough_free_space(tmp_path, monkeypatch):
     """The free-space check names the bytes needed and found (disk_usage reports a nearly full disk)."""
-    real = nvme.shutil.disk_usage
-    monkeypatch.setattr(nvme.shutil, "disk_usage", lambda p: real(p)._replace(free=12345))
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=12345))
     with pytest.raises(OSError, match=r"needs 1\d+ bytes \(0.00 GiB\) of swap space, the file system has 12345 "
                                       r"bytes") as e:
         NVMeAdam(_params(torch.float32), nvme_path=tmp_path)
@@ -209,7 +191,8 @@ def test_killed_mid_step_leaves_nothing_after_next_start(tmp_path, monkeypatch):
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
     stale = list((tmp_path / nvme.SWAP_ROOT).iterdir())
-    assert len(stale) == 1 and stale[0].name.endswith(f".{pid}.rank0") and any(stale[0].iterdir())
+    assert len(stale) == 1 and f".{pid}." in stale[0].name and stale[0].name.endswith(".rank0")
+    assert any(stale[0].iterdir())
     opt = NVMeAdam(_params(torch.float32), nvme_path=tmp_path)            # the next start
     assert list((tmp_path / nvme.SWAP_ROOT).iterdir()) == [opt.swap_dir.path]
     opt.close()
@@ -219,7 +202,7 @@ def test_killed_mid_step_leaves_nothing_after_next_start(tmp_path, monkeypatch):
 def test_live_and_foreign_dirs_are_kept(tmp_path):
     """Another live process's directory, and other hosts' ones, are never removed."""
     live = SwapDir(tmp_path, rank=0)
-    foreign = tmp_path / nvme.SWAP_ROOT / "otherhost.1.rank0"
+    foreign = tmp_path / nvme.SWAP_ROOT / "otherhost.1.0.rank0"
     foreign.mkdir()
     assert nvme.remove_stale_swap_dirs(tmp_path) == []
     assert live.path.exists() and foreign.exists()
@@ -290,3 +273,156 @@ def test_removed_when_collected_and_at_exit(tmp_path):
                          cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 0, out.stderr
     assert "fsdpzero_swap" in out.stdout and not (tmp_path / nvme.SWAP_ROOT).exists()
+
+
+# ------------------------------------------------------------- the engine's offload path: nvme == cpu, bit for bit
+
+def _offload_nvme_vs_cpu(rank, world, kind, nvme_path, dtype, overlap=False):
+    from fsdpzero import offload
+    from fsdpzero.plan import PrecisionPlan
+    from fsdpzero.optim import clip_factor
+    from tests.test_offload import HYPER, _model
+
+    def _train(model, path, steps, clip=0.0):
+        gen = torch.Generator().manual_seed(100 + rank)
+        losses = []
+        for _ in range(steps):
+            x, y = torch.randn(6, 7, generator=gen), torch.randn(6, 5, generator=gen)
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            loss.backward()
+            path.finish_gradients()
+            path.scale_grads_(clip_factor(path.grad_norm(), clip))
+            path.step()
+            path.zero_grad()
+            dist.all_reduce(loss := loss.detach())
+            losses.append(loss.item())
+        path.wait()                                      # an overlapped step may still be running
+        return losses, {n: p.full_tensor().float() for n, p in model.named_parameters()}
+    torch.set_num_threads(1)
+    bf16 = dtype == "bfloat16"
+    runs = []
+    for device in ("cpu", "nvme"):
+        plan = Plan(offload=OffloadPlan(optimizer_device=device, param_device="cpu" if kind == "param" else "none",
+                                        optimizer_nvme_path=nvme_path, sub_group_size=700, buffer_count=3),
+                    precision=PrecisionPlan(param_dtype=dtype))
+        model = _model(param_dtype=torch.bfloat16 if bf16 else None, cpu_offload=kind == "param")
+        path = offload.build_grad_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER),
+                                       stage=kind == "staged", overlap=overlap)
+        runs.append(_train(model, path, steps=5, clip=0.05))
+        if device == "nvme":
+            assert len(path.optimizer._groups) > 1 and path.optimizer.swap_dir.path.exists()
+            sd = path.state_dict()                       # the cpu path's checkpoint layout, read from disk
+            fresh = _model(param_dtype=torch.bfloat16 if bf16 else None, cpu_offload=kind == "param")
+            path2 = offload.build_grad_path(fresh, plan, lambda ps: torch.optim.AdamW(ps, **HYPER),
+                                            stage=kind == "staged")
+            path2.load_state_dict(sd)
+            resumed = (_train(model, path, steps=2)[0], _train(fresh, path2, steps=2)[0])
+            path.close(), path2.close()
+    return runs, resumed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,dtype,overlap", [("staged", "float32", False), ("inplace", "float32", False),
+                                                ("param", "float32", True), ("param", "bfloat16", False)])
+def test_offload_path_nvme_equals_cpu(tmp_path, kind, dtype, overlap):
+    """offload_optimizer nvme through fsdpzero.offload.build_grad_path (the engine's GradPath) on 2 gloo ranks:
+    the same loss trajectory and final params as offload_optimizer cpu, bit for bit; resuming from its
+    state_dict continues identically; no swap files remain."""
+    for (cpu, ours), (a, b) in run_distributed(_offload_nvme_vs_cpu, 2, kind, str(tmp_path), dtype, overlap,
+                                               timeout=180):
+        assert cpu[0] == ours[0]
+        for name, v in cpu[1].items():
+            assert torch.equal(v, ours[1][name]), name
+        assert a == b
+    assert not (tmp_path / nvme.SWAP_ROOT).exists()
+
+
+# ---------------------------------------------------------------- end to end: a ds_config through fsdpzero.wrap
+
+def _engine_run(rank, world, device, stage, nvme_path, save_dir):
+    from fsdpzero.api import wrap
+    from tests.engine_cases import batches, build_model, engine_losses, full_params
+    offload = {"device": device, "pin_memory": True}
+    if device == "nvme":
+        offload.update(nvme_path=nvme_path, buffer_count=3)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 5e-4, "weight_decay": 0.01}},
+           "zero_optimization": {"stage": stage, "offload_optimizer": offload, "sub_group_size": 20000},
+           "aio": {"block_size": 262144, "queue_depth": 4, "intra_op_parallelism": 1}}
+    engine = wrap(build_model("gpt2"), cfg)
+    data = batches(4, 1, 2 * world)
+    losses = engine_losses(engine, data[:2], rank, world)
+    engine.save_checkpoint(save_dir)
+    assert not any(nvme.is_swap_dir(p) for p in Path(save_dir).rglob("*")), "swap files in a checkpoint"
+    if device == "nvme":
+        assert any(d.name.endswith(f".rank{rank}") for d in (Path(nvme_path) / nvme.SWAP_ROOT).iterdir())
+    losses += engine_losses(engine, data[2:], rank, world)
+    again = None
+    if device == "nvme":   # (a fresh cpu-offload engine cannot load yet: its CPUAdam has no states before step 1)
+        resumed = wrap(build_model("gpt2", seed=7), cfg)
+        resumed.load_checkpoint(save_dir)
+        again = engine_losses(resumed, data[2:], rank, world)
+    return losses, again, full_params(engine.module)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [3])     # stage 2 passes too; one stage keeps CI short
+def test_ds_config_nvme_equals_cpu_offload_end_to_end(tmp_path, stage):
+    """`offload_optimizer: {device: nvme}` in a ds_config, through fsdpzero.wrap, 2 gloo ranks: the same losses and
+    final params as `device: cpu`, bit for bit; its checkpoint resumes identically and holds no swap files."""
+    cpu = run_distributed(_engine_run, 2, "cpu", stage, str(tmp_path), str(tmp_path / "ck_cpu"), timeout=240)
+    ours = run_distributed(_engine_run, 2, "nvme", stage, str(tmp_path), str(tmp_path / "ck_nvme"), timeout=240)
+    for (l_cpu, _, p_cpu), (l_nvme, again, p_nvme) in zip(cpu, ours):
+        assert l_cpu == l_nvme and l_nvme[0] != l_nvme[-1]
+        assert again == l_nvme[2:]
+        for k, v in p_cpu.items():
+            assert torch.equal(v, p_nvme[k]), k
+    nvme.remove_stale_swap_dirs(tmp_path)    # whatever a rank left (forked ranks may skip atexit) is stale now
+    assert not (tmp_path / nvme.SWAP_ROOT).exists()
+
+
+@pytest.mark.gpu
+def test_nvme_offload_on_gpu_equals_cpu_offload(tmp_path):
+    """1 GPU, bf16 shards on the device, staged D2H / CPU step / H2D: offload_optimizer nvme == cpu, bit for bit."""
+    import dataclasses
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from fsdpzero import offload
+    from fsdpzero.optim import clip_factor
+    from fsdpzero.plan import PrecisionPlan
+    from tests.test_offload import HYPER, Net
+    if not dist.is_initialized():
+        dist.init_process_group("cuda:nccl,cpu:gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    runs = []
+    for device in ("cpu", "nvme"):
+        torch.manual_seed(0)
+        model = Net(d=256, n=4).cuda()
+        mesh = init_device_mesh("cuda", (1,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        plan = dataclasses.replace(Plan(), offload=OffloadPlan(optimizer_device=device, sub_group_size=100_000,
+                                                               optimizer_nvme_path=str(tmp_path)),
+                                   precision=PrecisionPlan(param_dtype="bfloat16"))
+        path = offload.build_grad_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER))
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        losses = []
+        for _ in range(6):
+            x = torch.randn(32, 7, device="cuda", generator=gen)
+            y = torch.randn(32, 5, device="cuda", generator=gen)
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            loss.backward()
+            path.finish_gradients()
+            path.scale_grads_(clip_factor(path.grad_norm(), 1.0))
+            path.step()
+            path.zero_grad()
+            losses.append(loss.item())
+        torch.cuda.synchronize()
+        runs.append((losses, {n: p.full_tensor().float().cpu() for n, p in model.named_parameters()}))
+        if device == "nvme":
+            assert len(path.optimizer._groups) > 1
+            path.close()
+    assert runs[0][0] == runs[1][0]
+    for n, v in runs[0][1].items():
+        assert torch.equal(v, runs[1][1][n]), n
