@@ -26,7 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-CONFIGS = ["ours_z1", "ours_z1_overlap", "ours_z1_overlap_b1e8", "ours_z1_fp32reduce", "ours_z2", "ds_z1", "ds_z2"]
+CONFIGS = ["ours_z1", "ours_z1_overlap", "ours_z1_overlap_b1e8", "ours_z1_fp32reduce", "ours_z2", "ds_z1", "ds_z2",
+           "ours_z3", "ds_z3"]   # z3: the same setup at stage 3, for the stage-3 ratio against DeepSpeed
 DEVICE = "cuda" if os.environ.get("FSDPZERO_BENCH_CPU") != "1" else "cpu"
 
 
@@ -43,7 +44,7 @@ def build_model(args):
 
 def ds_config(args, name: str) -> dict:
     """The same DeepSpeed config for both libraries; only the ZeRO section varies by config name."""
-    zero = {"stage": 2 if "z2" in name else 1, "overlap_comm": name.startswith("ds_") or "overlap" in name,
+    zero = {"stage": 3 if "z3" in name else 2 if "z2" in name else 1, "overlap_comm": name.startswith("ds_") or "overlap" in name,
             "contiguous_gradients": True}
     if name.endswith("b1e8"):
         zero["reduce_bucket_size"] = zero["allgather_bucket_size"] = 100_000_000

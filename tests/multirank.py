@@ -55,8 +55,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, tim
     torchrun does). fn must be a module-level function. Raises with the failing rank's traceback, or on timeout.
     """
     with tempfile.TemporaryDirectory(prefix="fsdpzero_mr_") as workdir:
-        # fork is ~10x cheaper, but CUDA does not survive it: once the parent touched CUDA, spawn
-        method = "spawn" if torch.cuda.is_initialized() else "fork"
+        # fork is ~10x cheaper, but CUDA does not survive it, and merely counting devices in the parent poisons
+        # fork for the children: on a CUDA machine, spawn
+        method = "spawn" if torch.cuda.is_available() else "fork"
         ctx = mp.start_processes(_child, args=(fn, world_size, workdir, init_pg, free_port(), args),
                                  nprocs=world_size, join=False, start_method=method)
         deadline = time.monotonic() + timeout
