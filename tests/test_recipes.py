@@ -45,7 +45,9 @@ def test_readme_train_command_loss_falls(tmp_path):
     ds = json.loads((tmp_path / "run" / "ds_config.json").read_text())
     assert ds["zero_optimization"]["stage"] == 3
     assert (tmp_path / "run" / "train.log").read_text().count("step 30: val loss") == 1
-    assert sorted(q.name for q in (tmp_path / "run").iterdir() if q.is_dir()) in ([], ["checkpoints"])
+    assert {q.name for q in (tmp_path / "run").iterdir() if q.is_dir()} <= {"monitor", "checkpoints"}
+    rows = list(csv.reader(open(tmp_path / "run" / "monitor" / "smoke" / "Train_Samples_train_loss.csv")))
+    assert rows[0] == ["step", "train_loss"] and int(rows[-1][0]) == 30 * 4 * 2   # x-axis: global samples
 
 
 # -- stage parity through the recipe -------------------------------------------------------------------------------
