@@ -146,6 +146,23 @@ class Engine(nn.Module):
                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
                 "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
 
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, **options):
+        """DeepSpeed's signature; options: keep_last, async_save (see fsdpzero.checkpoint)."""
+        from fsdpzero.checkpoint import save_engine
+        return save_engine(self, save_dir, tag, client_state, save_latest, **options)
+
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
+                        load_module_only=False):
+        """-> (path, client_state); (None, None) when there is nothing to load, as DeepSpeed."""
+        from fsdpzero.checkpoint import load_engine
+        return load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+
+    def save_16bit_model(self, save_dir, save_filename="model.safetensors", exclude_frozen_parameters=False):
+        """Consolidated weights in the compute dtype for from_pretrained (see fsdpzero.export)."""
+        from fsdpzero.export import save_16bit_model
+        dtype = getattr(torch, self.plan.precision.param_dtype)
+        return save_16bit_model(self.module, save_dir, dtype=None if dtype == torch.float32 else dtype)
+
     def load_client_state(self, state: dict) -> None:
         for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
             setattr(self, k, state[k])

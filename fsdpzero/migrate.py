@@ -23,7 +23,8 @@ SET_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps", "learn
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str = "migrate") -> None:
-    parser.add_argument("config", help="path to ds_config.json (JSON with optional comments)")
+    parser.add_argument("config", nargs="+", help="ds_config.json file(s) (JSON with optional comments); several "
+                                                  "files are checked in one process, exit status = the worst")
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
     parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="device type (default cuda)")
@@ -66,10 +67,10 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
     return ctx
 
 
-def evaluate(args: argparse.Namespace) -> tuple[int, dict]:
+def evaluate(args: argparse.Namespace, path: str) -> tuple[int, dict]:
     """The migrate result as the --json object, and the exit status."""
     from fsdpzero.translate import translate
-    result: dict[str, Any] = {"ok": False, "errors": [], "decisions": [], "plan": None, "warnings": [],
+    result: dict[str, Any] = {"config": str(path), "ok": False, "errors": [], "decisions": [], "plan": None, "warnings": [],
                               "compat_version": COMPAT_VERSION}
     env = Env(world_size=args.world_size, nodes=args.nodes, device_type=args.device)
     try:
@@ -77,7 +78,7 @@ def evaluate(args: argparse.Namespace) -> tuple[int, dict]:
         ctx["world_size"] = args.world_size
         if args.hidden_size is not None:
             ctx["hidden_size"] = args.hidden_size
-        cfg = load_config(args.config, context=ctx, hf_defaults=args.hf_defaults, strict=args.strict)
+        cfg = load_config(path, context=ctx, hf_defaults=args.hf_defaults, strict=args.strict)
         result["warnings"] = cfg.warnings
         plan = translate(cfg, env)
     except ConfigError as e:
@@ -93,47 +94,61 @@ def evaluate(args: argparse.Namespace) -> tuple[int, dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    code, result = evaluate(args)
+    if getattr(args, "emit", None) and len(args.config) > 1:
+        print("--emit takes one config", file=sys.stderr)
+        return 2
+    codes, results = [], []
+    for path in args.config:
+        code, result = evaluate(args, path)
+        codes.append(code)
+        if args.json:
+            result.pop("_plan", None)
+            result.pop("_cfg", None)
+            if args.command == "validate":
+                result = {k: result[k] for k in ("config", "ok", "errors", "warnings", "compat_version")}
+                result["ok"] = code != 2
+            results.append(result)
+        else:
+            if len(args.config) > 1:
+                print(f"== {path}")
+            _print_human(args, path, code, result)
+    if args.json:
+        json.dump(results[0] if len(results) == 1 else results, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    return max(codes)
+
+
+def _print_human(args: argparse.Namespace, path: str, code: int, result: dict) -> None:
     plan: Plan | None = result.pop("_plan", None)
     cfg = result.pop("_cfg", None)
-    out = sys.stdout
-    if args.json:
-        if args.command == "validate":
-            result = {"ok": code != 2, "errors": result["errors"], "warnings": result["warnings"],
-                      "compat_version": COMPAT_VERSION}
-        json.dump(result, out, indent=2, default=str)
-        out.write("\n")
-        return code
     if getattr(args, "emit", None) and plan is not None:
         from fsdpzero.emit import emit_python, emit_yaml
-        out.write(emit_yaml(cfg, plan, args.config) if args.emit == "yaml" else emit_python(plan))
-        return code
+        sys.stdout.write(emit_yaml(cfg, plan, path) if args.emit == "yaml" else emit_python(plan))
+        return
     for w in result["warnings"]:
         print(f"warning: {w}", file=sys.stderr)
     if code == 2:
-        print(f"{args.config}: invalid DeepSpeed config ({len(result['errors'])} problem(s)):")
+        print(f"{path}: invalid DeepSpeed config ({len(result['errors'])} problem(s)):")
         for e in result["errors"]:
             print(f"  {e['key'] or '<config>'}: {e['message']}" + (f"\n      fix: {e['suggestion']}"
                                                                  if e["suggestion"] else ""))
-        return 2
+        return
     if args.command == "validate":
-        print(f"{args.config}: valid (DeepSpeed {COMPAT_VERSION} semantics)"
+        print(f"{path}: valid (DeepSpeed {COMPAT_VERSION} semantics)"
               + (f"; {len(plan.unsupported)} unsupported feature(s), see `fsdpzero migrate`" if code else ""))
-        return code
+        return
     _print_table(plan, show_all=args.all)
     counts = {s: sum(d.status == s for d in plan.decisions if d.explicit or args.all)
               for s in ("mapped", "approximated", "noop", "unsupported")}
-    shown = sum(counts.values())
     summary = ", ".join(f"{n} {s}" for s, n in counts.items())
-    print(f"\n{shown} keys: {summary}. ZeRO stage {plan.shard.stage} on mesh {plan.shard.mesh_shape} "
-          f"{plan.shard.mesh_dim_names}, {plan.precision.param_dtype} params, batch {plan.batch.train_batch_size} = "
-          f"{plan.batch.micro_batch_size} x {plan.batch.gradient_accumulation_steps} x {args.world_size}.")
+    print(f"\n{sum(counts.values())} keys: {summary}. ZeRO stage {plan.shard.stage} on mesh "
+          f"{plan.shard.mesh_shape} {plan.shard.mesh_dim_names}, {plan.precision.param_dtype} params, batch "
+          f"{plan.batch.train_batch_size} = {plan.batch.micro_batch_size} x {plan.batch.gradient_accumulation_steps}"
+          f" x {args.world_size}.")
     if code == 1:
-        print("NOT RUNNABLE as written: " + "; ".join(f"{d.key} ({d.detail})" for d in plan.unsupported
-                                                        if d.explicit or args.all))
+        print("NOT RUNNABLE as written: " + "; ".join(f"{d.key} ({d.detail})" for d in plan.unsupported))
     else:
         print("runnable as written.")
-    return code
 
 
 def _print_table(plan: Plan, show_all: bool) -> None:

@@ -317,6 +317,25 @@ def decide(path: str, value: Any, cfg: DSConfig, env: Env) -> tuple[str, str]:
         return "mapped", "PrecisionPlan.master_dtype=float16 (DeepSpeed: with CPU Adam only)"
     if path in ("fp16.enabled", "bf16.enabled", "torch_autocast.enabled") and not on:
         return "noop", "off"
+    section = path.split(".", 1)[0]
+    if section in ("fp16", "bf16") and "." in path and not getattr(cfg, section).enabled:
+        return "noop", f"{section} is off"
+    if path.startswith("zero_optimization."):
+        leaf = path.split(".")[1]
+        if leaf.startswith("stage3_") and z.stage != 3:
+            return "noop", f"acts only at ZeRO stage 3 (stage is {z.stage})"
+        if leaf == "allgather_bucket_size" and z.stage != 1:
+            return "noop", "FSDP2 all-gathers per wrapped block" if z.stage else "no sharding at stage 0"
+        if leaf == "reduce_bucket_size" and z.stage >= 2:
+            return "noop", "FSDP2 reduce-scatters per wrapped block (the unit replaces the bucket)"
+        if leaf == "sub_group_size" and _offload(cfg).optimizer_device == "none":
+            return "noop", "only tiles the offloaded optimizer step"
+        if leaf in ("offload_param", "offload_optimizer") and "." in path[len("zero_optimization."):]:
+            dev = getattr(z, leaf).device if getattr(z, leaf) is not None else "none"
+            nvme_only = ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pipeline_read",
+                         "pipeline_write")
+            if dev == "none" or (dev == "cpu" and path.rsplit(".", 1)[1] in nvme_only):
+                return "noop", f"{leaf} device is {dev!r}"
     status, detail = FATES.get(path, UNKNOWN_FATE)
     if status == "unsupported" and (value is None or value is False or value == {}):
         return "noop", "not used"
@@ -328,6 +347,8 @@ def decisions(cfg: DSConfig, env: Env) -> list[Decision]:
     seen = set()
     autos = cfg.autos
     for path in cfg.explicit_keys:
+        if not _is_row(cfg, path):
+            continue
         canon, known = _canonical(path)
         if path in cfg.unknown_keys or not known:
             out.append(Decision(key=path, value=cfg.unknown_keys.get(path), status=UNKNOWN_FATE[0],
@@ -351,6 +372,23 @@ def decisions(cfg: DSConfig, env: Env) -> list[Decision]:
         out.append(Decision(key=f"scheduler.params.{key}", value="auto", status="mapped",
                             detail="filled by the trainer from the number of training steps", explicit=True))
     return out
+
+
+def _is_row(cfg: DSConfig, path: str) -> bool:
+    """One table row per leaf the user wrote; a section of a free-form or unknown dict is one row."""
+    if "." in path and any(path.startswith(p + ".") for p in _FREE_FORM + tuple(cfg.unknown_keys)):
+        return False
+    node: Any = cfg.raw
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    if isinstance(node, dict) and node and path not in cfg.unknown_keys and path not in _FREE_FORM:
+        return False
+    return True
+
+
+# Sections listed as one row: free-form dicts, and whole features that are either off or unsupported.
+_FREE_FORM = ("pipeline", "data_efficiency", "autotuning", "datastates", "expert_parallel",
+              "zero_optimization.zenflow", "weight_quantization")
 
 
 def _jsonable(v: Any) -> Any:

@@ -117,7 +117,9 @@ def resolve_autos(raw: dict, context: Mapping[str, Any] | None, *, hf_defaults: 
     for path, parent, key, value in list(_walk(raw)):
         rule = RULES.get(path)
         if value != "auto":
-            if rule and rule[2]:                     # fill_match: must agree with a value the caller gave
+            if rule and rule[2] and not (path.endswith("warmup_num_steps")
+                                         and not {"warmup_steps", "warmup_ratio"} & given.keys()):
+                # fill_match: an explicit value must agree with a value the caller gave (not a default)
                 try:
                     want = rule[1](given)
                 except (_Missing, TypeError, ValueError):

@@ -293,6 +293,7 @@ def load_config(source: Any, *, context: Mapping[str, Any] | None = None, hf_def
             cfg = DSConfig.model_validate(raw)
     except ValidationError as e:
         problems += pydantic_problems(e, seen)
+    problems += [p for p in rules.check_sections(raw, deferred) if p.key not in seen]
     if cfg is not None:
         problems += rules.check(cfg, raw, deferred)
     if problems:

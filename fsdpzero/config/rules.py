@@ -99,31 +99,38 @@ def check(cfg: DSConfig, raw: dict, deferred: list[str]) -> list[Problem]:
     if z.zero_hpz_partition_size > 1 and z.mics_shard_size > 0:
         out.append(Problem("zero_optimization.zero_hpz_partition_size", "hpZ and MiCS cannot be combined",
                            "keep one of zero_hpz_partition_size / mics_shard_size"))
-    out += _check_optimizer(cfg)
-    out += _check_scheduler(cfg, deferred)
     return out
 
 
-def _check_optimizer(cfg: DSConfig) -> list[Problem]:
-    opt = cfg.optimizer
-    if opt is None:
-        return []
+def check_sections(raw: dict, deferred: list[str]) -> list[Problem]:
+    """Optimizer and scheduler kwargs, checked on the raw dicts so they are reported even when other sections
+    fail validation."""
+    opt, sch = raw.get("optimizer"), raw.get("scheduler")
     out = []
-    kind = optimizer_kind(opt.type)
-    if opt.type is not None and kind == "unknown":
-        out.append(Problem("optimizer.type", f"{opt.type!r} is neither a DeepSpeed optimizer nor a torch.optim class",
-                           did_you_mean(opt.type, list(DS_OPTIMIZERS) + list(TORCH_OPTIMIZERS), 0.6)
+    if isinstance(opt, dict) and isinstance(opt.get("params", {}), dict) and isinstance(opt.get("type"), (str, type(None))):
+        out += _check_optimizer(opt.get("type"), opt.get("params") or {})
+    if isinstance(sch, dict) and isinstance(sch.get("params", {}), dict) and isinstance(sch.get("type"), (str, type(None))):
+        out += _check_scheduler(sch.get("type"), sch.get("params") or {}, deferred)
+    return out
+
+
+def _check_optimizer(name: str | None, params: dict) -> list[Problem]:
+    out = []
+    kind = optimizer_kind(name)
+    if name is not None and kind == "unknown":
+        out.append(Problem("optimizer.type", f"{name!r} is neither a DeepSpeed optimizer nor a torch.optim class",
+                           did_you_mean(name, list(DS_OPTIMIZERS) + list(TORCH_OPTIMIZERS), 0.6)
                            or "use Adam, AdamW, Lamb, Lion, Adagrad or a torch.optim class name"))
-    if "max_grad_norm" in opt.params:
+    if "max_grad_norm" in params:
         out.append(Problem("optimizer.params.max_grad_norm", "is not supported as an optimizer parameter "
                            "(DeepSpeed raises at initialize)", "use the top-level `gradient_clipping` instead"))
-    allowed = OPTIMIZER_PARAMS.get((opt.type or "").lower()) if kind in ("ds", "torch") else None
-    for key in opt.params:
+    allowed = OPTIMIZER_PARAMS.get((name or "").lower()) if kind in ("ds", "torch") else None
+    for key in params:
         if allowed is not None and key not in allowed and key != "max_grad_norm":
-            out.append(Problem(f"optimizer.params.{key}", f"is not a keyword of the {opt.type} optimizer "
+            out.append(Problem(f"optimizer.params.{key}", f"is not a keyword of the {name} optimizer "
                                "(DeepSpeed passes params as kwargs: TypeError at initialize)",
                                did_you_mean(key, allowed) or f"valid: {', '.join(sorted(allowed))}"))
-    p = opt.params
+    p = params
     if "lr" in p and not (_is_number(p["lr"]) and p["lr"] >= 0):
         out.append(Problem("optimizer.params.lr", f"must be a number >= 0, got {p['lr']!r}", "e.g. 1e-4"))
     if "betas" in p and not (isinstance(p["betas"], (list, tuple)) and len(p["betas"]) == 2
@@ -136,23 +143,22 @@ def _check_optimizer(cfg: DSConfig) -> list[Problem]:
     return out
 
 
-def _check_scheduler(cfg: DSConfig, deferred: list[str]) -> list[Problem]:
-    sch = cfg.scheduler
-    if sch is None or sch.type is None:
+def _check_scheduler(name: str | None, params: dict, deferred: list[str]) -> list[Problem]:
+    if name is None:
         return []
-    if sch.type not in SCHEDULERS:
-        if sch.type in TORCH_SCHEDULERS:
+    if name not in SCHEDULERS:
+        if name in TORCH_SCHEDULERS:
             return []
-        return [Problem("scheduler.type", f"{sch.type!r} is neither a DeepSpeed scheduler nor a "
-                        "torch.optim.lr_scheduler class", did_you_mean(sch.type, list(SCHEDULERS) +
+        return [Problem("scheduler.type", f"{name!r} is neither a DeepSpeed scheduler nor a "
+                        "torch.optim.lr_scheduler class", did_you_mean(name, list(SCHEDULERS) +
                                                                        list(TORCH_SCHEDULERS), 0.6)
                         or f"use one of {', '.join(SCHEDULERS)}")]
-    spec = SCHEDULERS[sch.type]
+    spec = SCHEDULERS[name]
     out = []
-    for key, value in sch.params.items():
+    for key, value in params.items():
         path = f"scheduler.params.{key}"
         if key not in spec:
-            out.append(Problem(path, f"is not a parameter of {sch.type} (TypeError in DeepSpeed)",
+            out.append(Problem(path, f"is not a parameter of {name} (TypeError in DeepSpeed)",
                                did_you_mean(key, spec) or f"valid: {', '.join(spec)}"))
         elif key == "warmup_type":
             if value not in ("log", "linear"):
@@ -174,8 +180,8 @@ def _check_scheduler(cfg: DSConfig, deferred: list[str]) -> list[Problem]:
             out.append(Problem(path, f"must be a number, got {value!r}",
                                f"DeepSpeed's default: {spec[key]!r}" if spec[key] != REQUIRED else ""))
     for key, default in spec.items():
-        if default == REQUIRED and key not in sch.params and key not in deferred:
-            out.append(Problem(f"scheduler.params.{key}", f"is required by {sch.type}",
+        if default == REQUIRED and key not in params and key not in deferred:
+            out.append(Problem(f"scheduler.params.{key}", f"is required by {name}",
                                f"set scheduler.params.{key}" + (' (or "auto" with max_steps known)'
                                                                 if key == "total_num_steps" else "")))
     return out

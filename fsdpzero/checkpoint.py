@@ -1,0 +1,431 @@
+"""Sharded, atomic checkpoints in DeepSpeed's directory layout, through torch.distributed.checkpoint (DCP).
+
+    <save_dir>/latest                 the tag of the newest complete checkpoint (replaced atomically)
+    <save_dir>/<tag>/                 default tag "global_step{N}"
+        .metadata, __{rank}_0.distcp  DCP: every tensor, sharded as it was live; loads on any number of ranks
+        state.json                    every non-tensor value (hyperparameters, scheduler, scaler, counters)
+        client_state.json             the caller's client_state
+        rng_{rank}.safetensors        per-rank RNG states
+        fsdpzero_complete.json        the manifest, written last: files and sizes
+
+Crash safety: ranks write into <save_dir>/.tmp-<tag>/, rank 0 fsyncs, writes the manifest, renames the directory to
+<tag>, and only then replaces `latest` (write a temp file, fsync, rename). A crash at any point leaves `latest`
+naming the previous complete checkpoint. Nothing is pickled: tensors go to DCP, everything else to JSON (DCP would
+pickle non-tensor values and read them back with weights_only=False).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+MANIFEST = "fsdpzero_complete.json"
+FORMAT = "fsdpzero-dcp-1"
+_SEP = "/"  # joins nested keys; FQNs contain dots, never slashes
+_pending: "PendingSave | None" = None
+_async_group = None  # background saves use their own process group, so they never interleave with training's
+
+
+class ModelOptimizer(Stateful):
+    """Model + optimizer as DCP state: FQN-keyed, sharded (DTensor) entries, so a load reshards N -> M ranks."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        if self.optimizer is None:
+            return {"model": get_state_dict(self.model, [])[0]}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, sd: dict) -> None:
+        set_state_dict(self.model, self.optimizer or [], model_state_dict=sd["model"],
+                       optim_state_dict=sd.get("optim", {}))
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _crash_point(name: str) -> None:
+    """Fault injection for the crash-safety tests: FSDPZERO_CKPT_CRASH_AT=<name> kills the process here."""
+    if os.environ.get("FSDPZERO_CKPT_CRASH_AT") == name:
+        os._exit(17)
+
+
+# ---- nested state <-> (flat tensors for DCP, JSON for the rest) -------------------------------------------------
+
+def _materialize(state: dict) -> dict:
+    return {k: (v.state_dict() if isinstance(v, Stateful) or hasattr(v, "load_state_dict") else v)
+            for k, v in state.items()}
+
+
+def _split(obj: Any, prefix: str, tensors: dict, where: str) -> Any:
+    """Move tensors into `tensors` (by path) and return the JSON-able remainder with a marker in their place."""
+    if isinstance(obj, torch.Tensor):
+        tensors[prefix] = obj
+        return {"__tensor__": prefix}
+    if isinstance(obj, dict):
+        for k in obj:
+            if not isinstance(k, (str, int)) or _SEP in str(k):
+                raise TypeError(f"checkpoint state key {where}{_SEP}{k!r}: keys must be str/int without {_SEP!r}")
+        return {"__dict__": [[k, _split(v, f"{prefix}{_SEP}{k}", tensors, f"{where}{_SEP}{k}")]
+                             for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        items = [_split(v, f"{prefix}{_SEP}{i}", tensors, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return {"__tuple__": items} if isinstance(obj, tuple) else items
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"checkpoint state {where} = {type(obj).__name__}: only tensors, numbers, strings, None, lists, "
+                    f"tuples and dicts can be saved (no pickle); convert it, e.g. to a tensor or a string")
+
+
+def _join(obj: Any, tensors: dict) -> Any:
+    if isinstance(obj, list):
+        return [_join(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__tuple__" in obj:
+            return tuple(_join(v, tensors) for v in obj["__tuple__"])
+        return {k: _join(v, tensors) for k, v in obj["__dict__"]}
+    return obj
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    version, mt, gauss = random.getstate()
+    out = {"torch_cpu": torch.get_rng_state(), "python_mt": torch.tensor(mt, dtype=torch.int64),
+           "python_meta": torch.tensor([version, gauss is not None, 0 if gauss is None else 1], dtype=torch.int64),
+           "python_gauss": torch.tensor([0.0 if gauss is None else gauss], dtype=torch.float64)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out.update({f"cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return out
+
+
+def _set_rng_state(st: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(st["torch_cpu"])
+    version, has_gauss, _ = st["python_meta"].tolist()
+    random.setstate((version, tuple(st["python_mt"].tolist()),
+                     float(st["python_gauss"][0]) if has_gauss else None))
+    cuda = [st[k] for k in sorted((k for k in st if k.startswith("cuda_")), key=lambda k: int(k[5:]))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda[:torch.cuda.device_count()])
+
+
+# ---- files -----------------------------------------------------------------------------------------------------
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_path(path.parent)
+
+
+def checkpoint_problems(path: str | Path) -> list[str]:
+    """What makes <path> not a complete fsdpzero checkpoint (empty list: complete)."""
+    path = Path(path)
+    if not path.is_dir():
+        return [f"{path} does not exist"]
+    if not (path / MANIFEST).is_file():
+        return [f"{path / MANIFEST} is missing: the save did not finish"]
+    manifest = json.loads((path / MANIFEST).read_text())
+    problems = []
+    for name, size in manifest["files"].items():
+        f = path / name
+        if not f.is_file():
+            problems.append(f"{f} is missing")
+        elif f.stat().st_size != size:
+            problems.append(f"{f} has {f.stat().st_size} bytes, the manifest says {size}")
+    return problems
+
+
+def _finalize(save_dir: Path, tag: str, tmp: Path, save_latest: bool, keep_last: int | None) -> None:
+    """Rank 0, after every rank's files are written: manifest, fsync, rename, `latest`, rotation."""
+    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+    for name in files:
+        _fsync_path(tmp / name)
+    manifest = {"format": FORMAT, "tag": tag, "world_size": _world(), "saved_at_ns": time.time_ns(), "files": files}
+    _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
+    _crash_point("before_rename")
+    final = save_dir / tag
+    if final.exists():  # re-saving a tag: move the old one aside first, so a crash leaves one of the two
+        old = save_dir / f".old-{tag}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+    _fsync_path(save_dir)
+    _crash_point("before_latest")
+    if save_latest:
+        _write_atomic(save_dir / "latest", tag)
+    if keep_last:
+        _rotate(save_dir, keep_last, protect={tag, _read_latest(save_dir)})
+
+
+def _read_latest(save_dir: Path) -> str | None:
+    latest = save_dir / "latest"
+    return latest.read_text().strip() if latest.is_file() else None
+
+
+def _rotate(save_dir: Path, keep_last: int, protect: set) -> None:
+    done = [p for p in save_dir.iterdir() if p.is_dir() and (p / MANIFEST).is_file()]
+    done.sort(key=lambda p: json.loads((p / MANIFEST).read_text())["saved_at_ns"])
+    for p in done[:max(0, len(done) - keep_last)]:
+        if p.name not in protect:
+            shutil.rmtree(p)
+
+
+class PendingSave:
+    """An async save in flight. result() waits for the data and finishes the checkpoint (rename, `latest`)."""
+
+    def __init__(self, future, finish):
+        self._future, self._finish, self._path = future, finish, None
+
+    def done(self) -> bool:
+        return self._path is not None or self._future.done()
+
+    def result(self) -> Path:
+        global _pending
+        if self._path is None:
+            self._future.result()
+            self._path = self._finish()
+            if _pending is self:
+                _pending = None
+        return self._path
+
+
+def wait_for_pending_save() -> Path | None:
+    """Block until the previous async save (if any) is complete on disk."""
+    return _pending.result() if _pending is not None else None
+
+
+def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_state: dict | None = None, *,
+                    step: int | None = None, save_latest: bool = True, keep_last: int | None = None,
+                    async_save: bool = False, save_rng: bool = True) -> Path | PendingSave:
+    """Save `state` ({name: Stateful | tensor | nested dict}) under <save_dir>/<tag>; collective over all ranks.
+
+    tag defaults to f"global_step{step}". With async_save the tensors are staged to CPU and written in the
+    background; the returned PendingSave's result() (or the next save) completes the checkpoint.
+    """
+    global _pending
+    wait_for_pending_save()
+    if tag is None:
+        if step is None:
+            raise ValueError("save_checkpoint: pass tag=... or step=N (the default tag is f'global_step{N}')")
+        tag = f"global_step{step}"
+    tag = str(tag)
+    if not tag or "/" in tag or tag.startswith("."):
+        raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain directory name (no '/', not hidden)")
+    save_dir = Path(save_dir)
+    tmp = save_dir / f".tmp-{tag}"
+    rank = _rank()
+    tensors: dict[str, torch.Tensor] = {}
+    rest = _split(_materialize(state), "state", tensors, "state")
+    client_json = json.dumps(_split(client_state or {}, "client", {}, "client_state"))  # no tensors allowed there
+    if rank == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of this tag
+        tmp.mkdir()
+        (tmp / "state.json").write_text(json.dumps(rest))
+        (tmp / "client_state.json").write_text(client_json)
+    _barrier()
+    if save_rng:
+        save_file(_rng_state(), tmp / f"rng_{rank}.safetensors")
+    _crash_point("before_data")
+    writer = dcp.FileSystemWriter(tmp, sync_files=True)
+
+    def finish() -> Path:
+        _crash_point("mid_write")
+        if rank == 0:
+            _finalize(save_dir, tag, tmp, save_latest, keep_last)
+        return save_dir / tag
+
+    if async_save:
+        global _async_group
+        if dist.is_initialized() and _async_group is None:
+            _async_group = dist.new_group(backend="gloo")
+        future = dcp.async_save(tensors, storage_writer=writer, process_group=_async_group)
+        _pending = PendingSave(future, finish)
+        return _pending
+    dcp.save(tensors, storage_writer=writer)
+    path = finish()
+    _barrier()
+    return path
+
+
+def resolve_tag(load_dir: str | Path, tag: str | None = None) -> Path:
+    load_dir = Path(load_dir)
+    if tag is None:
+        tag = _read_latest(load_dir)
+        if tag is None:
+            raise FileNotFoundError(f"{load_dir / 'latest'} does not exist: nothing saved there yet, or pass tag=... "
+                                    f"(complete checkpoints: {sorted(p.parent.name for p in load_dir.glob('*/' + MANIFEST))})")
+    path = load_dir / str(tag)
+    aside = load_dir / f".old-{tag}"  # a crash while re-saving this tag left the previous copy here
+    if not path.exists() and aside.is_dir() and not checkpoint_problems(aside):
+        return aside
+    return path
+
+
+def load_checkpoint(load_dir: str | Path, tag: str | None = None, state: dict | None = None, *,
+                    load_rng: bool = True) -> tuple[Path, dict]:
+    """Load <load_dir>/<tag or latest> into `state` (same structure as saved; Stateful objects get
+    load_state_dict, dicts are updated in place). Reshards to the current world size. Returns (path, client_state).
+    Keys of `state` that the checkpoint lacks raise; keys left out of `state` are not loaded."""
+    path = resolve_tag(load_dir, tag)
+    problems = checkpoint_problems(path)
+    if problems:
+        raise FileNotFoundError(f"checkpoint {path} is incomplete:\n  " + "\n  ".join(problems))
+    saved = json.loads((path / "state.json").read_text())
+    state = state if state is not None else {}
+    saved_top = dict(saved["__dict__"])
+    missing = [k for k in state if k not in saved_top]
+    if missing:
+        raise KeyError(f"checkpoint {path} has no {missing}; it has {sorted(saved_top)}")
+    live = _materialize(state)
+    template: dict[str, torch.Tensor] = {}
+    _split({k: live[k] for k in state}, "state", template, "state")
+    dcp.load(template, checkpoint_id=path)
+    loaded = {k: _join(saved_top[k], template) for k in state}
+    for k, target in state.items():
+        if isinstance(target, Stateful) or hasattr(target, "load_state_dict"):
+            target.load_state_dict(loaded[k])
+        elif isinstance(target, dict):
+            target.clear()
+            target.update(loaded[k])
+        elif isinstance(target, torch.Tensor):
+            target.copy_(loaded[k])
+        else:
+            raise TypeError(f"load_checkpoint: state[{k!r}] is a {type(target).__name__}; pass a Stateful, a dict "
+                            f"or a tensor so it can be loaded in place")
+    rng = path / f"rng_{_rank()}.safetensors"
+    manifest = json.loads((path / MANIFEST).read_text())
+    if load_rng and rng.is_file() and manifest["world_size"] == _world():
+        _set_rng_state(load_file(rng))
+    client = json.loads((path / "client_state.json").read_text())
+    return path, _join(client, {})
+
+
+# ---- the Engine's save/load (DeepSpeed's engine.save_checkpoint / load_checkpoint signatures) ---------------------
+
+class EngineState(Stateful):
+    """The engine's model + optimizer (through its gradient path) under the key "train", as the converter writes."""
+
+    def __init__(self, engine, with_optimizer: bool = True):
+        self.engine, self.with_optimizer = engine, with_optimizer
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        sd = {"model": get_model_state_dict(self.engine.module)}
+        if self.with_optimizer:
+            sd["optim"] = self.engine.grad_path.state_dict()
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+        set_model_state_dict(self.engine.module, sd["model"])
+        if self.with_optimizer:
+            self.engine.grad_path.load_state_dict(sd["optim"])
+
+
+def save_engine(engine, save_dir, tag=None, client_state=None, save_latest=True, **options) -> Path | PendingSave:
+    state = {"train": EngineState(engine), "engine": engine.client_state()}
+    return save_checkpoint(save_dir, tag, state, client_state, step=engine.global_steps, save_latest=save_latest,
+                           **options)
+
+
+def _clean_fqn(name: str) -> str:
+    """Parameter name as the unwrapped model has it (activation-checkpoint and torch.compile wrappers removed)."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def _from_deepspeed(engine, load_dir: Path, tag: str | None) -> tuple[Path, str | None]:
+    """A DeepSpeed checkpoint dir: convert it once (rank 0) into <load_dir>/.fsdpzero-<tag>/, then load that.
+    The engine knows the trainable parameters in order, which makes stage-0 files exact."""
+    try:
+        path = resolve_tag(load_dir, tag)
+    except FileNotFoundError:
+        return load_dir, tag
+    if (path / MANIFEST).exists() or not any(path.glob("*_model_states.pt")):
+        return load_dir, tag
+    out = load_dir / f".fsdpzero-{path.name}"
+    if _rank() == 0 and checkpoint_problems(out / path.name):
+        from fsdpzero.convert import deepspeed_to_ours
+        names = [_clean_fqn(n) for n, p in engine.module.named_parameters() if p.requires_grad]
+        deepspeed_to_ours(path, None, out, to="dcp", trainable_names=names)
+    _barrier()
+    return out, path.name
+
+
+def load_engine(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
+                load_module_only=False) -> tuple[Path | None, dict | None]:
+    """DeepSpeed semantics: no `latest` and no tag -> warn, return (None, None). A checkpoint converted from
+    DeepSpeed (`fsdpzero convert --from deepspeed`) carries "counters"/"loss_scaler" instead of "engine"."""
+    load_dir, tag = _from_deepspeed(engine, Path(load_dir), tag)
+    try:
+        path = resolve_tag(load_dir, tag)
+    except FileNotFoundError as e:
+        if _rank() == 0:
+            import logging
+            logging.getLogger(__name__).warning("%s", e)
+        return None, None
+    top = dict(json.loads((path / "state.json").read_text())["__dict__"]) if (path / "state.json").is_file() else {}
+    with_optim = load_optimizer_states and not load_module_only
+    state: dict = {"train": EngineState(engine, with_optim)}
+    engine_state: dict = {}
+    if not load_module_only:
+        for key in ("engine", "counters", "loss_scaler"):
+            if key in top:
+                state[key] = engine_state.setdefault(key, {})
+    path, client = load_checkpoint(load_dir, path.name if path.parent == Path(load_dir) else tag, state,
+                                   load_rng=not load_module_only)
+    if "engine" in engine_state:
+        saved = engine_state["engine"]
+        if not load_lr_scheduler_states:
+            saved = {**saved, "lr_scheduler": None}
+        engine.load_client_state(saved)
+    elif "counters" in engine_state:
+        c = engine_state["counters"]
+        engine.global_steps, engine.global_samples = c.get("global_steps", 0), c.get("global_samples", 0)
+        engine.skipped_steps = c.get("skipped_steps", 0)
+        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+        if engine.loss_scaler is not None and "loss_scaler" in engine_state:
+            own = engine.loss_scaler.state_dict()
+            engine.loss_scaler.load_state_dict({**own, **{k: v for k, v in engine_state["loss_scaler"].items()
+                                                          if k in own}})
+    return path, client

@@ -1,0 +1,149 @@
+"""`fsdpzero convert`: checkpoints -> consolidated weights, DeepSpeed -> ours. From the files alone, no process group.
+
+    fsdpzero convert DIR --to safetensors|fp32 [--tag T] [--out OUT]      our DCP checkpoint -> model.safetensors
+    fsdpzero convert DS_DIR --from deepspeed --to dcp|safetensors [--out OUT]
+
+Our checkpoints are read tensor by tensor through DCP's reader (dcp.load(no_dist=True) into one shard's worth of
+empty tensors at a time), so memory stays near one output shard. A DeepSpeed checkpoint becomes our layout: state
+"train" = {"model": fp32 weights, "optim": AdamW state by parameter name}, plus counters and the loss scaler, so an
+engine (or ModelOptimizer + AdamW) resumes where DeepSpeed stopped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", help="checkpoint directory (the save_dir holding `latest`, or one tag directory)")
+    parser.add_argument("--from", dest="source", choices=["fsdpzero", "deepspeed"], default="fsdpzero")
+    parser.add_argument("--to", choices=["safetensors", "fp32", "dcp"], required=True,
+                        help="safetensors: weights in --dtype (default: as stored, fp32 masters); fp32: fp32 "
+                             "safetensors; dcp: our resumable format (from deepspeed only)")
+    parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one `latest` names)")
+    parser.add_argument("--out", default=None, help="output directory (default: <dir>/<tag>-<to>)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast floating weights (safetensors)")
+    parser.add_argument("--max-shard-size", default="5GB", help="split safetensors above this size (default 5GB)")
+    parser.add_argument("--config", default=None, help="a config.json to copy next to the weights (transformers)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import shutil
+
+    import torch
+    dtype = getattr(torch, _DTYPES["fp32" if args.to == "fp32" else args.dtype]) if (
+        args.to == "fp32" or args.dtype) else None
+    if args.source == "deepspeed":
+        out = deepspeed_to_ours(args.dir, args.tag, args.out, to=args.to, dtype=dtype,
+                                max_shard_size=args.max_shard_size)
+    else:
+        if args.to == "dcp":
+            raise SystemExit("fsdpzero convert: --to dcp converts DeepSpeed checkpoints; this one is already DCP")
+        out = dcp_to_safetensors(args.dir, args.tag, args.out, dtype=dtype, max_shard_size=args.max_shard_size)
+    if args.config:
+        shutil.copy(args.config, Path(out) / "config.json")
+    print(f"wrote {out}")
+    return 0
+
+
+def model_keys(metadata) -> dict[str, str]:
+    """DCP keys of model weights in one of our checkpoints -> parameter FQN (state/<name>/model/<fqn>)."""
+    out = {}
+    for key in metadata.state_dict_metadata:
+        parts = key.split("/")
+        if len(parts) == 4 and parts[0] == "state" and parts[2] == "model":
+            out[key] = parts[3]
+    return out
+
+
+def dcp_to_safetensors(ckpt_dir: str | Path, tag: str | None = None, out: str | Path | None = None, *,
+                       dtype=None, max_shard_size: int | str = "5GB") -> Path:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from fsdpzero.checkpoint import checkpoint_problems, resolve_tag
+    from fsdpzero.export import write_sharded
+    path = Path(ckpt_dir) if (Path(ckpt_dir) / ".metadata").is_file() and tag is None else resolve_tag(ckpt_dir, tag)
+    problems = checkpoint_problems(path)
+    if problems:
+        raise SystemExit(f"checkpoint {path} is incomplete:\n  " + "\n  ".join(problems))
+    meta = dcp.FileSystemReader(path).read_metadata()
+    keys = model_keys(meta)
+    if not keys:
+        raise SystemExit(f"{path}: no model weights (state/<name>/model/<fqn>) in this checkpoint")
+    by_fqn = {fqn: key for key, fqn in keys.items()}
+
+    def out_dtype(md):
+        return dtype if dtype is not None and md.properties.dtype.is_floating_point else md.properties.dtype
+
+    sizes = []
+    for key, fqn in keys.items():
+        md = meta.state_dict_metadata[key]
+        sizes.append((fqn, md.size.numel() * torch.empty((), dtype=out_dtype(md)).element_size()))
+
+    def load(names):
+        buf = {by_fqn[n]: torch.empty(meta.state_dict_metadata[by_fqn[n]].size,
+                                      dtype=meta.state_dict_metadata[by_fqn[n]].properties.dtype) for n in names}
+        dcp.load(buf, checkpoint_id=path, no_dist=True)
+        return {n: buf[by_fqn[n]].to(out_dtype(meta.state_dict_metadata[by_fqn[n]])) for n in names}
+
+    out = Path(out) if out else path.parent / f"{path.name}-safetensors"
+    write_sharded(out, sizes, load, max_shard_size=max_shard_size)
+    return out
+
+
+def deepspeed_to_ours(ds_dir: str | Path, tag: str | None = None, out: str | Path | None = None, *, to: str = "dcp",
+                      dtype=None, max_shard_size: int | str = "5GB", trainable_names: list[str] | None = None) -> Path:
+    from fsdpzero import ds_checkpoint
+    st = ds_checkpoint.training_state(ds_dir, tag, trainable_names)
+    tag = st["tag"]
+    if to in ("safetensors", "fp32"):
+        from fsdpzero.export import save_state_dict
+        out = Path(out) if out else Path(ds_dir) / f"{tag}-safetensors"
+        save_state_dict(st["weights"], out, dtype=dtype, max_shard_size=max_shard_size)
+        return out
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from fsdpzero import checkpoint as ck
+    model, seen = {}, set()
+    for k, v in st["weights"].items():  # tied params arrive aliased; DCP wants one tensor per key
+        v = v.float() if v.is_floating_point() else v
+        model[k] = v.clone() if id(v) in seen else v.contiguous()
+        seen.add(id(v))
+    names = list(st["adam"])
+    if len(st["param_groups"]) != 1:
+        raise NotImplementedError(f"{ds_dir}: {len(st['param_groups'])} DeepSpeed param groups; only one is supported")
+    group = dict(st["param_groups"][0], params=names)
+    optim = {"state": {n: {k: (v.contiguous() if torch.is_tensor(v) else v) for k, v in s.items()}
+                       for n, s in st["adam"].items()}, "param_groups": [group]}
+    state = {"train": {"model": model, "optim": optim},
+             "counters": {**{k: v for k, v in st["counters"].items() if v is not None},
+                          "source": f"deepspeed:{Path(ds_dir).resolve()}:{tag}"}}
+    if st["loss_scaler"]:
+        state["loss_scaler"] = st["loss_scaler"]
+    out = Path(out) if out else Path(ds_dir) / "fsdpzero"
+    # single process, no process group: write into the same atomic layout a live save uses
+    _save_offline(out, tag, state, st["client_state"], torch, dcp, ck)
+    return out
+
+
+def _save_offline(out: Path, tag: str, state: dict, client_state: dict, torch, dcp, ck) -> None:
+    tensors: dict = {}
+    rest = ck._split(state, "state", tensors, "state")
+    tmp = out / f".tmp-{tag}"
+    import shutil
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / "state.json").write_text(json.dumps(rest))
+    try:
+        client = ck._split(client_state, "client", {}, "client_state")
+    except TypeError:  # DeepSpeed client_state may hold anything; keep what JSON can carry
+        client = ck._split({k: v for k, v in client_state.items() if isinstance(v, (int, float, str, bool))},
+                           "client", {}, "client_state")
+    (tmp / "client_state.json").write_text(json.dumps(client))
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=True)
+    ck._finalize(out, tag, tmp, save_latest=True, keep_last=None)
