@@ -136,6 +136,7 @@ class SFTRecipe:
             tr = self.curves["train"]
             summary = (f"done: {cfg.trainer.max_steps} SFT steps on {self.world} rank(s), answer loss "
                        f"{tr[0][1]:.3f} -> {tr[-1][1]:.3f}; loss curve {curve}"
+                       + ("" if curve.suffix == ".png" else " (matplotlib not installed: data only)")
                        + (f"; weights {hf_dir}" if hf_dir else ""))
             log.info(summary)
             print(summary, flush=True)
