@@ -15,6 +15,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "wrap": "fsdpzero.api",
     "initialize": "fsdpzero.api",
+    "init_distributed": "fsdpzero.api",
+    "add_config_arguments": "fsdpzero.api",
     "Engine": "fsdpzero.engine",
     "load_config": "fsdpzero.config",
     "ConfigError": "fsdpzero.config",

@@ -12,7 +12,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from fsdpzero.dist import broadcast_module, detect_device_type, init_distributed
+from fsdpzero.dist import broadcast_module, detect_device_type
+from fsdpzero.dist import init_distributed as init_distributed_env
 from fsdpzero.engine import Engine
 from fsdpzero.log import log, log_startup, setup_logging
 from fsdpzero.optim import check_optimizer, grad_path_kind, make_optimizer_factory, select_grad_path
@@ -64,7 +65,7 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
     refuse_unsupported(plan)
     check_optimizer(plan, optimizer)
     build_path = select_grad_path(plan)            # fails now, not after init, if the path is unavailable
-    info = init_distributed(env.device_type)
+    info = init_distributed_env(env.device_type)
     mesh = mesh if mesh is not None else build_mesh(plan, info.world_size, info.device_type)
 
     meta = is_meta(model)
@@ -85,7 +86,7 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
     path = build_path(model, plan, factory, mesh)
     scheduler = _scheduler(plan, lr_scheduler, path.optimizer)
     engine = Engine(model, plan, path, lr_scheduler=scheduler, scaler=make_scaler(plan), device=info.device,
-                    mesh=mesh)
+                    mesh=mesh, local_rank=info.local_rank)
     log_startup(plan, {"world_size": info.world_size, "mesh": str(mesh), "grad_path": grad_path_kind(plan),
                        "blocks_sharded": len(blocks), "upcast_params": len(upcasts),
                        "optimizer": type(path.optimizer).__name__})
@@ -149,4 +150,27 @@ def make_dataloader(dataset, engine: Engine, collate_fn: Callable | None = None)
                       collate_fn=collate_fn, drop_last=engine.plan.batch.dataloader_drop_last)
 
 
-__all__ = ["wrap", "initialize", "make_dataloader", "log"]
+def init_distributed(dist_backend: str | None = None, **_ignored: Any):
+    """`deepspeed.init_distributed()`: join the process group from the launcher's environment. The backend follows
+    the device (NCCL + gloo on GPU, gloo on CPU); DeepSpeed's other arguments (ports, MPI discovery) do not apply."""
+    device_type = "cpu" if dist_backend == "gloo" else None
+    return init_distributed_env(device_type)
+
+
+def add_config_arguments(parser):
+    """`deepspeed.add_config_arguments(parser)`: --deepspeed, --deepspeed_config (and the old deepscale names).
+    --local_rank is tolerated by `init_distributed` whether the script declares it or not."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true", help="enable the DeepSpeed config")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse_suppress())
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse_suppress())
+    return parser
+
+
+def argparse_suppress():
+    import argparse
+    return argparse.SUPPRESS
+
+
+__all__ = ["wrap", "initialize", "init_distributed", "add_config_arguments", "make_dataloader", "log"]

@@ -18,7 +18,7 @@ from fsdpzero.precision import autocast, checks_overflow
 
 class Engine(nn.Module):
     def __init__(self, module: nn.Module, plan: Plan, path: GradPath, *, lr_scheduler=None, scaler=None,
-                 device: torch.device = torch.device("cpu"), mesh=None):
+                 device: torch.device = torch.device("cpu"), mesh=None, local_rank: int = 0):
         super().__init__()
         self.module = module
         self.plan = plan
@@ -28,6 +28,7 @@ class Engine(nn.Module):
         self.loss_scaler = scaler
         self.device = device
         self.mesh = mesh
+        self.local_rank = local_rank
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0

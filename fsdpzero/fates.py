@@ -80,13 +80,15 @@ FATES: dict[str, tuple[str, str]] = {
     _Z + "stage": (M, "ShardPlan.stage"),
     _Z + "contiguous_gradients": (N, "FSDP2 always reduce-scatters flat per-group gradient buffers"),
     _Z + "reduce_scatter": (N, "FSDP2 always reduce-scatters"),
-    _Z + "reduce_bucket_size": (M, "ShardPlan.reduce_bucket_size (elements): bucket of the stage 0/1 all-reduce; "
-                                   "at stages 2/3 FSDP2 reduces per wrapped block"),
+    _Z + "reduce_bucket_size": (M, "ShardPlan.reduce_bucket_size (elements): bucket of the stage-0 all-reduce and "
+                                   "of the stage-1 reduce-scatter (ops/stage1.py); at stages 2/3 FSDP2 reduces per "
+                                   "wrapped block"),
     _Z + "use_multi_rank_bucket_allreduce": (N, "FSDP2 buckets per wrapped block"),
     _Z + "allgather_partitions": (N, "FSDP2 always all-gathers"),
     _Z + "allgather_bucket_size": (M, "ShardPlan.allgather_bucket_size: post-step all-gather bucket of the "
                                       "stage-1 optimizer (ops stage1)"),
-    _Z + "overlap_comm": (N, "FSDP2 always overlaps communication on separate streams"),
+    _Z + "overlap_comm": (N, "FSDP2 always overlaps communication on separate streams; at stage 1 it starts the "
+                             "reduce-scatter buckets from backward hooks (ops/stage1.py)"),
     _Z + "compute_grad_norm": (N, "the grad norm is always computed (clipping, overflow check)"),
     _Z + "load_from_fp32_weights": (M, "checkpoint load restores fp32 masters from DCP (always true)"),
     _Z + "elastic_checkpoint": (N, "DCP reshards natively on load"),

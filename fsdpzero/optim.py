@@ -81,10 +81,10 @@ GRAD_PATHS = {
 
 
 def grad_path_kind(plan: Plan) -> str:
+    if plan.shard.stage == 1:
+        return "stage1"    # the stage-1 path reduces gradients itself, and offloads its own shards (cpu)
     if plan.offload.optimizer_device != "none":
         return "offload"
-    if plan.shard.stage == 1:
-        return "stage1"
     return "fsdp"
 
 
@@ -234,13 +234,16 @@ def make_optimizer_factory(plan: Plan, client: Any = None, *, device_type: str =
     name = opt.type
     if name in ("adam", "adamw"):
         adamw = opt.adam_w_mode if name == "adam" else True
+        if not opt.torch_adam:   # DeepSpeed's FusedAdam / CPUAdam default to no weight decay; torch's AdamW to 0.01
+            kwargs.setdefault("weight_decay", 0.0)
         if not opt.params.get("bias_correction", True):
             return lambda params: AdamNoBiasCorrection(remap(params), adamw=adamw, **kwargs)
         cls = torch.optim.AdamW if adamw else torch.optim.Adam
         return lambda params: cls(remap(params), **_fast_impl(kwargs, device_type, fused_ok=True))
     if name == "lamb":
         from fsdpzero.lamb import Lamb
-        return lambda params: Lamb(remap(params), **kwargs)
+        lamb_kwargs = {k: v for k, v in opt.params.items() if k == "bias_correction" or k not in _DS_ONLY_KEYS}
+        return lambda params: Lamb(remap(params), **lamb_kwargs)
     cls = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}.get(name) or getattr(torch.optim, name)
     fast = name in ("sgd", "adagrad")
     return lambda params: cls(remap(params), **(_fast_impl(kwargs, device_type) if fast else kwargs))

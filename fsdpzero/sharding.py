@@ -19,7 +19,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from fsdpzero.activation import checkpoint_blocks
 from fsdpzero.plan import Plan
@@ -48,13 +48,18 @@ def build_mesh(plan: Plan, world_size: int, device_type: str) -> DeviceMesh:
 def find_blocks(model: nn.Module, block_classes: Iterable[str | type] | None = None,
                 predicate: BlockPredicate | None = None) -> list[nn.Module]:
     """Transformer blocks to shard one by one: HF's `_no_split_modules` class names unless the caller names classes
-    or gives a predicate. Outermost matches only (a match inside a matched block is part of that block)."""
+    or gives a predicate. Outermost matches only (a match inside a matched block is part of that block).
+
+    A model that declares nothing (no `_no_split_modules`, no classes, no predicate) is one unit: the root. When
+    blocks were declared or asked for and none matched, that is an error, not a silent one-unit model."""
+    names: set[str] = set()
     if predicate is None:
         wanted = list(block_classes) if block_classes is not None else list(getattr(model, "_no_split_modules", None)
                                                                            or [])
         if not wanted:
-            raise ValueError(f"cannot tell the transformer blocks of {type(model).__name__}: it has no HF "
-                             "`_no_split_modules`; pass block_classes=[\"MyBlock\"] or block_predicate=fn to wrap()")
+            log.info("fsdpzero: %s declares no transformer blocks (no HF _no_split_modules): sharding it as one "
+                     "unit; pass block_classes=[...] or block_predicate=fn for per-block sharding", type(model).__name__)
+            return []
         names = {c if isinstance(c, str) else c.__name__ for c in wanted}
         predicate = lambda m: type(m).__name__ in names  # noqa: E731
     blocks: list[nn.Module] = []
@@ -66,7 +71,7 @@ def find_blocks(model: nn.Module, block_classes: Iterable[str | type] | None = N
             blocks.append(m)
             inside.update(id(c) for c in m.modules())
     if not blocks:
-        what = f"classes {sorted(names)}" if block_classes is not None or predicate is None else "the predicate"
+        what = f"block classes {sorted(names)}" if names else "block_predicate"
         raise ValueError(f"no submodule of {type(model).__name__} matched {what}: nothing to shard per block. "
                          "Pass block_classes=[...] naming the repeated layer class, or block_predicate=fn")
     return blocks
@@ -122,8 +127,17 @@ def shard_model(model: nn.Module, plan: Plan, mesh: DeviceMesh, mp_policy: Mixed
     # the root's parameters (head, final norm) are needed first in backward: FSDP2's default keeps them gathered
     fully_shard(model, mesh=mesh, reshard_after_forward=None if raf is not False else False,
                 mp_policy=mp_policy, offload_policy=offload)
-    set_prefetch(sharded, plan.shard.prefetch_depth)
+    set_prefetch(sharded, prefetch_depth(plan, sharded))
     return model, sharded
+
+
+def prefetch_depth(plan: Plan, blocks: list[nn.Module]) -> int:
+    """stage3_prefetch_bucket_size counts elements fetched ahead: as many blocks as fit in it (at least one, FSDP2's
+    implicit lookahead); 0 when the plan turns prefetch off."""
+    if plan.shard.prefetch_depth <= 0 or not blocks:
+        return plan.shard.prefetch_depth
+    per_block = max(1, max(sum(p.numel() for p in b.parameters()) for b in blocks))
+    return max(plan.shard.prefetch_depth, min(len(blocks) - 1, plan.shard.prefetch_bucket_size // per_block))
 
 
 def set_prefetch(blocks: list[nn.Module], depth: int) -> None:
@@ -163,5 +177,3 @@ def materialize(model: nn.Module, device: torch.device, full_state_dict: dict | 
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
-def root_of(model: nn.Module) -> FSDPModule | None:
-    return model if isinstance(model, FSDPModule) else None

@@ -246,7 +246,8 @@ def decide(path: str, value: Any, cfg: DSConfig, env: Env) -> tuple[str, str]:
     on = bool(value) and value not in ("none", "auto")
     if path == "zero_optimization.stage":
         return {0: ("mapped", "replicated params, all-reduced grads (DDP-style; reduce_bucket_size buckets)"),
-                1: ("mapped", "ops stage-1 optimizer: all-reduced grads, optimizer state sharded over dp"),
+                1: ("mapped", "ops/stage1.py: replicated params; grads reduce-scattered into fp32 shards at the "
+                              "boundary, sharded optimizer step, params all-gathered"),
                 2: ("mapped", "fully_shard(reshard_after_forward=False) per block + root"),
                 3: ("mapped", "fully_shard(reshard_after_forward=True) per block + root")}[z.stage]
     if path == "zero_optimization.zero_hpz_partition_size" and value not in (0, 1):
@@ -326,6 +327,10 @@ def decide(path: str, value: Any, cfg: DSConfig, env: Env) -> tuple[str, str]:
             return "noop", f"acts only at ZeRO stage 3 (stage is {z.stage})"
         if leaf == "allgather_bucket_size" and z.stage != 1:
             return "noop", "FSDP2 all-gathers per wrapped block" if z.stage else "no sharding at stage 0"
+        if z.stage == 1 and leaf in ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm"):
+            return "mapped", {"reduce_bucket_size": "ops stage-1 reduce-scatter bucket (elements)",
+                              "allgather_bucket_size": "ops stage-1 post-step all-gather bucket (elements)",
+                              "overlap_comm": "ops stage-1 reduce-scatters buckets from backward hooks as they fill"}[leaf]
         if leaf == "reduce_bucket_size" and z.stage >= 2:
             return "noop", "FSDP2 reduce-scatters per wrapped block (the unit replaces the bucket)"
         if leaf == "sub_group_size" and _offload(cfg).optimizer_device == "none":

@@ -68,13 +68,14 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, tim
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
-        results = []
-        for rank in range(world_size):
-            path = Path(workdir) / f"result_{rank}.pt"
-            if not path.exists():
-                raise RuntimeError(f"rank {rank} of {fn.__name__} died without a result")
-            r = torch.load(path, weights_only=False)  # our own temp files, written just now by our own ranks
-            if not r["ok"]:
+        paths = [Path(workdir) / f"result_{rank}.pt" for rank in range(world_size)]
+        # our own temp files, written just now by our own ranks
+        loaded = [torch.load(p, weights_only=False) if p.exists() else None for p in paths]
+        # A failing rank gets the others terminated before they write: report its traceback, not their silence.
+        for rank, r in enumerate(loaded):
+            if r is not None and not r["ok"]:
                 raise RuntimeError(f"rank {rank} of {fn.__name__} failed:\n{r['error']}")
-            results.append(r["result"])
-        return results
+        for rank, r in enumerate(loaded):
+            if r is None:
+                raise RuntimeError(f"rank {rank} of {fn.__name__} died without a result")
+        return [r["result"] for r in loaded]

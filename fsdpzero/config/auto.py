@@ -46,7 +46,7 @@ def _num_steps(ctx: Mapping[str, Any]) -> int:
 
 def _warmup_steps(ctx: Mapping[str, Any]) -> int:
     if ctx.get("warmup_steps") is None and ctx.get("warmup_ratio") is None:
-        raise _Missing("warmup_steps")              # nothing given: no value to fill or to match against
+        raise _Missing("warmup_steps")            # nothing given: no mismatch to check against
     ws = float(ctx.get("warmup_steps") or 0)
     if ws >= 1:
         return max(1, int(ws))

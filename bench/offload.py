@@ -1,0 +1,232 @@
+"""Offload training step on GPUs: fsdpzero's optimizer offload against FSDP2 CPUOffloadPolicy, DeepSpeed ZeRO-Offload
+and no offload, with the setup of shared/spec/device_anchors.md (0.89 B Llama, bf16 compute, fp32 masters, AdamW
+lr 1e-4 wd 0.01, clip 1.0, seq 2048 x micro-batch 4 per GPU, 3 warm-up + 10 timed steps, rank 0 median).
+
+One config per torchrun (run on 2 GPUs):
+    torchrun --standalone --nproc_per_node=2 bench/offload.py --config ours_z2 --json out/ours_z2.json
+All configs in sequence, one table (each config is its own torchrun, so nothing leaks between them):
+    python bench/offload.py --all --nproc 2 --out out/offload
+Configs: fsdp_z2, fsdp_z3 (no offload); fsdp_z3_cpuoffload (CPUOffloadPolicy + CPU fused AdamW); ours_z2 (stage 2 +
+optimizer offload); ours_z3_both (stage 3 + optimizer and param offload); ds_z2_offload, ds_z3_offload_both
+(DeepSpeed, when importable). --layers/--hidden/--vocab/--seq/--micro shrink the model for a smoke run;
+FSDPZERO_BENCH_CPU=1 runs it on CPU/gloo (correctness of the script only).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+CONFIGS = ["fsdp_z2", "fsdp_z3", "fsdp_z3_cpuoffload", "ours_z2", "ours_z3_both", "ds_z2_offload",
+           "ds_z3_offload_both"]
+DEVICE = "cuda" if os.environ.get("FSDPZERO_BENCH_CPU") != "1" else "cpu"   # CPU: smoke runs only
+HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+CLIP = 1.0
+
+
+def build_model(args):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=16,
+                      num_key_value_heads=8, intermediate_size=args.hidden * 11 // 4, vocab_size=args.vocab,
+                      tie_word_embeddings=False,
+                      max_position_embeddings=max(2048, args.seq))
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(1234)
+    return LlamaForCausalLM(cfg)
+
+
+def shard(model, stage, cpu_offload):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    mesh = init_device_mesh(DEVICE, (int(os.environ["WORLD_SIZE"]),))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    policy = CPUOffloadPolicy(pin_memory=DEVICE == "cuda") if cpu_offload else OffloadPolicy()
+    raf = stage == 3
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=raf, mp_policy=mp, offload_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=raf, mp_policy=mp, offload_policy=policy)
+    return model
+
+
+def fsdp_runner(args, name):
+    """FSDP2 runs (ours included) drive fsdpzero's GradPath contract, as the engine does."""
+    import torch
+    from fsdpzero.optim import FSDPGradPath, clip_factor
+    stage = 3 if "z3" in name else 2
+    model = build_model(args)
+    if name.startswith("ours"):
+        from fsdpzero import offload
+        from fsdpzero.plan import OffloadPlan, Plan, PrecisionPlan, ShardPlan
+        both = name.endswith("both")
+        model = shard(model.to(DEVICE), stage, cpu_offload=both)
+        plan = Plan(shard=ShardPlan(stage=stage), precision=PrecisionPlan(param_dtype="bfloat16"),
+                    offload=OffloadPlan(optimizer_device="cpu", param_device="cpu" if both else "none"))
+        path = offload.build_grad_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER))
+    else:
+        cpu = name.endswith("cpuoffload")
+        model = shard(model.to(DEVICE), stage, cpu_offload=cpu)
+        path = FSDPGradPath(model, torch.optim.AdamW(model.parameters(), **HYPER, fused=True))
+
+    def step(x):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        path.finish_gradients()
+        path.scale_grads_(clip_factor(float(path.grad_norm()), CLIP))
+        path.step()
+        path.zero_grad()
+        return loss
+    return step
+
+
+def ds_runner(args, name):
+    import deepspeed  # the bench may import DeepSpeed; the library never does
+    both = name.endswith("both")
+    zero = {"stage": 3 if "z3" in name else 2, "overlap_comm": True, "contiguous_gradients": True,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    if both:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
+           "bf16": {"enabled": True}, "gradient_clipping": CLIP, "zero_optimization": zero,
+           "optimizer": {"type": "AdamW", "params": {"lr": HYPER["lr"], "betas": list(HYPER["betas"]),
+                                                     "eps": HYPER["eps"], "weight_decay": HYPER["weight_decay"]}}}
+    model = build_model(args)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
+    def step(x):
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        return loss
+    return step
+
+
+def run_one(args):
+    import psutil
+    import torch
+    import torch.distributed as dist
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    if DEVICE == "cuda":
+        torch.cuda.set_device(local_rank)
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(max(1, cores // local_world))   # torchrun sets 1; every config gets the same share
+    if args.config.startswith("ds_"):
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
+        major, minor = torch.cuda.get_device_capability()
+        os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"   # DS 0.19.8 cannot parse "9.0a"
+        import deepspeed
+        deepspeed.init_distributed(dist_backend="nccl")
+    else:
+        dist.init_process_group("cuda:nccl,cpu:gloo" if DEVICE == "cuda" else "gloo")
+    t_setup = time.perf_counter()
+    step = (ds_runner if args.config.startswith("ds_") else fsdp_runner)(args, args.config)
+    setup_s = time.perf_counter() - t_setup
+    gen = torch.Generator(device=DEVICE).manual_seed(1000 + rank)
+    x = torch.randint(0, args.vocab, (args.micro, args.seq), device=DEVICE, generator=gen)
+    cuda = DEVICE == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        sync()
+        t0 = time.perf_counter()
+        loss = step(x)
+        sync()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    med = statistics.median(times)
+    tokens = args.micro * args.seq
+    result = {"config": args.config, "world": world, "threads": torch.get_num_threads(), "step_s": med,
+              "step_min": min(times), "step_max": max(times), "tokens_per_s_per_gpu": tokens / med,
+              "peak_alloc_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+              "peak_reserved_GiB": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
+              "host_rss_GiB": psutil.Process().memory_info().rss / 2**30, "setup_s": setup_s,
+              "loss_first": losses[0], "loss_last": losses[-1], "losses": losses}
+    peak = torch.tensor([result["peak_alloc_GiB"]], device=DEVICE)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    result["peak_alloc_GiB_max_over_ranks"] = peak.item()
+    if rank == 0:
+        print(json.dumps(result))
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(result, indent=2))
+    dist.destroy_process_group()
+
+
+def run_all(args):
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in args.configs.split(","):
+        if name.startswith("ds_"):
+            try:
+                import deepspeed  # noqa: F401
+            except ImportError:
+                rows.append({"config": name, "error": "deepspeed not importable"})
+                continue
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+               __file__, "--config", name, "--json", str(out / f"{name}.json"), "--layers", str(args.layers),
+               "--seq", str(args.seq), "--micro", str(args.micro), "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--hidden", str(args.hidden), "--vocab", str(args.vocab)]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        if proc.returncode != 0 or not (out / f"{name}.json").exists():
+            tail = (proc.stdout + proc.stderr)[-3000:]
+            rows.append({"config": name, "error": f"rc={proc.returncode}", "log_tail": tail})
+            print(f"{name}: FAILED rc={proc.returncode}\n{tail}", flush=True)
+            continue
+        row = json.loads((out / f"{name}.json").read_text())
+        row["wall_s"] = time.perf_counter() - t0
+        rows.append(row)
+        print(f"{name}: {row['step_s']:.3f} s/step", flush=True)
+    (out / "offload.json").write_text(json.dumps(rows, indent=2))
+    print(f"\n| config | step s median (min-max) | tokens/s/GPU | peak alloc GiB (max rank) | host RSS r0 GiB | "
+          f"loss first -> last |\n|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['config']} | {r['error']} | | | | |")
+            continue
+        print(f"| {r['config']} | {r['step_s']:.3f} ({r['step_min']:.3f}-{r['step_max']:.3f}) | "
+              f"{r['tokens_per_s_per_gpu']:,.0f} | {r['peak_alloc_GiB_max_over_ranks']:.2f} | "
+              f"{r['host_rss_GiB']:.2f} | {r['loss_first']:.4f} -> {r['loss_last']:.4f} |")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", choices=CONFIGS)
+    ap.add_argument("--all", action="store_true", help="run --configs one torchrun each and print one table")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--out", default="out/offload")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--timeout", type=int, default=400, help="seconds per config (--all)")
+    args = ap.parse_args()
+    if args.all:
+        run_all(args)
+    elif args.config:
+        run_one(args)
+    else:
+        ap.error("give --config NAME (under torchrun) or --all")
+
+
+if __name__ == "__main__":
+    main()

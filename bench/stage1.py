@@ -1,0 +1,191 @@
+"""ZeRO stage 1 on GPUs: fsdpzero's stage 1 (ops/stage1.py through fsdpzero.wrap) against DeepSpeed stage 1 and
+fsdpzero's stage 2 (FSDP2), with the setup of shared/spec/device_anchors.md: 0.89 B Llama, bf16 compute with fp32
+masters, AdamW lr 1e-4 wd 0.01, clip 1.0, seq 2048 x micro-batch 4 per GPU, 3 warm-up + 10 timed steps, rank 0
+median; communication in bf16, DeepSpeed's default for bf16 (the *_fp32reduce config reduces in fp32).
+
+All configs, each its own torchrun, one table (run on 2 GPUs):
+    python bench/stage1.py --all --nproc 2 --out out/stage1
+One config:
+    torchrun --standalone --nproc_per_node=2 bench/stage1.py --config ours_z1 --json out/stage1/ours_z1.json
+Configs: ours_z1 (overlap_comm off: every reduce-scatter after backward), ours_z1_overlap (reduce-scatters from
+backward hooks, default 5e8-element buckets), ours_z1_overlap_b1e8 (1e8-element buckets: more overlap),
+ours_z1_fp32reduce, ours_z2 (fsdpzero stage 2 = FSDP2 reshard_after_forward=False), ds_z1, ds_z2 (DeepSpeed,
+overlap_comm and contiguous_gradients on, as in device_anchors.md; skipped when deepspeed is not importable).
+--layers/--hidden/--vocab/--seq/--micro shrink the model; FSDPZERO_BENCH_CPU=1 runs on CPU/gloo (script check only).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+CONFIGS = ["ours_z1", "ours_z1_overlap", "ours_z1_overlap_b1e8", "ours_z1_fp32reduce", "ours_z2", "ds_z1", "ds_z2"]
+DEVICE = "cuda" if os.environ.get("FSDPZERO_BENCH_CPU") != "1" else "cpu"
+
+
+def build_model(args):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=16,
+                      num_key_value_heads=8, intermediate_size=args.hidden * 11 // 4, vocab_size=args.vocab,
+                      tie_word_embeddings=False, max_position_embeddings=max(2048, args.seq))
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(1234)
+    return LlamaForCausalLM(cfg)
+
+
+def ds_config(args, name: str) -> dict:
+    """The same DeepSpeed config for both libraries; only the ZeRO section varies by config name."""
+    zero = {"stage": 2 if "z2" in name else 1, "overlap_comm": name.startswith("ds_") or "overlap" in name,
+            "contiguous_gradients": True}
+    if name.endswith("b1e8"):
+        zero["reduce_bucket_size"] = zero["allgather_bucket_size"] = 100_000_000
+    cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
+           "bf16": {"enabled": True}, "gradient_clipping": 1.0, "zero_optimization": zero, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                     "weight_decay": 0.01}}}
+    if name.endswith("fp32reduce"):
+        cfg["communication_data_type"] = "fp32"
+    return cfg
+
+
+def make_engine(args, name: str):
+    model = build_model(args)
+    if name.startswith("ds_"):
+        import deepspeed  # the bench may import DeepSpeed; the library never does
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=ds_config(args, name))
+    else:
+        import fsdpzero.api
+        engine = fsdpzero.api.wrap(model, ds_config(args, name), device_type=DEVICE)
+    return engine
+
+
+def run_one(args):
+    import psutil
+    import torch
+    import torch.distributed as dist
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+    cuda = DEVICE == "cuda"
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
+    if args.config.startswith("ds_"):
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
+        if cuda:
+            major, minor = torch.cuda.get_device_capability()
+            os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"   # DS 0.19.8 cannot parse "9.0a"
+        import deepspeed
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    t_setup = time.perf_counter()
+    engine = make_engine(args, args.config)
+    setup_s = time.perf_counter() - t_setup
+    gen = torch.Generator(device=DEVICE).manual_seed(1000 + rank)
+    x = torch.randint(0, args.vocab, (args.micro, args.seq), device=DEVICE, generator=gen)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        sync()
+        t0 = time.perf_counter()
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        sync()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    med = statistics.median(times)
+    result = {"config": args.config, "world": dist.get_world_size(), "step_s": med, "step_min": min(times),
+              "step_max": max(times), "tokens_per_s_per_gpu": args.micro * args.seq / med,
+              "peak_alloc_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+              "peak_reserved_GiB": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
+              "host_rss_GiB": psutil.Process().memory_info().rss / 2**30, "setup_s": setup_s,
+              "loss_first": losses[0], "loss_last": losses[-1], "losses": losses}
+    peak = torch.tensor([result["peak_alloc_GiB"], result["peak_reserved_GiB"]], device=DEVICE)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    result["peak_alloc_GiB_max_over_ranks"], result["peak_reserved_GiB_max_over_ranks"] = peak.tolist()
+    if rank == 0:
+        print(json.dumps(result))
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(result, indent=2))
+    dist.destroy_process_group()
+
+
+def run_all(args):
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in args.configs.split(","):
+        if name.startswith("ds_"):
+            try:
+                import deepspeed  # noqa: F401
+            except ImportError:
+                rows.append({"config": name, "error": "deepspeed not importable"})
+                continue
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+               __file__, "--config", name, "--json", str(out / f"{name}.json")]
+        cmd += [f"--{k}={getattr(args, k)}" for k in ("layers", "hidden", "vocab", "seq", "micro", "steps", "warmup")]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        if proc.returncode != 0 or not (out / f"{name}.json").exists():
+            tail = (proc.stdout + proc.stderr)[-3000:]
+            rows.append({"config": name, "error": f"rc={proc.returncode}"})
+            print(f"{name}: FAILED rc={proc.returncode}\n{tail}", flush=True)
+            continue
+        rows.append(json.loads((out / f"{name}.json").read_text()))
+        print(f"{name}: {rows[-1]['step_s']:.3f} s/step", flush=True)
+    (out / "stage1.json").write_text(json.dumps(rows, indent=2))
+    ok = {r["config"]: r for r in rows if "error" not in r}
+    ds, z2 = ok.get("ds_z1"), ok.get("ours_z2")
+    print("\n| config | step s median (min-max) | tokens/s/GPU | vs DS z1 | peak alloc / reserved GiB (max rank) "
+          "| loss first -> last | max abs loss diff vs ours_z2 |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['config']} | {r['error']} | | | | | |")
+            continue
+        vs = f"{r['tokens_per_s_per_gpu'] / ds['tokens_per_s_per_gpu']:.3f}x" if ds else "-"
+        drift = f"{max(abs(a - b) for a, b in zip(r['losses'], z2['losses'])):.2e}" if z2 else "-"
+        print(f"| {r['config']} | {r['step_s']:.3f} ({r['step_min']:.3f}-{r['step_max']:.3f}) | "
+              f"{r['tokens_per_s_per_gpu']:,.0f} | {vs} | {r['peak_alloc_GiB_max_over_ranks']:.2f} / "
+              f"{r['peak_reserved_GiB_max_over_ranks']:.2f} | {r['loss_first']:.4f} -> {r['loss_last']:.4f} | "
+              f"{drift} |")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", choices=CONFIGS)
+    ap.add_argument("--all", action="store_true", help="run --configs one torchrun each and print one table")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--out", default="out/stage1")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--timeout", type=int, default=500, help="seconds per config (--all)")
+    args = ap.parse_args()
+    if args.all:
+        run_all(args)
+    elif args.config:
+        run_one(args)
+    else:
+        ap.error("give --config NAME (under torchrun) or --all")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""`fsdpzero nvme-bench PATH`: sweep block size, queue depth and parallelism of the aio engine on the disk that
+holds PATH, print read/write GB/s per setting and the best `aio` section to paste into ds_config.json.
+
+Each measurement moves one `--size` buffer (page-aligned, pinned when a GPU exists) to or from one O_DIRECT file
+in one request, as a swap of one optimizer sub-group does; the file is written once before timing so that block
+allocation is not measured.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from .aio import AioConfig, AioHandle, aligned_empty, available_backends
+
+
+def _sizes(text: str) -> list[int]:
+    units = {"k": 2**10, "m": 2**20, "g": 2**30}
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower().rstrip("b").rstrip("i")
+        out.append(int(float(part[:-1]) * units[part[-1]]) if part[-1] in units else int(part))
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", help="a directory on the disk to test (a scratch file is created and removed)")
+    parser.add_argument("--size", default="256M", help="bytes per request (default 256M)")
+    parser.add_argument("--block-sizes", default="256K,1M,4M", help="aio.block_size values")
+    parser.add_argument("--queue-depths", default="4,8,32", help="aio.queue_depth values")
+    parser.add_argument("--parallelism", default="1,2,4", help="aio.intra_op_parallelism values")
+    parser.add_argument("--submit-modes", action="store_true",
+                        help="also sweep single_submit and overlap_events (4x the settings)")
+    parser.add_argument("--backend", default="auto", help=f"one of {available_backends()} or auto")
+    parser.add_argument("--repeat", type=int, default=2, help="timed repetitions per setting; the best counts")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+def measure(handle: AioHandle, buf: torch.Tensor, path: Path, repeat: int = 2) -> tuple[float, float]:
+    """(write GB/s, read GB/s), best of `repeat`, for one request of buf's size on the O_DIRECT file `path`."""
+    nbytes = buf.numel() * buf.element_size()
+    with handle.open(path, write=True) as f:
+        best_w = best_r = float("inf")
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            handle.pwrite(buf, f).wait()
+            best_w = min(best_w, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            handle.pread(buf, f).wait()
+            best_r = min(best_r, time.perf_counter() - t0)
+    return nbytes / best_w / 1e9, nbytes / best_r / 1e9
+
+
+def sweep(path: Path, size: int, block_sizes, queue_depths, parallelism, submit_modes=((False, True),),
+          backend="auto", repeat=2) -> list[dict]:
+    path.mkdir(parents=True, exist_ok=True)
+    scratch = path / f".fsdpzero_nvme_bench.{os.getpid()}.bin"
+    buf = aligned_empty(size)
+    buf.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
+    results = []
+    try:
+        with AioHandle(AioConfig(), backend) as h, h.open(scratch, write=True) as f:
+            h.pwrite(buf, f).wait()                          # allocate the file's blocks before timing
+        for bs, qd, par, (single, overlap) in itertools.product(block_sizes, queue_depths, parallelism,
+                                                                submit_modes):
+            cfg = AioConfig(block_size=bs, queue_depth=qd, intra_op_parallelism=par, single_submit=single,
+                            overlap_events=overlap)
+            with AioHandle(cfg, backend) as h:
+                w, r = measure(h, buf, scratch, repeat)
+                results.append({"aio": {k: getattr(cfg, k) for k in AioConfig.__dataclass_fields__},
+                                "backend": h.backend, "write_GBps": round(w, 3), "read_GBps": round(r, 3)})
+    finally:
+        scratch.unlink(missing_ok=True)
+    return results
+
+
+def best(results: list[dict]) -> dict:
+    """The setting with the shortest write + read time: a swap moves as many bytes out as in."""
+    return min(results, key=lambda r: 1 / r["write_GBps"] + 1 / r["read_GBps"])
+
+
+def run(args) -> int:
+    modes = list(itertools.product((False, True), (False, True))) if args.submit_modes else [(False, True)]
+    results = sweep(Path(args.path), _sizes(args.size)[0], _sizes(args.block_sizes),
+                    [int(x) for x in args.queue_depths.split(",")], [int(x) for x in args.parallelism.split(",")],
+                    modes, args.backend, args.repeat)
+    top = best(results)
+    if args.json:
+        print(json.dumps({"path": str(args.path), "size": _sizes(args.size)[0], "results": results, "best": top}))
+        return 0
+    print(f"{'backend':<9} {'block_size':>10} {'queue_depth':>11} {'parallelism':>11} {'single':>6} "
+          f"{'overlap':>7} {'write GB/s':>10} {'read GB/s':>9}")
+    for r in results:
+        a = r["aio"]
+        print(f"{r['backend']:<9} {a['block_size']:>10} {a['queue_depth']:>11} {a['intra_op_parallelism']:>11} "
+              f"{str(a['single_submit']):>6} {str(a['overlap_events']):>7} {r['write_GBps']:>10.2f} "
+              f"{r['read_GBps']:>9.2f}")
+    print(f"\nbest (write {top['write_GBps']:.2f} GB/s, read {top['read_GBps']:.2f} GB/s, backend {top['backend']}); "
+          "paste into ds_config.json:")
+    print(json.dumps({"aio": top["aio"]}, indent=2))
+    return 0

@@ -1,0 +1,111 @@
+"""The checkpoint view of a Stage1Optimizer: per-parameter logical tensors that DCP reshards.
+
+A rank's share of parameter p is chunk `rank` of the flattened p (ceil(numel/world) elements, the tail padded):
+exactly DTensor's Shard(0) of a 1-D tensor of p.numel(). So the master and every elementwise optimizer state of p
+is exposed as `DTensor.from_local(view of the flat shard, mesh, [Shard(0)], shape=(numel,))`: no copies, and DCP
+writes each rank's piece and reads whatever pieces another world size needs. Keys are parameter names, so the
+layout (world size, bucket sizes, param-group split by dtype) may change between save and load.
+
+    {"state": {name: {"master": DTensor, "exp_avg": DTensor, ..., "step": scalar}}, "param_groups": [...]}
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _mesh(opt):
+    from torch.distributed.device_mesh import DeviceMesh
+    if getattr(opt, "_device_mesh", None) is None:
+        device = opt.flat_groups[0].master.device.type
+        opt._device_mesh = DeviceMesh.from_group(opt.group or dist.group.WORLD, device)
+    return opt._device_mesh
+
+
+def _logical(opt, s, flat: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of one parameter's flat tensor, as a 1-D DTensor (a plain tensor on one rank)."""
+    piece = flat[s.offset: s.offset + s.local]
+    if opt.world == 1:
+        return piece
+    from torch.distributed.tensor import DTensor, Shard
+    return DTensor.from_local(piece, _mesh(opt), [Shard(0)], run_check=False, shape=torch.Size([s.numel]),
+                              stride=(1,))
+
+
+def _elementwise(inner: dict, master: torch.Tensor) -> list[str]:
+    keys = []
+    for key, value in inner.items():
+        if torch.is_tensor(value) and value.shape == master.shape:
+            keys.append(key)
+        elif not (torch.is_tensor(value) and value.dim() == 0):
+            raise NotImplementedError(f"optimizer state {key!r} of shape {tuple(getattr(value, 'shape', ()))} is not "
+                                      "elementwise; Stage1Optimizer cannot shard it")
+    return keys
+
+
+@torch.no_grad()
+def ensure_state(opt) -> None:
+    """Create the inner optimizer's state (a zero-gradient step at lr 0) so there is something to load into. Its
+    scalar counters go back to 0, so the next real step still behaves as the first (Adam's bias correction)."""
+    inner = opt.optimizer
+    if all(fg.master in inner.state for fg in opt.flat_groups):
+        return
+    saved = [g["lr"] for g in inner.param_groups]
+    for g in inner.param_groups:
+        g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
+    for fg in opt.flat_groups:
+        fg.master.grad = torch.zeros_like(fg.master)
+    inner.step()
+    for g, lr in zip(inner.param_groups, saved):
+        g["lr"] = lr
+    for fg in opt.flat_groups:
+        fg.master.grad = None
+        for value in inner.state[fg.master].values():
+            if torch.is_tensor(value) and value.dim() == 0:
+                value.zero_()
+
+
+def logical_state_dict(opt) -> dict[str, Any]:
+    ensure_state(opt)
+    state: dict[str, dict[str, Any]] = {}
+    for fg in opt.flat_groups:
+        inner = opt.optimizer.state[fg.master]
+        keys = _elementwise(inner, fg.master)
+        for s in fg.slots:
+            entry = {"master": _logical(opt, s, fg.master)}
+            for key, value in inner.items():
+                entry[key] = _logical(opt, s, value) if key in keys else value   # scalars repeat per parameter
+            state[s.name] = entry
+    groups = []
+    for index, g in enumerate(opt.optimizer.param_groups):
+        names = [s.name for fg in opt.flat_groups if fg.group_index == index for s in fg.slots]
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "param_names": names})
+    return {"state": state, "param_groups": groups}
+
+
+@torch.no_grad()
+def load_logical_state_dict(opt, state_dict: dict[str, Any]) -> None:
+    """Copy each parameter's pieces into the flat shards. A piece may be this rank's DTensor (from DCP) or a full
+    plain tensor of the parameter's numel (e.g. a consolidated checkpoint): the rank slices its chunk."""
+    ensure_state(opt)
+    state = state_dict["state"]
+    missing = [s.name for fg in opt.flat_groups for s in fg.slots if s.name not in state]
+    if missing:
+        raise KeyError(f"optimizer state dict lacks parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    for fg in opt.flat_groups:
+        inner = opt.optimizer.state[fg.master]
+        keys = _elementwise(inner, fg.master)
+        for key in inner:
+            if key not in keys:
+                inner[key].copy_(state[fg.slots[0].name][key])    # one scalar per flat group
+        for s in fg.slots:
+            for key, target in [("master", fg.master)] + [(k, inner[k]) for k in keys]:
+                src = state[s.name][key]
+                src = src.to_local() if hasattr(src, "to_local") else src
+                if src.numel() != s.local:
+                    src = src.reshape(-1)[opt.rank * s.chunk: opt.rank * s.chunk + s.local]
+                target[s.offset: s.offset + s.local].copy_(src)
+    for g, saved in zip(opt.optimizer.param_groups, state_dict["param_groups"]):
+        g.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
