@@ -18,6 +18,7 @@ from tests.multirank import run_distributed
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "recipes"))
 import recipe_utils  # noqa: E402
+import sft_hf  # noqa: E402
 import train_lm  # noqa: E402
 
 SMOKE = ["experiment=smoke", "monitor=none", "trainer.export_hf=false", "resume=never"]
@@ -110,6 +111,37 @@ def test_resume_auto_continues_the_same_curve(tmp_path):
                               init_pg=False)[0]["train"]
     assert [s for s, _ in resumed] == list(range(6, 11))
     assert max(abs(a - b) for (_, a), (_, b) in zip(resumed, straight[5:])) <= 1e-5, (resumed, straight)
+
+
+def _sft(rank, world, overrides):
+    recipe = sft_hf.SFTRecipe(recipe_utils.compose("sft", overrides))
+    recipe.setup()
+    recipe.train()
+    answer = recipe.answer("assert")
+    recipe.cleanup()
+    return {"train": recipe.curves["train"], "answer": answer}
+
+
+@pytest.mark.slow
+def test_sft_recipe_from_a_local_checkpoint(tmp_path):
+    """sft_hf.py: sharded load of a saved model, answer-only loss falls, generation runs on stage-3 shards."""
+    from transformers import AutoModelForCausalLM
+    from fsdpzero.estimate import load_model_config
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(load_model_config("tiny_llama")).save_pretrained(tmp_path / "base")
+    over = [f"model.pretrained={tmp_path}/base", "trainer.max_steps=8", "trainer.log_every=1", "monitor=none",
+            "trainer.sample_topics=[assert]", "trainer.max_new_tokens=4", "trainer.export_hf=false",
+            "data.max_len=128", "optim.lr=3e-3", f"run_dir={tmp_path}/sft"]
+    res = run_distributed(_sft, 2, over, timeout=240, init_pg=False)
+    losses = [v for _, v in res[0]["train"]]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 1.0, losses
+    assert res[0]["answer"] == res[1]["answer"]            # same weights, same greedy answer on both ranks
+
+
+def test_sft_missing_checkpoint_is_one_line(tmp_path):
+    cfg = recipe_utils.compose("sft", [f"model.pretrained={tmp_path}/nothing"])
+    with pytest.raises(recipe_utils.RecipeError, match="no Hugging Face checkpoint there"):
+        sft_hf.SFTRecipe(cfg).setup()
 
 
 # -- composition -----------------------------------------------------------------------------------------------------
