@@ -7,8 +7,8 @@ One config per torchrun (run on 2 GPUs):
 All configs in sequence, one table (each config is its own torchrun, so nothing leaks between them):
     python bench/offload.py --all --nproc 2 --out out/offload
 Configs: fsdp_z2, fsdp_z3 (no offload); fsdp_z3_cpuoffload (CPUOffloadPolicy + CPU fused AdamW); ours_z2 (stage 2 +
-optimizer offload); ours_z3_both (stage 3 + optimizer and param offload); ds_z2_offload, ds_z3_offload_both
-(DeepSpeed, when importable). --layers/--hidden/--vocab/--seq/--micro shrink the model for a smoke run;
+optimizer offload); ours_z3_both (stage 3 + optimizer and param offload); *_overlap (the CPU step overlaps the next
+forward); ds_z2_offload, ds_z3_offload_both (DeepSpeed, when importable). --layers/--hidden/--vocab/--seq/--micro shrink the model for a smoke run;
 FSDPZERO_BENCH_CPU=1 runs it on CPU/gloo (correctness of the script only).
 """
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-CONFIGS = ["fsdp_z2", "fsdp_z3", "fsdp_z3_cpuoffload", "ours_z2", "ours_z3_both", "ds_z2_offload",
-           "ds_z3_offload_both"]
+CONFIGS = ["fsdp_z2", "fsdp_z3", "fsdp_z3_cpuoffload", "ours_z2", "ours_z2_overlap", "ours_z3_both",
+           "ours_z3_both_overlap", "ds_z2_offload", "ds_z3_offload_both"]
 DEVICE = "cuda" if os.environ.get("FSDPZERO_BENCH_CPU") != "1" else "cpu"   # CPU: smoke runs only
 HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 CLIP = 1.0
@@ -57,56 +57,64 @@ def shard(model, stage, cpu_offload):
     return model
 
 
+def ds_config(args, name):
+    """The DeepSpeed config of a run: DeepSpeed and fsdpzero ("ours_*") read the same dict."""
+    both = "both" in name
+    zero = {"stage": 3 if "z3" in name else 2, "overlap_comm": True, "contiguous_gradients": True,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    if both:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
+            "bf16": {"enabled": True}, "gradient_clipping": CLIP, "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": HYPER["lr"], "betas": list(HYPER["betas"]),
+                                                      "eps": HYPER["eps"], "weight_decay": HYPER["weight_decay"]}}}
+
+
 def fsdp_runner(args, name):
-    """FSDP2 runs (ours included) drive fsdpzero's GradPath contract, as the engine does."""
+    """Plain FSDP2 (no offload, or CPUOffloadPolicy + CPU fused AdamW), driven like a hand-written loop."""
     import torch
     from fsdpzero.optim import FSDPGradPath, clip_factor
     stage = 3 if "z3" in name else 2
-    model = build_model(args)
-    if name.startswith("ours"):
-        from fsdpzero import offload
-        from fsdpzero.plan import OffloadPlan, Plan, PrecisionPlan, ShardPlan
-        both = name.endswith("both")
-        model = shard(model.to(DEVICE), stage, cpu_offload=both)
-        plan = Plan(shard=ShardPlan(stage=stage), precision=PrecisionPlan(param_dtype="bfloat16"),
-                    offload=OffloadPlan(optimizer_device="cpu", param_device="cpu" if both else "none"))
-        path = offload.build_grad_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER))
-    else:
-        cpu = name.endswith("cpuoffload")
-        model = shard(model.to(DEVICE), stage, cpu_offload=cpu)
-        path = FSDPGradPath(model, torch.optim.AdamW(model.parameters(), **HYPER, fused=True))
+    model = shard(build_model(args).to(DEVICE), stage, cpu_offload=name.endswith("cpuoffload"))
+    path = FSDPGradPath(model, torch.optim.AdamW(model.parameters(), **HYPER, fused=True))
 
     def step(x):
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
         path.finish_gradients()
-        path.scale_grads_(clip_factor(float(path.grad_norm()), CLIP))
+        path.scale_grads_(clip_factor(path.grad_norm(), CLIP))
         path.step()
         path.zero_grad()
         return loss
-    return step
+    return step, lambda: None
 
 
-def ds_runner(args, name):
-    import deepspeed  # the bench may import DeepSpeed; the library never does
-    both = name.endswith("both")
-    zero = {"stage": 3 if "z3" in name else 2, "overlap_comm": True, "contiguous_gradients": True,
-            "offload_optimizer": {"device": "cpu", "pin_memory": True}}
-    if both:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
-           "bf16": {"enabled": True}, "gradient_clipping": CLIP, "zero_optimization": zero,
-           "optimizer": {"type": "AdamW", "params": {"lr": HYPER["lr"], "betas": list(HYPER["betas"]),
-                                                     "eps": HYPER["eps"], "weight_decay": HYPER["weight_decay"]}}}
-    model = build_model(args)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+def ours_runner(args, name):
+    """fsdpzero: the DeepSpeed config through fsdpzero.wrap (engine + offload gradient path)."""
+    import fsdpzero
+    os.environ["FSDPZERO_OFFLOAD_OVERLAP"] = "1" if name.endswith("overlap") else "0"
+    engine = fsdpzero.wrap(build_model(args), ds_config(args, name))
 
     def step(x):
         loss = engine(input_ids=x, labels=x).loss
         engine.backward(loss)
         engine.step()
         return loss
-    return step
+    return step, getattr(engine.grad_path, "wait", lambda: None)
+
+
+def ds_runner(args, name):
+    import deepspeed  # the bench may import DeepSpeed; the library never does
+    model = build_model(args)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=ds_config(args, name))
+
+    def step(x):
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        return loss
+    return step, lambda: None
 
 
 def run_one(args):
@@ -125,10 +133,11 @@ def run_one(args):
         os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"   # DS 0.19.8 cannot parse "9.0a"
         import deepspeed
         deepspeed.init_distributed(dist_backend="nccl")
-    else:
+    elif args.config.startswith("fsdp_"):
         dist.init_process_group("cuda:nccl,cpu:gloo" if DEVICE == "cuda" else "gloo")
     t_setup = time.perf_counter()
-    step = (ds_runner if args.config.startswith("ds_") else fsdp_runner)(args, args.config)
+    runner = {"ds": ds_runner, "fsdp": fsdp_runner, "ours": ours_runner}[args.config.split("_")[0]]
+    step, finish = runner(args, args.config)
     setup_s = time.perf_counter() - t_setup
     gen = torch.Generator(device=DEVICE).manual_seed(1000 + rank)
     x = torch.randint(0, args.vocab, (args.micro, args.seq), device=DEVICE, generator=gen)
@@ -141,14 +150,19 @@ def run_one(args):
     for i in range(args.warmup + args.steps):
         sync()
         t0 = time.perf_counter()
+        if i == args.warmup:
+            t_loop = t0
         loss = step(x)
         sync()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
         losses.append(float(loss))
+    finish()   # an overlapped CPU step ends after step() returns: count its tail in the mean
+    sync()
+    mean_incl_tail = (time.perf_counter() - t_loop) / args.steps
     med = statistics.median(times)
     tokens = args.micro * args.seq
-    result = {"config": args.config, "world": world, "threads": torch.get_num_threads(), "step_s": med,
+    result = {"config": args.config, "world": world, "threads": torch.get_num_threads(), "step_s": med, "step_s_mean_incl_tail": mean_incl_tail,
               "step_min": min(times), "step_max": max(times), "tokens_per_s_per_gpu": tokens / med,
               "peak_alloc_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
               "peak_reserved_GiB": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
@@ -162,7 +176,8 @@ def run_one(args):
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(result, indent=2))
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_all(args):
@@ -192,13 +207,14 @@ def run_all(args):
         rows.append(row)
         print(f"{name}: {row['step_s']:.3f} s/step", flush=True)
     (out / "offload.json").write_text(json.dumps(rows, indent=2))
-    print(f"\n| config | step s median (min-max) | tokens/s/GPU | peak alloc GiB (max rank) | host RSS r0 GiB | "
-          f"loss first -> last |\n|---|---|---|---|---|---|")
+    print(f"\n| config | step s median (min-max) | mean incl. tail | tokens/s/GPU | peak alloc GiB (max rank) | host RSS r0 GiB | "
+          f"loss first -> last |\n|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['config']} | {r['error']} | | | | |")
+            print(f"| {r['config']} | {r['error']} | | | | | |")
             continue
         print(f"| {r['config']} | {r['step_s']:.3f} ({r['step_min']:.3f}-{r['step_max']:.3f}) | "
+              f"{r['step_s_mean_incl_tail']:.3f} | "
               f"{r['tokens_per_s_per_gpu']:,.0f} | {r['peak_alloc_GiB_max_over_ranks']:.2f} | "
               f"{r['host_rss_GiB']:.2f} | {r['loss_first']:.4f} -> {r['loss_last']:.4f} |")
 

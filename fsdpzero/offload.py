@@ -1,13 +1,13 @@
 """ZeRO-Offload on FSDP2: `offload_optimizer.device: cpu` (stages 1-3) and, with it, `offload_param.device: cpu`.
 
 The gradient path for the engine (contract: fsdpzero.optim.GradPath). The model arrives fully_shard-ed; this module
-keeps, for every local shard, an fp32 master and the Adam states in (pinned) CPU memory and steps them with the
+keeps, for every local shard, an fp32 master and the Adam states in CPU memory and steps them with the
 fused CPU Adam of ops/cpu_adam.cpp, which reads the low-precision gradient and writes the low-precision param in
 the same pass. The device keeps only low-precision shards (`model.to(param_dtype)` after the masters are taken).
 
 One optimizer step, with params on an accelerator:
-    finish_gradients  D2H of every sharded grad on a side stream, one event per chunk (chunks of the rank's params,
-                      <= sub_group_size and <= CHUNK elements, in model order)
+    finish_gradients  D2H of every sharded grad on a side stream, one event per chunk (a chunk: one FSDP unit's
+                      params, <= sub_group_size and <= CHUNK elements; units in forward order, root first)
     grad_norm         from the device grads (global, collective) while the copies run
     scale_grads_      nothing is touched: 1/loss_scale and the clip coefficient are folded into the kernel's read
     step              for each chunk: wait its D2H, CPU step into pinned low-precision buffers, queue the H2D on a
@@ -20,14 +20,19 @@ With `offload_param: cpu` (stage 3, FSDP2 CPUOffloadPolicy, set by sharding.shar
 already live on the CPU: nothing is copied, the kernel reads the CPU grad and writes the param shard in place. The
 shards are cast to the low-precision dtype, so FSDP2's per-all-gather H2D carries 2 bytes/param instead of 4.
 
+FSDPZERO_OFFLOAD_OVERLAP=1: step() returns at once and a worker thread steps the chunks while the next forward
+runs; a pre-forward hook on each FSDP unit waits for that unit's chunks (see OffloadGradPath).
+
 Threads: torchrun sets OMP_NUM_THREADS=1, which makes the CPU step ~6x slower. With an accelerator the CPU step gets
 usable cores / local ranks threads (FSDPZERO_OFFLOAD_THREADS overrides); FSDPZERO_OFFLOAD_BIND=1 also pins each
 local rank to its own slice of cores.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -59,8 +64,12 @@ class _Entry:
 class _Chunk:
     entries: list[_Entry] = field(default_factory=list)
     numel: int = 0
-    d2h_done: object = None
-    h2d_done: object = None
+    d2h_done: object = None        # CUDA event: this chunk's grads have landed in their pinned buffers
+    h2d_done: object = None        # CUDA event: this chunk's updated params have been copied back
+    ready: threading.Event = field(default_factory=threading.Event)   # CPU side: stepped (and H2D queued)
+
+    def __post_init__(self):
+        self.ready.set()
 
 
 def cpu_threads(local_world_size: int) -> int:
@@ -80,25 +89,89 @@ def bind_cores(local_rank: int, local_world_size: int) -> None:
 
 
 class OffloadGradPath:
-    """fsdpzero.optim.GradPath with fp32 masters and Adam states on the CPU (see the module docstring)."""
+    """fsdpzero.optim.GradPath with fp32 masters and Adam states on the CPU (see the module docstring).
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, entries: list[_Entry],
-                 chunk_size: int):
+    `units` are the FSDP modules in forward order (root first), each with its entries; chunks never span two units.
+    With `overlap`, step() hands the chunk loop to a worker thread and returns: a forward pre-hook on each unit
+    waits for that unit's chunks (and those of the units it prefetches), so the next forward starts as soon as
+    its first parameters are updated while the CPU steps the rest."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, units: list[tuple[nn.Module | None,
+                 list[_Entry]]], chunk_size: int, *, threads: int, overlap: bool = False):
         self.model = model
         self.optimizer = optimizer          # a CPUAdam over the masters: schedulers drive its param_groups
-        self.entries = entries
-        self._by_master = {id(e.master): e for e in entries}
+        self.entries = [e for _, es in units for e in es]
+        self._by_master = {id(e.master): e for e in self.entries}
         self._factor = 1.0
-        self.staged = any(e.grad_buf is not None for e in entries)
-        cuda = self.staged and entries[0].param.device.type == "cuda"
+        self.threads = threads
+        self.staged = any(e.grad_buf is not None for e in self.entries)
+        cuda = self.staged and self.entries[0].param.device.type == "cuda"
         self.d2h = torch.cuda.Stream() if cuda else None
         self.h2d = torch.cuda.Stream() if cuda else None
-        self.chunks: list[_Chunk] = [_Chunk()]
-        for e in entries:
-            if self.chunks[-1].numel and self.chunks[-1].numel + e.master.numel() > chunk_size:
-                self.chunks.append(_Chunk())
-            self.chunks[-1].entries.append(e)
-            self.chunks[-1].numel += e.master.numel()
+        self.chunks: list[_Chunk] = []
+        unit_chunks = []
+        for _, entries in units:
+            first = len(self.chunks)
+            for e in entries:
+                if len(self.chunks) == first or self.chunks[-1].numel + e.master.numel() > chunk_size:
+                    self.chunks.append(_Chunk())
+                self.chunks[-1].entries.append(e)
+                self.chunks[-1].numel += e.master.numel()
+            unit_chunks.append(self.chunks[first:])
+        # loading model weights (e.g. a module-only checkpoint) must reach the masters, or the next step would
+        # write the old weights back; a following load_state_dict of the optimizer then restores exact fp32 masters
+        model.register_load_state_dict_post_hook(lambda *_: self.refresh_masters())
+        self.overlap = overlap and all(m is not None for m, _ in units)
+        self._worker: threading.Thread | None = None
+        self._error: BaseException | None = None
+        if self.overlap:
+            model.register_state_dict_pre_hook(lambda *_: self.wait())   # saving reads the updated weights
+            index = {id(m): i for i, (m, _) in enumerate(units)}
+            for i, (module, _) in enumerate(units):
+                # explicit forward prefetch (set_modules_to_forward_prefetch) unshards later units from this
+                # unit's pre-forward: their chunks must be ready too
+                ahead = [index[id(s._modules[0])] for s in getattr(module._get_fsdp_state(),
+                                                                   "_states_to_forward_prefetch", [])
+                         if id(s._modules[0]) in index]
+                waits = [c for j in [i, *ahead] for c in unit_chunks[j]]
+                module.register_forward_pre_hook(self._make_wait_hook(module, waits), prepend=True)
+
+    def _make_wait_hook(self, module, chunks):
+        def wait_for_update(*_):
+            for c in chunks:
+                c.ready.wait()
+            if self._error is not None:
+                raise RuntimeError("fsdpzero offload: the CPU optimizer step failed") from self._error
+            if self.h2d is not None:   # FSDP2's all-gather copy-in reads the shards on its own streams
+                ctx = getattr(module._get_fsdp_state(), "_comm_ctx", None)
+                streams = [torch.cuda.current_stream()] + [getattr(ctx, n) for n in (
+                    "all_gather_copy_in_stream", "all_gather_stream") if hasattr(ctx, n)]
+                for c in chunks:
+                    if c.h2d_done is not None:
+                        for s in streams:
+                            s.wait_event(c.h2d_done)
+        return wait_for_update
+
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        """masters <- the model's (possibly low-precision) shards, e.g. after new weights were loaded."""
+        self._join()
+        for e in self.entries:
+            local = _local(e.param)
+            if e.master is not local:
+                e.master.copy_(local)
+
+    def wait(self) -> None:
+        """Block until an overlapped CPU step has finished (before reading the weights outside a forward)."""
+        self._join()
+
+    def _join(self) -> None:
+        if self._worker is not None:
+            self._worker.join()
+            self._worker = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError("fsdpzero offload: the CPU optimizer step failed") from err
 
     # -- GradPath -------------------------------------------------------------------------------------------------
     def set_sync(self, sync: bool) -> None:
@@ -106,6 +179,7 @@ class OffloadGradPath:
             self.model.set_requires_gradient_sync(sync)
 
     def finish_gradients(self) -> None:
+        self._join()                      # the previous step must be done with the grad buffers
         if not self.staged:
             return
         if self.d2h is not None:
@@ -122,36 +196,59 @@ class OffloadGradPath:
     def grad_norm(self) -> torch.Tensor:
         return global_grad_norm(e.param for e in self.entries)
 
-    def scale_grads_(self, factor: float) -> None:
-        self._factor *= factor          # applied by the kernel as it reads each gradient
+    def scale_grads_(self, factor) -> None:
+        self._factor = self._factor * factor   # a float or 0-dim tensor; the kernel applies it as it reads grads
 
     @torch.no_grad()
     def step(self) -> None:
-        factor, self._factor = self._factor, 1.0
+        self._join()
+        factor, self._factor = float(self._factor), 1.0   # the CPU needs the value: one sync, after the norm
+        # what to step, read now: zero_grad() may drop the grads before an overlapped worker reaches them
+        work = [(chunk, [(e, e.grad_buf if e.grad_buf is not None else _local(e.param.grad))
+                         for e in chunk.entries if e.param.grad is not None]) for chunk in self.chunks]
+        if not self.overlap:
+            self._step_chunks(work, factor)
+            if self.h2d is not None:         # the next forward's all-gathers read the updated shards
+                torch.cuda.current_stream().wait_stream(self.h2d)
+            return
         for chunk in self.chunks:
+            chunk.ready.clear()
+        self._worker = threading.Thread(target=self._worker_main, args=(work, factor), daemon=True,
+                                        name="fsdpzero-offload-step")
+        self._worker.start()
+
+    @torch.no_grad()   # grad mode is per thread
+    def _worker_main(self, work, factor) -> None:
+        try:
+            if self.h2d is not None:   # a new thread starts on GPU 0, whatever this rank's device is
+                torch.cuda.set_device(self.h2d.device)
+            torch.set_num_threads(max(1, self.threads - 1))   # OpenMP settings are per thread; leave one core
+            self._step_chunks(work, factor)                     # to the thread that launches the forward
+        except BaseException as e:
+            self._error = e
+        finally:
+            for chunk in self.chunks:
+                chunk.ready.set()
+
+    def _step_chunks(self, work, factor) -> None:
+        for chunk, items in work:
             if chunk.d2h_done is not None:
                 chunk.d2h_done.synchronize()
             if chunk.h2d_done is not None:       # last step's H2D must have read the out buffers we overwrite
                 chunk.h2d_done.synchronize()
-            stepped = []
-            for e in chunk.entries:
-                if e.param.grad is None:
-                    continue
-                grad = e.grad_buf if e.grad_buf is not None else _local(e.param.grad)
+            for e, grad in items:
                 out = e.out_buf
                 if out is None and e.master is not _local(e.param):
                     out = _local(e.param)      # CPU-resident low-precision shard: written in place
                 self.optimizer.step_param(e.master, grad, out=out, grad_scale=factor)
-                stepped.append(e)
-            if self.staged and stepped:
+            if self.staged and items:
                 with _on(self.h2d):
-                    for e in stepped:
+                    for e, _ in items:
                         _local(e.param).copy_(e.out_buf, non_blocking=True)
                     if self.h2d is not None:
                         chunk.h2d_done = torch.cuda.Event()
                         chunk.h2d_done.record(self.h2d)
-        if self.h2d is not None:             # the next forward's all-gathers read the updated shards
-            torch.cuda.current_stream().wait_stream(self.h2d)
+            chunk.ready.set()
 
     def zero_grad(self) -> None:
         if self.d2h is not None:              # grads may be freed only after their D2H has read them
@@ -162,12 +259,13 @@ class OffloadGradPath:
     def state_dict(self) -> dict:
         """Per parameter name: step, exp_avg, exp_avg_sq and the fp32 master, as DTensors placed like the param
         (CPU local shards) so DCP saves each rank's own shard; plus the param groups' hyperparameters."""
+        self._join()
         state = {}
         for e in self.entries:
-            st = self.optimizer.state.get(e.master, {})
-            tensors = {k: st[k] for k in ("exp_avg", "exp_avg_sq") if k in st}
+            st = self.optimizer._state(e.master)   # created (zeros, step 0) before the first step: DCP loads
+            tensors = {k: st[k] for k in ("exp_avg", "exp_avg_sq")}  # into this dict in place
             tensors["master"] = e.master
-            state[e.name] = {"step": st.get("step", torch.tensor(0.0)),
+            state[e.name] = {"step": st["step"],
                              **{k: _like(e.param, v) for k, v in tensors.items()}}
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [self._by_master[id(m)].name for m in g["params"]]} for g in self.optimizer.param_groups]
@@ -175,6 +273,7 @@ class OffloadGradPath:
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
+        self._join()
         names = {e.name: e for e in self.entries}
         for name, saved in sd["state"].items():
             e = names[name]
@@ -188,17 +287,9 @@ class OffloadGradPath:
             group.update({k: v for k, v in saved.items() if k != "params"})
 
 
-class _on:
-    """torch.cuda.stream(s) when s is a stream, nothing otherwise (CPU-only runs)."""
-
-    def __init__(self, stream):
-        self.ctx = torch.cuda.stream(stream) if stream is not None else None
-
-    def __enter__(self):
-        return self.ctx.__enter__() if self.ctx else None
-
-    def __exit__(self, *exc):
-        return self.ctx.__exit__(*exc) if self.ctx else False
+def _on(stream):
+    """torch.cuda.stream(stream), or nothing on CPU-only runs."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def _like(param, local: torch.Tensor):
@@ -231,10 +322,30 @@ def _hyper_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
     return groups
 
 
+def _units(model: nn.Module, names: list[str]) -> list[tuple[nn.Module | None, list[str]]]:
+    """Parameter names grouped by the FSDP module that all-gathers them, in forward order (the root's own params
+    first: embeddings are used first). One unit (None) when the model is not fully_shard-ed."""
+    from torch.distributed.fsdp import FSDPModule
+    prefixes = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not prefixes:
+        return [(None, names)]
+    owned: dict[str, list[str]] = {n: [] for n, _ in prefixes}
+    for name in names:
+        owner = max((n for n, _ in prefixes if n == "" or name.startswith(n + ".")), key=len)
+        owned[owner].append(name)
+    return [(m, owned[n]) for n, m in prefixes if owned[n]]
+
+
+def overlap_default() -> bool:
+    """FSDPZERO_OFFLOAD_OVERLAP=1 overlaps the CPU step with the next forward (see OffloadGradPath)."""
+    return os.environ.get("FSDPZERO_OFFLOAD_OVERLAP", "0") == "1"
+
+
 def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFactory, mesh=None,
-                    *, stage: bool | None = None) -> OffloadGradPath:
+                    *, stage: bool | None = None, overlap: bool | None = None) -> OffloadGradPath:
     """The offload gradient path over an already fully_shard-ed model. `stage` forces (True) or forbids (False)
-    staging through CPU buffers; default: stage exactly when the shards live on an accelerator."""
+    staging through CPU buffers; default: stage exactly when the shards live on an accelerator. `overlap`: step
+    the CPU side in a worker thread while the next forward runs (default: overlap_default())."""
     from fsdpzero.ops import CPUAdam
     if plan.offload.optimizer_device != "cpu":
         raise NotImplementedError(f"offload_optimizer.device = {plan.offload.optimizer_device!r}: only \"cpu\" is "
@@ -244,22 +355,28 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
         raise ValueError("offload: the model has no trainable parameters")
     on_accel = _local(named[0][1]).device.type != "cpu"   # else CPU-only, or offload_param put the shards there
     stage = on_accel if stage is None else stage
+    threads = torch.get_num_threads()
     if torch.cuda.is_available():
         local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         if os.environ.get("FSDPZERO_OFFLOAD_BIND") == "1":
             bind_cores(local_rank, local_world)
-        torch.set_num_threads(cpu_threads(local_world))
-    pin = torch.cuda.is_available() and plan.offload.pin_memory is not False   # pinning needs an accelerator
+        threads = cpu_threads(local_world)
+        torch.set_num_threads(threads)
+    # Only the copy buffers take part in DMA: they are pinned whenever there is an accelerator (pageable H2D was
+    # measured 8x slower). Masters and states never leave the CPU and stay pageable, whatever pin_memory says;
+    # pin_memory matters for offload_param (FSDP2 CPUOffloadPolicy, see sharding.py).
+    pin = torch.cuda.is_available()
     low = _DTYPES[plan.precision.param_dtype]
-
-    hyper = _hyper_groups(make_optimizer([p for _, p in named]))
+    hyper = _hyper_groups(make_optimizer([p for _, p in named]))   # the factory maps params by model order
+    units = _units(model, [n for n, _ in named])
+    order = {n: i for i, n in enumerate(n for _, ns in units for n in ns)}
+    named.sort(key=lambda np_: order[np_[0]])                        # then step them in forward order
     entries, master_of = [], {}
     with torch.no_grad():
         for name, p in named:
             local = _local(p)
             if stage or local.dtype != torch.float32:   # a separate fp32 master, taken before any cast below
-                master = torch.empty(local.shape, dtype=torch.float32, pin_memory=pin)
-                master.copy_(local)
+                master = local.detach().to("cpu", torch.float32, copy=True)
             else:
                 master = local                          # fp32 CPU shard: stepped in place
             grad_buf = out_buf = None
@@ -278,8 +395,11 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
         g["params"] = [master_of[id(p)] for p in g["params"]]
     optimizer = CPUAdam(hyper)
     chunk = max(1, min(int(plan.offload.sub_group_size), CHUNK))
-    log.info("offload: %d params, %.1f M elements on this rank, %d chunks, %d CPU threads, staged=%s, pinned=%s",
-             len(entries), sum(e.master.numel() for e in entries) / 1e6, -(-sum(e.master.numel() for e in entries)
-                                                                          // chunk), torch.get_num_threads(),
-             stage, pin)
-    return OffloadGradPath(model, optimizer, entries, chunk)
+    by_name = {e.name: e for e in entries}
+    path = OffloadGradPath(model, optimizer, [(m, [by_name[n] for n in ns]) for m, ns in units], chunk,
+                           threads=threads, overlap=overlap_default() if overlap is None else overlap)
+    log.info("offload: %d params, %.1f M elements on this rank, %d chunks, %d CPU threads, staged=%s, pinned "
+             "copy buffers=%s, "
+             "overlap=%s", len(entries), sum(e.master.numel() for e in entries) / 1e6, len(path.chunks), threads,
+             stage, pin, path.overlap)
+    return path

@@ -104,7 +104,7 @@ def shard_model(model: nn.Module, plan: Plan, mesh: DeviceMesh, mp_policy: Mixed
                 device_type: str = "cpu", block_classes=None, block_predicate: BlockPredicate | None = None,
                 ) -> tuple[nn.Module, list[nn.Module]]:
     """Apply the plan's stage to `model` in place. Returns (model, the blocks sharded one by one)."""
-    if plan.shard.stage == 1:
+    if plan.shard.stage == 1 and plan.offload.optimizer_device == "none":   # stage 1 + offload: stage-2 layout
         if plan.activation_checkpointing.enabled:
             checkpoint_blocks(find_blocks(model, block_classes, block_predicate),
                               cpu_offload=plan.activation_checkpointing.cpu_checkpointing)

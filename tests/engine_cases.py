@@ -82,7 +82,7 @@ def engine_losses(engine, data: torch.Tensor, rank: int, world: int) -> list[flo
             loss = engine(input_ids=x, labels=x).loss
             engine.backward(loss)
             engine.step()
-            acc += loss.detach().float()
+            acc += loss.detach().float().cpu()
         acc /= data.shape[1]
         dist.all_reduce(acc, op=dist.ReduceOp.AVG)
         losses.append(acc.item())

@@ -5,6 +5,7 @@ step, zero_grad). fp32: losses and final full params within 1e-5. bf16 (grads ro
 as on a GPU): losses within 2e-2 relative. The GPU test needs CUDA (run by `pytest -m gpu`).
 """
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -69,17 +70,18 @@ def _train(model, path, steps=8, micro=1, clip=0.0):
             loss.backward()
             total += loss.detach()
         path.finish_gradients()
-        norm = float(path.grad_norm())
-        path.scale_grads_(clip_factor(norm, clip))
+        path.scale_grads_(clip_factor(path.grad_norm(), clip))
         path.step()
         path.zero_grad()
         dist.all_reduce(total)
         losses.append(total.item() / dist.get_world_size())
+    if hasattr(path, "wait"):
+        path.wait()
     full = {n: p.full_tensor().float() for n, p in model.named_parameters()}
     return losses, full
 
 
-def _scenario(rank, world, kind, micro, clip):
+def _scenario(rank, world, kind, micro, clip, overlap=False):
     torch.set_num_threads(1)
     base_model = _model()
     base = FSDPGradPath(base_model, torch.optim.AdamW(base_model.parameters(), **HYPER, foreach=False))
@@ -89,15 +91,21 @@ def _scenario(rank, world, kind, micro, clip):
                                     sub_group_size=700))   # several pipeline chunks per rank
     model = _model(cpu_offload=kind == "param")
     path = offload.build_grad_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER),
-                                   stage=(kind == "staged"))
+                                   stage=(kind == "staged"), overlap=overlap)
+    assert path.overlap == overlap
+    if overlap:   # a slow CPU step: the next forward must wait for each unit's update, not read stale shards
+        step_param = path.optimizer.step_param
+        path.optimizer.step_param = lambda *a, **k: (time.sleep(0.01), step_param(*a, **k))
     got = _train(model, path, micro=micro, clip=clip)
     return ref, got, len(path.chunks)
 
 
-@pytest.mark.parametrize("kind,micro,clip", [("staged", 1, 0.0), ("staged", 2, 0.05), ("inplace", 1, 0.05),
-                                             ("param", 2, 0.0)])
-def test_offload_matches_fsdp_fp32(kind, micro, clip):
-    results = run_distributed(_scenario, 2, kind, micro, clip, timeout=120)
+@pytest.mark.parametrize("kind,micro,clip,overlap", [
+    ("staged", 1, 0.0, False), ("staged", 2, 0.05, False), ("inplace", 1, 0.05, False), ("param", 2, 0.0, False),
+    ("staged", 2, 0.05, True), ("param", 1, 0.05, True)])
+def test_offload_matches_fsdp_fp32(kind, micro, clip, overlap):
+    """overlap=True: the CPU step runs in a worker thread while the next forward waits per FSDP unit."""
+    results = run_distributed(_scenario, 2, kind, micro, clip, overlap, timeout=120)
     for (ref_losses, ref_params), (losses, params), chunks in results:
         assert chunks > 1
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
@@ -126,23 +134,35 @@ def test_offload_bf16_shards_fp32_masters():
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=1e-3)
 
 
-def _state_roundtrip(rank, world):
+def _state_roundtrip(rank, world, ckpt_dir):
+    """DCP save of the path's state dict, load into a fresh model + path, continue: identical trajectories."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     torch.set_num_threads(1)
     plan = Plan(offload=OffloadPlan(optimizer_device="cpu"))
     make = lambda ps: torch.optim.AdamW(ps, **HYPER)  # noqa: E731
     model = _model()
     path = offload.build_grad_path(model, plan, make, stage=True)
     _train(model, path, steps=3)
-    sd = path.state_dict()
-    fresh = _model()
+    dcp.save({"model": get_model_state_dict(model), "optim": path.state_dict()}, checkpoint_id=ckpt_dir)
+    torch.manual_seed(123)
+    fresh = Net()   # different weights until loaded
+    for b in fresh.blocks:
+        fully_shard(b, mesh=init_device_mesh("cpu", (world,)))
+    fully_shard(fresh, mesh=init_device_mesh("cpu", (world,)))
     path2 = offload.build_grad_path(fresh, plan, make, stage=True)
-    path2.load_state_dict(sd)
+    state = {"model": get_model_state_dict(fresh), "optim": path2.state_dict()}
+    dcp.load(state, checkpoint_id=ckpt_dir)
+    set_model_state_dict(fresh, state["model"])   # the post-load hook refreshes the masters
+    masters_follow_model = all(torch.equal(e.master, e.param.to_local()) for e in path2.entries)
+    path2.load_state_dict(state["optim"])
     a, b = _train(model, path, steps=2), _train(fresh, path2, steps=2)
-    return a[0], b[0]
+    return a[0], b[0], masters_follow_model
 
 
-def test_state_dict_roundtrip_continues_identically():
-    for a, b in run_distributed(_state_roundtrip, 2, timeout=120):
+def test_dcp_state_dict_roundtrip_continues_identically(tmp_path):
+    for a, b, masters_follow_model in run_distributed(_state_roundtrip, 2, str(tmp_path / "ckpt"), timeout=120):
+        assert masters_follow_model
         assert a == b
 
 
@@ -159,10 +179,12 @@ def test_non_adam_optimizer_is_refused_clearly():
 
 
 @pytest.mark.gpu
-def test_offload_on_gpu_matches_fsdp():
-    """1 GPU, bf16 shards on the device, staged D2H / CPU step / H2D on side streams, vs plain FSDP2 + AdamW."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_offload_on_gpu_matches_fsdp(overlap, tmp_path):
+    """1 GPU, bf16 shards on the device, staged D2H / CPU step / H2D on side streams (and the overlapped worker),
+    vs plain FSDP2 + fused AdamW on the GPU."""
     if not dist.is_initialized():
-        dist.init_process_group("cuda:nccl,cpu:gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+        dist.init_process_group("cuda:nccl,cpu:gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
 
     def build(offloaded):
         torch.manual_seed(0)
@@ -176,7 +198,8 @@ def test_offload_on_gpu_matches_fsdp():
             return model, FSDPGradPath(model, torch.optim.AdamW(model.parameters(), **HYPER, fused=True))
         plan = dataclasses.replace(Plan(), offload=OffloadPlan(optimizer_device="cpu", sub_group_size=100_000),
                                    precision=PrecisionPlan(param_dtype="bfloat16"))
-        return model, offload.build_grad_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER))
+        return model, offload.build_grad_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER),
+                                              overlap=overlap)
 
     runs = []
     for offloaded in (False, True):
@@ -189,11 +212,13 @@ def test_offload_on_gpu_matches_fsdp():
             loss = nn.functional.mse_loss(model(x).float(), y)
             loss.backward()
             path.finish_gradients()
-            path.scale_grads_(clip_factor(float(path.grad_norm()), 1.0))
+            path.scale_grads_(clip_factor(path.grad_norm(), 1.0))
             path.step()
             path.zero_grad()
             losses.append(loss.item())
         runs.append(losses)
         if offloaded:
+            path.wait()
             assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+            assert all(e.grad_buf.is_pinned() and e.out_buf.is_pinned() for e in path.entries)
     torch.testing.assert_close(torch.tensor(runs[1]), torch.tensor(runs[0]), rtol=2e-2, atol=1e-3)
