@@ -121,13 +121,9 @@ class SFTRecipe:
         cfg = self.cfg
         answers = {t: self.answer(t) for t in cfg.trainer.sample_topics}   # every rank: the forwards are collective
         hf_dir = None
-        if cfg.trainer.export_hf:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-            state = get_model_state_dict(self.engine.module,
-                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if cfg.trainer.export_hf:                  # safetensors + config.json, gathered on rank 0 by the engine
             hf_dir = self.run_dir / "hf_model"
-            if self.rank == 0:
-                self.engine.module.save_pretrained(hf_dir, state_dict=state, safe_serialization=True)
+            self.engine.save_16bit_model(str(hf_dir))
         self.monitor.close()
         if self.rank == 0:
             for t, a in answers.items():
