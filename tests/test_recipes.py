@@ -202,8 +202,12 @@ def test_bad_input_is_one_line(monkeypatch, capsys, tmp_path, args, needle):
     monkeypatch.setattr(sys, "argv", ["train_lm.py", *args, *SMOKE, f"run_dir={tmp_path}"])
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
-    with pytest.raises(SystemExit) as exc:
-        recipe_utils.run_main(train_lm.recipe_main, "config")
+    try:
+        with pytest.raises(SystemExit) as exc:
+            recipe_utils.run_main(train_lm.recipe_main, "config")
+    finally:                     # the engine may have joined a 1-rank group before refusing: leave none behind
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     assert exc.value.code == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if not ln.startswith("[fsdpzero]  ")]
     errors = [ln for ln in err if ln.startswith("error:")]
