@@ -70,6 +70,8 @@ def _load_sharded(rank, world, path):
     import fsdpzero.hf
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    import ctypes
+    ctypes.CDLL("libc.so.6").malloc_trim(0)         # freed-but-resident heap pages would hide new allocations
     with _PeakRSS() as sharded:
         engine = fsdpzero.hf.from_pretrained(path, STAGE3)
     local = sum(p.to_local().numel() * 4 for p in engine.module.parameters())
@@ -97,7 +99,7 @@ def test_sharded_from_pretrained_exact_and_one_nth_memory(saved_models):
         assert r["local"] <= size / 2 + 4 * 512 * 4, r          # the shard itself: half, up to padding rows
         # host memory while loading: ~1/N of the checkpoint plus a fixed overhead (allocator, FSDP2 metadata,
         # one tensor slice). The lower bound checks that the sampler sees the shard being allocated at all.
-        assert 0.8 * r["local"] < r["delta"] < size / 2 + 48 * MiB, (r["delta"] / MiB, size / MiB)
+        assert 0.8 * r["local"] < r["delta"] < size / 2 + 64 * MiB, (r["delta"] / MiB, size / MiB)
 
 
 # -- ZeRO inference --------------------------------------------------------------------------------------------------
