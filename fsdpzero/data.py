@@ -39,6 +39,25 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
 
+class HFTokenizer:
+    """A Hugging Face tokenizer (loaded from a local folder) behind ByteTokenizer's small interface."""
+
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer
+        self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.bos_id, self.eos_id = self.tok.bos_token_id, self.tok.eos_token_id
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
+        self.vocab_size = len(self.tok)
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        return ([self.bos_id] if bos and self.bos_id is not None else []) + ids + (
+            [self.eos_id] if eos and self.eos_id is not None else [])
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
 class PackedLMDataset(Dataset):
     """The corpus as one token stream cut into fixed windows of seq_len tokens (documents joined by <eos>).
 

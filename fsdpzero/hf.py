@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +137,7 @@ class TrainingArguments(transformers.TrainingArguments):
 
 def trainer_context(args: transformers.TrainingArguments, model: nn.Module, train_dataset=None) -> dict:
     """The values HF's DeepSpeed integration fills "auto" from (names as in TrainingArguments)."""
-    world = dist.get_world_size() if dist.is_initialized() else int(__import__("os").environ.get("WORLD_SIZE", 1))
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     ctx = {k: getattr(args, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
                                          "learning_rate", "weight_decay", "adam_beta1", "adam_beta2",
                                          "adam_epsilon", "max_grad_norm", "warmup_steps", "bf16", "fp16")}

@@ -181,13 +181,9 @@ class TrainLMRecipe:
             log.warning("this fsdpzero build has no engine.save_checkpoint: no checkpoint written")
 
     def export_hf(self) -> Path:
-        """Gather the full weights to rank 0 (CPU) and write them in Hugging Face layout, safetensors."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        """Full weights in Hugging Face layout (safetensors + config.json), gathered by the engine on rank 0."""
         out = self.run_dir / "hf_model"
-        module = self.engine.module
-        state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.rank == 0:
-            module.save_pretrained(out, state_dict=state, safe_serialization=True)
+        self.engine.save_16bit_model(str(out))
         return out
 
     def cleanup(self) -> None:
