@@ -21,3 +21,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_leaks():
+    """A process group left in the pytest process is inherited by every rank forked later (they then fail to
+    initialise their own, or hang tearing the inherited one down): destroy it, and fail the test that leaked it."""
+    yield
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("this test left a torch.distributed process group initialised in the test process")

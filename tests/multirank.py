@@ -54,6 +54,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, tim
     init_pg=False leaves process-group creation to the code under test (RANK/WORLD_SIZE/MASTER_* are set, as
     torchrun does). fn must be a module-level function. Raises with the failing rank's traceback, or on timeout.
     """
+    if dist.is_initialized():
+        raise RuntimeError("a process group is initialised in the test process: forked ranks would inherit it")
     with tempfile.TemporaryDirectory(prefix="fsdpzero_mr_") as workdir:
         # fork is ~10x cheaper, but CUDA does not survive it, and merely counting devices in the parent poisons
         # fork for the children: on a CUDA machine, spawn
