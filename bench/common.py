@@ -1,0 +1,105 @@
+"""Shared bench pieces: model presets, fixed random data, the ds_config of a matrix entry, the timed loop, one JSON row.
+
+Setup of shared/spec/device_anchors.md (0.89 B Llama, seq 2048, micro 4/GPU, AdamW 1e-4, clip 1.0, 3 warm-up + 10
+timed steps, rank-0 median). FSDPZERO_BENCH_CPU=1 runs on gloo/CPU (tiny preset) to prove a script before GPU time.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import time
+
+import torch
+
+START = time.perf_counter()   # process start, near enough: the first bench import (launch-to-first-step)
+CPU = os.environ.get("FSDPZERO_BENCH_CPU") == "1"
+PRESETS = {
+    "0.9b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+                 intermediate_size=5632, vocab_size=32000, seq=2048, micro=4),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=512, seq=32, micro=2),
+}
+LR, BETAS, EPS, WD, CLIP = 1e-4, (0.9, 0.999), 1e-8, 0.01, 1.0
+
+
+def build_model(p: dict, device: torch.device, dtype=torch.float32) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(hidden_size=p["hidden_size"], num_hidden_layers=p["num_hidden_layers"],
+                      num_attention_heads=p["num_attention_heads"], num_key_value_heads=p["num_key_value_heads"],
+                      intermediate_size=p["intermediate_size"], vocab_size=p["vocab_size"],
+                      max_position_embeddings=p["seq"], tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(1234)   # same init on every rank and every implementation
+    with device:
+        return LlamaForCausalLM(cfg).to(dtype)
+
+
+def n_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def fixed_batches(p: dict, rank: int, ga: int, device) -> list[torch.Tensor]:
+    """ga fixed micro-batches per rank, reused every step (data loading is not what is measured)."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    return [torch.randint(0, p["vocab_size"], (p["micro"], p["seq"]), generator=g).to(device) for _ in range(ga)]
+
+
+def ds_config(entry: dict, p: dict) -> dict:
+    """The one DeepSpeed config both fsdpzero and DeepSpeed get for a matrix entry
+    (keys: stage, dtype in bf16/fp16/fp32, ga, offload in none/opt/both/nvme, hpz, nvme_path)."""
+    zero = {"stage": entry["stage"]}
+    if entry.get("offload") in ("opt", "both"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": not CPU}
+    if entry.get("offload") == "both":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": not CPU}
+    if entry.get("offload") == "nvme":
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": entry["nvme_path"]}
+        zero["offload_param"] = {"device": "nvme", "nvme_path": entry["nvme_path"]}
+    if entry.get("hpz"):
+        zero["zero_hpz_partition_size"] = entry["hpz"]
+    cfg = {"train_micro_batch_size_per_gpu": p["micro"], "gradient_accumulation_steps": entry.get("ga", 1),
+           "gradient_clipping": CLIP, "steps_per_print": 10**9, "wall_clock_breakdown": False,
+           "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
+                                                     "weight_decay": WD}},
+           "zero_optimization": zero}
+    dtype = entry.get("dtype", "bf16")
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 16}
+    return cfg
+
+
+def host_rss_gib() -> float:
+    """Peak resident set of this process (ru_maxrss is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def timed_loop(step, warmup: int, steps: int, device) -> dict:
+    """Run warmup + steps calls of step() -> loss (float); cuda-synchronised wall time of the timed ones."""
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times, losses, first_step_s = [], [], None
+    for i in range(warmup + steps):
+        sync()
+        t0 = time.perf_counter()
+        losses.append(float(step()))
+        sync()
+        if i == 0:
+            first_step_s = time.perf_counter() - START
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    peak = [torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30] if cuda else [0, 0]
+    return {"step_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+            "launch_to_first_step_s": first_step_s, "losses": losses,
+            "peak_alloc_gib": peak[0], "peak_reserved_gib": peak[1], "host_rss_gib": host_rss_gib()}
+
+
+def row(timing: dict, n: int, tokens_per_step_per_gpu: int, **meta) -> dict:
+    """One JSON row: timing + tokens/s/GPU + model TFLOP/s/GPU (6 * N * tokens / step time)."""
+    t = timing["step_s"]
+    return {**meta, **timing, "n_params": n, "tokens_per_s_per_gpu": tokens_per_step_per_gpu / t,
+            "tflops_per_gpu": 6 * n * tokens_per_step_per_gpu / t / 1e12}
