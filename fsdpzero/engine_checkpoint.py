@@ -25,14 +25,18 @@ def _rank0() -> bool:
 class EngineState(Stateful):
     """The engine's model + optimizer (through its gradient path) under the key "train", as the converter writes."""
 
-    def __init__(self, engine, with_optimizer: bool = True):
+    def __init__(self, engine, with_optimizer: bool = True, saved_masters: bool = True):
         self.engine, self.with_optimizer = engine, with_optimizer
+        self.saved_masters = saved_masters   # False: a checkpoint without optimizer "master" entries is loading
 
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
         sd = {"model": get_model_state_dict(self.engine.module)}
         if self.with_optimizer:
             sd["optim"] = self.engine.grad_path.state_dict()
+            if not self.saved_masters:   # FSDP paths keep fp32 masters as the model weights: those load as "model"
+                for entry in sd["optim"].get("state", {}).values():
+                    entry.pop("master", None)
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
@@ -40,6 +44,14 @@ class EngineState(Stateful):
         set_model_state_dict(self.engine.module, sd["model"])
         if self.with_optimizer:
             self.engine.grad_path.load_state_dict(sd["optim"])
+
+
+def _has_optimizer_masters(path: Path) -> bool:
+    """Offload (and stage-1) checkpoints store each param's fp32 "master" with its optimizer state; a plain FSDP
+    checkpoint does not (its sharded fp32 model weights are the masters)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return any("/optim/state/" in k and k.endswith("/master") for k in keys)
 
 
 def save_engine(engine, save_dir, tag=None, client_state=None, save_latest=True, **options) -> Path | PendingSave:
@@ -87,7 +99,7 @@ def load_engine(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_
         return None, None
     top = dict(json.loads((path / "state.json").read_text())["__dict__"]) if (path / "state.json").is_file() else {}
     with_optim = load_optimizer_states and not load_module_only
-    state: dict = {"train": EngineState(engine, with_optim)}
+    state: dict = {"train": EngineState(engine, with_optim, _has_optimizer_masters(path))}
     engine_state: dict = {}
     if not load_module_only:
         for key in ("engine", "counters", "loss_scaler"):

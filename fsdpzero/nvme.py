@@ -392,7 +392,8 @@ class NVMeGradPath(OffloadGradPath):
             saved = sd["state"].get(e.name)
             if saved is None:
                 continue
-            master = _local(saved["master"]).reshape(p.shape)
+            # no "master" (a non-offload checkpoint): the model weights just loaded are the masters
+            master = _local(saved["master"] if "master" in saved else e.param).float().reshape(p.shape)
             state[i] = {"step": saved["step"].clone(), "exp_avg": _local(saved["exp_avg"]).reshape(p.shape),
                         "exp_avg_sq": _local(saved["exp_avg_sq"]).reshape(p.shape)}
             if p.dtype == torch.float32:

@@ -285,8 +285,9 @@ class OffloadGradPath:
             st["step"] = saved["step"].clone()
             for k in ("exp_avg", "exp_avg_sq"):
                 st[k].copy_(_local(saved[k]).view(st[k].shape))
-            e.master.copy_(_local(saved["master"]).view(e.master.shape))
-            _local(e.param).copy_(e.master.view(_local(e.param).shape))   # the device copy follows the master
+            if "master" in saved:   # absent in a non-offload checkpoint: the model weights just loaded are the masters
+                e.master.copy_(_local(saved["master"]).view(e.master.shape))
+                _local(e.param).copy_(e.master.view(_local(e.param).shape))   # the device copy follows the master
         for group, saved in zip(self.optimizer.param_groups, sd["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
 
