@@ -54,6 +54,20 @@ def _has_optimizer_masters(path: Path) -> bool:
     return any("/optim/state/" in k and k.endswith("/master") for k in keys)
 
 
+def _check_stage1_layout(engine, path: Path) -> None:
+    """Stage 1 keeps its optimizer state as flat per-parameter shards (ops/stage1_state.py); DCP cannot reshape the
+    full-shape state that stage 0/2/3, offload or a converted DeepSpeed checkpoint holds. Say so before loading."""
+    if type(engine.grad_path).__name__ != "Stage1GradPath":
+        return
+    from torch.distributed.checkpoint import FileSystemReader
+    md = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    full = [k for k, v in md.items() if "/optim/state/" in k and k.endswith("/exp_avg") and len(v.size) > 1]
+    if full:
+        raise ValueError(f"{path}: its optimizer state is laid out per full parameter (e.g. {full[0]}), written by a "
+                         "stage 0/2/3 or offload engine or converted from DeepSpeed; a stage-1 engine cannot load it. "
+                         "Resume with zero_optimization.stage 2 (the same math), or load_optimizer_states=False.")
+
+
 def save_engine(engine, save_dir, tag=None, client_state=None, save_latest=True, **options) -> Path | PendingSave:
     state = {"train": EngineState(engine), "engine": engine.client_state()}
     return save_checkpoint(save_dir, tag, state, client_state, step=engine.global_steps, save_latest=save_latest,
@@ -99,6 +113,8 @@ def load_engine(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_
         return None, None
     top = dict(json.loads((path / "state.json").read_text())["__dict__"]) if (path / "state.json").is_file() else {}
     with_optim = load_optimizer_states and not load_module_only
+    if with_optim:
+        _check_stage1_layout(engine, path)
     state: dict = {"train": EngineState(engine, with_optim, _has_optimizer_masters(path))}
     engine_state: dict = {}
     if not load_module_only:
