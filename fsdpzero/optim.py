@@ -20,7 +20,7 @@ Two things live here:
    `load_state_dict()` give the optimizer state in a form DCP can save (DTensors or plain local tensors).
 
    Implementations: `FSDPGradPath` here (ZeRO 0/2/3 on FSDP2: reduction happens inside backward), the stage-1 path
-   (`fsdpzero_ops.stage1`) and the CPU/NVMe offload path (`fsdpzero.offload`). Each provides a module-level
+   (`fsdpzero.stage1_path` over ops/stage1.py) and the CPU/NVMe offload path (`fsdpzero.offload`). Each provides a module-level
    `build_grad_path(model, plan, make_optimizer, mesh) -> GradPath`; `select_grad_path(plan)` picks the module.
    How the model is laid out for each path is decided by `fsdpzero.sharding.shard_model`: stage 1 leaves the
    module unwrapped (replicated plain tensors; the stage-1 path reduces gradients in `finish_gradients`), the others
@@ -75,7 +75,7 @@ class GradPath(Protocol):
 # here by name; the engine never imports them directly.
 GRAD_PATHS = {
     "fsdp": "fsdpzero.optim",
-    "stage1": "fsdpzero_ops.stage1",
+    "stage1": "fsdpzero.stage1_path",
     "offload": "fsdpzero.offload",
 }
 

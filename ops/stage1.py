@@ -25,15 +25,14 @@ world size. A bucket is a run of parameters; its collective buffer is rank-major
 from __future__ import annotations
 
 import collections
-import logging
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .stage1_layout import _FlatGroup, _named_groups, _pack, _Run, _runs, _Slot, _unpack
 from .stage1_state import load_logical_state_dict, logical_state_dict
 
 __all__ = ["Stage1Optimizer"]
@@ -51,99 +50,6 @@ def _reduce_scatter(out, inp, group, async_op):
 def _all_gather(out, inp, group, async_op):
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, inp, group=group, async_op=async_op)
-
-
-# ---------------------------------------------------------------- layout
-
-@dataclass(eq=False)
-class _Slot:
-    """One parameter's place in the flat shard: chunk `rank` of its flattened, padded values."""
-    name: str
-    param: nn.Parameter
-    numel: int
-    chunk: int      # ceil(numel / world): every rank's share, padding included
-    offset: int     # where the share starts in the flat group's shard
-    local: int      # elements of the share that are real (the rest is padding)
-
-
-@dataclass(eq=False)
-class _Run:
-    """Consecutive slots moved by one collective: shard range [lo, hi) on every rank."""
-    slots: list[_Slot]
-    lo: int
-    hi: int
-    pending: int = 0                      # slots whose gradient has not arrived yet in this backward (overlap_comm)
-
-
-@dataclass(eq=False)
-class _FlatGroup:
-    """The parameters of one param group and one dtype, with this rank's fp32 master shard."""
-    group_index: int
-    dtype: torch.dtype
-    slots: list[_Slot]
-    master: torch.Tensor
-    reduce_runs: list[_Run] = field(default_factory=list)
-    gather_runs: list[_Run] = field(default_factory=list)
-    grad_cache: torch.Tensor | None = None   # pinned CPU master grad kept between steps (offload only)
-
-
-def _runs(slots: list[_Slot], bucket_elements: int, world: int) -> list[_Run]:
-    """Cut slots into runs of at most `bucket_elements` (counted across all ranks, as DeepSpeed counts); a single
-    larger parameter makes a run of its own."""
-    runs, cur, size = [], [], 0
-    for s in slots:
-        if cur and size + s.chunk * world > bucket_elements:
-            runs.append(_Run(cur, cur[0].offset, cur[-1].offset + cur[-1].chunk))
-            cur, size = [], 0
-        cur.append(s)
-        size += s.chunk * world
-    if cur:
-        runs.append(_Run(cur, cur[0].offset, cur[-1].offset + cur[-1].chunk))
-    return runs
-
-
-def _pack(dst: torch.Tensor, flat: torch.Tensor | None, scale: float) -> None:
-    """dst (world, chunk) <- flat * scale laid out row by row, zeros after the end (one kernel casts and scales)."""
-    world, chunk = dst.shape
-    if flat is None:
-        dst.zero_()
-        return
-    full, rem = divmod(flat.numel(), chunk)
-    torch.mul(flat[: full * chunk].view(full, chunk), scale, out=dst[:full])
-    if full < world:
-        torch.mul(flat[full * chunk:], scale, out=dst[full, :rem])
-        dst[full, rem:].zero_()
-        dst[full + 1:].zero_()
-
-
-def _unpack(flat: torch.Tensor, src: torch.Tensor) -> None:
-    """Inverse of _pack: flat <- the first flat.numel() values of src (world, chunk), row by row."""
-    chunk = src.shape[1]
-    full, rem = divmod(flat.numel(), chunk)
-    flat[: full * chunk].view(full, chunk).copy_(src[:full])
-    if rem:
-        flat[full * chunk:].copy_(src[full, :rem])
-
-
-def _named_groups(params) -> list[dict[str, Any]]:
-    """Accept a module, parameters, (name, parameter) pairs, or param-group dicts (with optional "param_names")."""
-    if isinstance(params, nn.Module):
-        params = params.named_parameters()
-    params = list(params)
-    if not params:
-        raise ValueError("Stage1Optimizer got an empty parameter list")
-    if not isinstance(params[0], dict):
-        params = [{"params": params}]
-    groups = []
-    for gi, g in enumerate(params):
-        g = dict(g)
-        items = list(g.pop("params"))
-        names = g.pop("param_names", None)
-        if items and isinstance(items[0], tuple):
-            names, items = [n for n, _ in items], [p for _, p in items]
-        names = names or [f"group{gi}.param{i}" for i in range(len(items))]
-        groups.append({"named": list(zip(names, items)), "options": g})
-    return groups
 
 
 # ---------------------------------------------------------------- the optimizer
@@ -471,81 +377,3 @@ class Stage1Optimizer(torch.optim.Optimizer):
         """Apply state_dict() output (possibly filled by DCP from another world size); re-gathers the params."""
         load_logical_state_dict(self, state_dict)
         self._gather_params()
-
-
-# ---------------------------------------------------------------- the engine's extension point (fsdpzero.optim)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_ELEMENTWISE = {"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta",
-                "AdamNoBiasCorrection", "CPUAdam", "DeepSpeedCPUAdam"}   # update of an element needs only that element
-
-
-class Stage1GradPath:
-    """fsdpzero.optim.GradPath over a Stage1Optimizer: the engine drives the reduce / norm / scale / update steps
-    (clipping, loss scaling and the skip decision stay in the engine)."""
-
-    def __init__(self, stage1: Stage1Optimizer):
-        self.stage1, self.optimizer = stage1, stage1.optimizer
-
-    def set_sync(self, sync: bool) -> None:
-        self.stage1.set_gradient_sync(sync)
-
-    def finish_gradients(self) -> None:
-        self.stage1.reduce_gradients()
-
-    def grad_norm(self) -> torch.Tensor:
-        return self.stage1.grad_norm()
-
-    def scale_grads_(self, factor) -> None:
-        if not (isinstance(factor, float) and factor == 1.0):
-            self.stage1.scale_grads_(factor)
-
-    def can_skip_on_device(self) -> bool:
-        from fsdpzero.optim import skips_on_device
-        return skips_on_device(self.optimizer)
-
-    def step(self, found_inf: torch.Tensor | None = None) -> None:
-        # on a device-side skip the masters stay as they were, so the all-gather rewrites the same parameters
-        if found_inf is not None:
-            self.optimizer.found_inf = found_inf
-        try:
-            self.stage1.update_params()
-        finally:
-            if found_inf is not None:
-                del self.optimizer.found_inf
-
-    def zero_grad(self) -> None:
-        self.stage1.zero_grad()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.stage1.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.stage1.load_state_dict(state)
-
-
-def build_grad_path(model: nn.Module, plan, make_optimizer: Callable, mesh=None) -> Stage1GradPath:
-    """`zero_optimization.stage: 1`: the engine's optimizer (config section or client) over the whole parameters,
-    then sharded by Stage1Optimizer.wrap. The model stays unwrapped; its parameters are cast to the plan's
-    param_dtype after the fp32 masters are taken."""
-    if plan.offload.optimizer_device not in ("none", "cpu"):
-        raise ValueError(f"zero_optimization.offload_optimizer.device = {plan.offload.optimizer_device!r} with stage "
-                         "1 is not supported: use \"cpu\", or stage 2/3 for NVMe offload")
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    dtype = _DTYPES[plan.precision.param_dtype]
-    for p in model.parameters():   # frozen weights compute in the same dtype (DeepSpeed casts the whole module)
-        if not p.requires_grad and p.is_floating_point():
-            p.data = p.data.to(dtype)
-    optimizer = make_optimizer([p for _, p in named])
-    if type(optimizer).__name__ not in _ELEMENTWISE and (not dist.is_initialized() or dist.get_rank() == 0):
-        logging.getLogger("fsdpzero").warning(
-            "fsdpzero: ZeRO stage 1 gives %s one flat tensor per param group and rank, as DeepSpeed's ZeRO 1/2 do; "
-            "per-tensor quantities (LAMB trust ratios, ...) are then taken over that flat shard and results differ "
-            "from stage 0", type(optimizer).__name__)
-    shard, precision, offload = plan.shard, plan.precision, plan.offload
-    stage1 = Stage1Optimizer.wrap(
-        optimizer, {id(p): n for n, p in named}, process_group=mesh.get_group() if mesh is not None else None,
-        param_dtype=dtype, reduce_dtype=_DTYPES[precision.reduce_dtype],
-        reduce_bucket_size=shard.reduce_bucket_size, allgather_bucket_size=shard.allgather_bucket_size,
-        overlap_comm=bool(shard.overlap_comm), master_device="cpu" if offload.optimizer_device == "cpu" else None)
-    return Stage1GradPath(stage1)

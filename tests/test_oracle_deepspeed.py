@@ -156,8 +156,7 @@ def _run_both(model_kind, config):
     if zero.get("offload_optimizer", {}).get("device", "none") != "none":
         needed = "fsdpzero.offload"
     elif zero.get("stage") == 1:
-        import fsdpzero.ops  # noqa: F401  registers ops/ as fsdpzero_ops
-        needed = "fsdpzero_ops.stage1"
+        needed = "fsdpzero.stage1_path"
     else:
         needed = None
     if needed and importlib.util.find_spec(needed) is None:

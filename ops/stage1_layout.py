@@ -1,0 +1,100 @@
+"""The flat-shard layout of ops/stage1.py: each parameter is flattened, padded to a multiple of the world size and
+cut into equal chunks (DTensor's Shard(0) of the flat parameter); runs group consecutive chunks into buckets."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One parameter's place in the flat shard: chunk `rank` of its flattened, padded values."""
+    name: str
+    param: nn.Parameter
+    numel: int
+    chunk: int      # ceil(numel / world): every rank's share, padding included
+    offset: int     # where the share starts in the flat group's shard
+    local: int      # elements of the share that are real (the rest is padding)
+
+
+@dataclass(eq=False)
+class _Run:
+    """Consecutive slots moved by one collective: shard range [lo, hi) on every rank."""
+    slots: list[_Slot]
+    lo: int
+    hi: int
+    pending: int = 0                      # slots whose gradient has not arrived yet in this backward (overlap_comm)
+
+
+@dataclass(eq=False)
+class _FlatGroup:
+    """The parameters of one param group and one dtype, with this rank's fp32 master shard."""
+    group_index: int
+    dtype: torch.dtype
+    slots: list[_Slot]
+    master: torch.Tensor
+    reduce_runs: list[_Run] = field(default_factory=list)
+    gather_runs: list[_Run] = field(default_factory=list)
+    grad_cache: torch.Tensor | None = None   # pinned CPU master grad kept between steps (offload only)
+
+
+def _runs(slots: list[_Slot], bucket_elements: int, world: int) -> list[_Run]:
+    """Cut slots into runs of at most `bucket_elements` (counted across all ranks, as DeepSpeed counts); a single
+    larger parameter makes a run of its own."""
+    runs, cur, size = [], [], 0
+    for s in slots:
+        if cur and size + s.chunk * world > bucket_elements:
+            runs.append(_Run(cur, cur[0].offset, cur[-1].offset + cur[-1].chunk))
+            cur, size = [], 0
+        cur.append(s)
+        size += s.chunk * world
+    if cur:
+        runs.append(_Run(cur, cur[0].offset, cur[-1].offset + cur[-1].chunk))
+    return runs
+
+
+def _pack(dst: torch.Tensor, flat: torch.Tensor | None, scale: float) -> None:
+    """dst (world, chunk) <- flat * scale laid out row by row, zeros after the end (one kernel casts and scales)."""
+    world, chunk = dst.shape
+    if flat is None:
+        dst.zero_()
+        return
+    full, rem = divmod(flat.numel(), chunk)
+    torch.mul(flat[: full * chunk].view(full, chunk), scale, out=dst[:full])
+    if full < world:
+        torch.mul(flat[full * chunk:], scale, out=dst[full, :rem])
+        dst[full, rem:].zero_()
+        dst[full + 1:].zero_()
+
+
+def _unpack(flat: torch.Tensor, src: torch.Tensor) -> None:
+    """Inverse of _pack: flat <- the first flat.numel() values of src (world, chunk), row by row."""
+    chunk = src.shape[1]
+    full, rem = divmod(flat.numel(), chunk)
+    flat[: full * chunk].view(full, chunk).copy_(src[:full])
+    if rem:
+        flat[full * chunk:].copy_(src[full, :rem])
+
+
+def _named_groups(params) -> list[dict[str, Any]]:
+    """Accept a module, parameters, (name, parameter) pairs, or param-group dicts (with optional "param_names")."""
+    if isinstance(params, nn.Module):
+        params = params.named_parameters()
+    params = list(params)
+    if not params:
+        raise ValueError("Stage1Optimizer got an empty parameter list")
+    if not isinstance(params[0], dict):
+        params = [{"params": params}]
+    groups = []
+    for gi, g in enumerate(params):
+        g = dict(g)
+        items = list(g.pop("params"))
+        names = g.pop("param_names", None)
+        if items and isinstance(items[0], tuple):
+            names, items = [n for n, _ in items], [p for _, p in items]
+        names = names or [f"group{gi}.param{i}" for i in range(len(items))]
+        groups.append({"named": list(zip(names, items)), "options": g})
+    return groups
