@@ -5,10 +5,13 @@ timed steps, rank-0 median). FSDPZERO_BENCH_CPU=1 runs on gloo/CPU (tiny preset)
 """
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import resource
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -103,3 +106,34 @@ def row(timing: dict, n: int, tokens_per_step_per_gpu: int, **meta) -> dict:
     t = timing["step_s"]
     return {**meta, **timing, "n_params": n, "tokens_per_s_per_gpu": tokens_per_step_per_gpu / t,
             "tflops_per_gpu": 6 * n * tokens_per_step_per_gpu / t / 1e12}
+
+
+SHAPE_ARGS = ("layers", "hidden", "vocab", "seq", "micro", "steps", "warmup")
+
+
+def run_configs(script: str, args, summary_name: str) -> list[dict]:
+    """`--all`: each config of args.configs in its own torchrun of `script` (nothing leaks between runs), DeepSpeed
+    configs (ds_*) only when deepspeed imports; rows (or {"config", "error"}) also saved to out/<summary_name>."""
+    import subprocess
+    import sys
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in args.configs.split(","):
+        if name.startswith("ds_") and importlib.util.find_spec("deepspeed") is None:
+            rows.append({"config": name, "error": "deepspeed not importable"})
+            continue
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+               script, "--config", name, "--json", str(out / f"{name}.json")]
+        cmd += [f"--{k}={getattr(args, k)}" for k in SHAPE_ARGS]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        if proc.returncode != 0 or not (out / f"{name}.json").exists():
+            tail = (proc.stdout + proc.stderr)[-3000:]
+            rows.append({"config": name, "error": f"rc={proc.returncode}", "log_tail": tail})
+            print(f"{name}: FAILED rc={proc.returncode}\n{tail}", flush=True)
+            continue
+        rows.append({**json.loads((out / f"{name}.json").read_text()), "wall_s": time.perf_counter() - t0})
+        print(f"{name}: {rows[-1]['step_s']:.3f} s/step", flush=True)
+    (out / summary_name).write_text(json.dumps(rows, indent=2))
+    return rows

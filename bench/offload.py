@@ -17,13 +17,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from common import run_configs  # noqa: E402  (bench/ is the script's folder)
 CONFIGS = ["fsdp_z2", "fsdp_z3", "fsdp_z3_cpuoffload", "ours_z2", "ours_z2_overlap", "ours_z3_both",
            "ours_z3_both_overlap", "ds_z2_offload", "ds_z3_offload_both"]
 DEVICE = "cuda" if os.environ.get("FSDPZERO_BENCH_CPU") != "1" else "cpu"   # CPU: smoke runs only
@@ -181,32 +181,7 @@ def run_one(args):
 
 
 def run_all(args):
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for name in args.configs.split(","):
-        if name.startswith("ds_"):
-            try:
-                import deepspeed  # noqa: F401
-            except ImportError:
-                rows.append({"config": name, "error": "deepspeed not importable"})
-                continue
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-               __file__, "--config", name, "--json", str(out / f"{name}.json"), "--layers", str(args.layers),
-               "--seq", str(args.seq), "--micro", str(args.micro), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--hidden", str(args.hidden), "--vocab", str(args.vocab)]
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-        if proc.returncode != 0 or not (out / f"{name}.json").exists():
-            tail = (proc.stdout + proc.stderr)[-3000:]
-            rows.append({"config": name, "error": f"rc={proc.returncode}", "log_tail": tail})
-            print(f"{name}: FAILED rc={proc.returncode}\n{tail}", flush=True)
-            continue
-        row = json.loads((out / f"{name}.json").read_text())
-        row["wall_s"] = time.perf_counter() - t0
-        rows.append(row)
-        print(f"{name}: {row['step_s']:.3f} s/step", flush=True)
-    (out / "offload.json").write_text(json.dumps(rows, indent=2))
+    rows = run_configs(__file__, args, "offload.json")
     print(f"\n| config | step s median (min-max) | mean incl. tail | tokens/s/GPU | peak alloc GiB (max rank) | host RSS r0 GiB | "
           f"loss first -> last |\n|---|---|---|---|---|---|---|")
     for r in rows:

@@ -19,13 +19,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from common import run_configs  # noqa: E402  (bench/ is the script's folder)
 CONFIGS = ["ours_z1", "ours_z1_overlap", "ours_z1_overlap_b1e8", "ours_z1_fp32reduce", "ours_z2", "ds_z1", "ds_z2",
            "ours_z3", "ds_z3"]   # z3: the same setup at stage 3, for the stage-3 ratio against DeepSpeed
 DEVICE = "cuda" if os.environ.get("FSDPZERO_BENCH_CPU") != "1" else "cpu"
@@ -125,28 +125,7 @@ def run_one(args):
 
 
 def run_all(args):
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for name in args.configs.split(","):
-        if name.startswith("ds_"):
-            try:
-                import deepspeed  # noqa: F401
-            except ImportError:
-                rows.append({"config": name, "error": "deepspeed not importable"})
-                continue
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-               __file__, "--config", name, "--json", str(out / f"{name}.json")]
-        cmd += [f"--{k}={getattr(args, k)}" for k in ("layers", "hidden", "vocab", "seq", "micro", "steps", "warmup")]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-        if proc.returncode != 0 or not (out / f"{name}.json").exists():
-            tail = (proc.stdout + proc.stderr)[-3000:]
-            rows.append({"config": name, "error": f"rc={proc.returncode}"})
-            print(f"{name}: FAILED rc={proc.returncode}\n{tail}", flush=True)
-            continue
-        rows.append(json.loads((out / f"{name}.json").read_text()))
-        print(f"{name}: {rows[-1]['step_s']:.3f} s/step", flush=True)
-    (out / "stage1.json").write_text(json.dumps(rows, indent=2))
+    rows = run_configs(__file__, args, "stage1.json")
     ok = {r["config"]: r for r in rows if "error" not in r}
     ds, z2 = ok.get("ds_z1"), ok.get("ours_z2")
     print("\n| config | step s median (min-max) | tokens/s/GPU | vs DS z1 | peak alloc / reserved GiB (max rank) "
