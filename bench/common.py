@@ -137,3 +137,25 @@ def run_configs(script: str, args, summary_name: str) -> list[dict]:
         print(f"{name}: {rows[-1]['step_s']:.3f} s/step", flush=True)
     (out / summary_name).write_text(json.dumps(rows, indent=2))
     return rows
+
+
+def config_main(doc: str, configs: list[str], run_one, run_all, *, out: str, timeout: int) -> None:
+    """The command line shared by the per-config benches: `--config NAME` under torchrun, or `--all`."""
+    import argparse
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", choices=configs)
+    ap.add_argument("--all", action="store_true", help="run --configs one torchrun each and print one table")
+    ap.add_argument("--configs", default=",".join(configs))
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--out", default=out)
+    ap.add_argument("--json", default=None)
+    for name, default in zip(SHAPE_ARGS, (16, 2048, 32000, 2048, 4, 10, 3)):   # device_anchors.md's setup
+        ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--timeout", type=int, default=timeout, help="seconds per config (--all)")
+    args = ap.parse_args()
+    if args.all:
+        run_all(args)
+    elif args.config:
+        run_one(args)
+    else:
+        ap.error("give --config NAME (under torchrun) or --all")

@@ -13,7 +13,6 @@ FSDPZERO_BENCH_CPU=1 runs it on CPU/gloo (correctness of the script only).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -23,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from common import run_configs  # noqa: E402  (bench/ is the script's folder)
+from common import config_main, run_configs  # noqa: E402  (bench/ is the script's folder)
 CONFIGS = ["fsdp_z2", "fsdp_z3", "fsdp_z3_cpuoffload", "ours_z2", "ours_z2_overlap", "ours_z3_both",
            "ours_z3_both_overlap", "ds_z2_offload", "ds_z3_offload_both"]
 DEVICE = "cuda" if os.environ.get("FSDPZERO_BENCH_CPU") != "1" else "cpu"   # CPU: smoke runs only
@@ -194,30 +193,5 @@ def run_all(args):
               f"{r['host_rss_GiB']:.2f} | {r['loss_first']:.4f} -> {r['loss_last']:.4f} |")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", choices=CONFIGS)
-    ap.add_argument("--all", action="store_true", help="run --configs one torchrun each and print one table")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--out", default="out/offload")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--micro", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--timeout", type=int, default=400, help="seconds per config (--all)")
-    args = ap.parse_args()
-    if args.all:
-        run_all(args)
-    elif args.config:
-        run_one(args)
-    else:
-        ap.error("give --config NAME (under torchrun) or --all")
-
-
 if __name__ == "__main__":
-    main()
+    config_main(__doc__, CONFIGS, run_one, run_all, out="out/offload", timeout=400)

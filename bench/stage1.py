@@ -15,7 +15,6 @@ overlap_comm and contiguous_gradients on, as in device_anchors.md; skipped when 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -25,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from common import run_configs  # noqa: E402  (bench/ is the script's folder)
+from common import config_main, run_configs  # noqa: E402  (bench/ is the script's folder)
 CONFIGS = ["ours_z1", "ours_z1_overlap", "ours_z1_overlap_b1e8", "ours_z1_fp32reduce", "ours_z2", "ds_z1", "ds_z2",
            "ours_z3", "ds_z3"]   # z3: the same setup at stage 3, for the stage-3 ratio against DeepSpeed
 DEVICE = "cuda" if os.environ.get("FSDPZERO_BENCH_CPU") != "1" else "cpu"
@@ -142,30 +141,5 @@ def run_all(args):
               f"{drift} |")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", choices=CONFIGS)
-    ap.add_argument("--all", action="store_true", help="run --configs one torchrun each and print one table")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--out", default="out/stage1")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--micro", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--timeout", type=int, default=500, help="seconds per config (--all)")
-    args = ap.parse_args()
-    if args.all:
-        run_all(args)
-    elif args.config:
-        run_one(args)
-    else:
-        ap.error("give --config NAME (under torchrun) or --all")
-
-
 if __name__ == "__main__":
-    main()
+    config_main(__doc__, CONFIGS, run_one, run_all, out="out/stage1", timeout=500)
