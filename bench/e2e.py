@@ -23,30 +23,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # run from a source checkout without installing
 import fsdpzero  # noqa: E402
 
-PRESETS = {
-    # device_anchors.md: 0.89 B Llama, seq 2048, micro-batch 4 per GPU
-    "0.9b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
-                 intermediate_size=5632, vocab_size=32000, seq=2048, micro=4),
-    "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=688, vocab_size=4096, seq=256, micro=4),
-}
-LR, BETAS, EPS, WD, CLIP = 1e-4, (0.9, 0.999), 1e-8, 0.01, 1.0
-
-
-def build_model(p: dict, device: torch.device) -> torch.nn.Module:
-    cfg = LlamaConfig(hidden_size=p["hidden_size"], num_hidden_layers=p["num_hidden_layers"],
-                      num_attention_heads=p["num_attention_heads"], num_key_value_heads=p["num_key_value_heads"],
-                      intermediate_size=p["intermediate_size"], vocab_size=p["vocab_size"],
-                      max_position_embeddings=p["seq"], tie_word_embeddings=False)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(1234)
-    with device:
-        return LlamaForCausalLM(cfg)   # built on the GPU: fast, and the same on every rank (same seed)
+from common import BETAS, CLIP, EPS, LR, PRESETS, WD, build_model  # noqa: E402  (bench/ is the script's folder)
 
 
 def plain_fsdp2(model, stage: int, device):
