@@ -128,12 +128,14 @@ def fsdpzero_bytes(c: ModelCounts, stage: int, option: str, n: int, gpus: int, c
     sharded as the stage says; plus the unsharded working set in the compute dtype."""
     P, B, R, cb = c.total, c.largest_block, c.root, compute_bytes
     working3 = cb * (R + 3 * B)         # root unit gathered + current and prefetched block + one block's grads
-    if stage == 0:
-        gpu, host = 16 * P + cb * B, 0
+    if stage == 0:   # the (W, 1) mesh keeps the compute-dtype copy of every param alive through the step
+        gpu, host = 16 * P + (cb * P if cb < 4 else 0) + cb * B, 0
     elif stage == 1:
         gpu, host = 8 * P + 8 * P // n + cb * B, 0
     elif stage == 2:
-        gpu, host = 16 * P // n + cb * P + cb * B, 0     # unsharded params stay from forward to backward
+        # unsharded params live from forward into backward while the grads are still None (zero_grad frees them)
+        # and each block's go as its grad shard arrives: the peak is the larger of that and the optimizer step
+        gpu, host = max(16 * P // n, 12 * P // n + cb * P) + cb * B, 0
     else:
         gpu, host = 16 * P // n + working3, 0
     if option == "offload_optimizer=cpu":               # params and grads stay on the GPU; Adam + fp32 grad copy host
