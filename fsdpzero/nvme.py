@@ -332,7 +332,7 @@ def nvme_optimizer(groups: list[dict], plan, initial: dict[int, torch.Tensor] | 
 
 # ------------------------------------------------------------------------------------ the engine's gradient path
 
-from fsdpzero.offload import OffloadGradPath, _like, _on  # noqa: E402  (offload imports this module lazily)
+from fsdpzero.offload_path import OffloadGradPath, _like, _on  # noqa: E402
 
 
 class NVMeGradPath(OffloadGradPath):

@@ -1,0 +1,261 @@
+"""The offload gradient path (fsdpzero.optim.GradPath): fp32 masters and Adam states on the CPU, stepped chunk by
+chunk by the fused CPU Adam while copies run on side streams. How it is built from a plan: fsdpzero/offload.py."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fsdpzero.optim import global_grad_norm
+
+log = logging.getLogger("fsdpzero")
+
+CHUNK = 1 << 24     # elements per pipeline chunk (64 MiB of fp32 master): small enough to overlap, large to thread
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@dataclass
+class _Entry:
+    name: str
+    param: nn.Parameter            # the model's (sharded) parameter
+    master: torch.Tensor           # fp32 CPU; the param's own local shard when it is fp32 and on the CPU
+    grad_buf: torch.Tensor | None  # pinned CPU landing buffer for the grad (None: read the CPU grad directly)
+    out_buf: torch.Tensor | None   # pinned CPU low-precision param written by the kernel, then copied H2D
+
+
+@dataclass
+class _Chunk:
+    entries: list[_Entry] = field(default_factory=list)
+    numel: int = 0
+    d2h_done: object = None        # CUDA event: this chunk's grads have landed in their pinned buffers
+    h2d_done: object = None        # CUDA event: this chunk's updated params have been copied back
+    ready: threading.Event = field(default_factory=threading.Event)   # CPU side: stepped (and H2D queued)
+
+    def __post_init__(self):
+        self.ready.set()
+
+
+class OffloadGradPath:
+    """fsdpzero.optim.GradPath with fp32 masters and Adam states on the CPU (see the module docstring).
+
+    `units` are the FSDP modules in forward order (root first), each with its entries; chunks never span two units.
+    With `overlap`, step() hands the chunk loop to a worker thread and returns: a forward pre-hook on each unit
+    waits for that unit's chunks (and those of the units it prefetches), so the next forward starts as soon as
+    its first parameters are updated while the CPU steps the rest."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, units: list[tuple[nn.Module | None,
+                 list[_Entry]]], chunk_size: int, *, threads: int, overlap: bool = False):
+        self.model = model
+        self.optimizer = optimizer          # a CPUAdam over the masters: schedulers drive its param_groups
+        self.entries = [e for _, es in units for e in es]
+        self._by_master = {id(e.master): e for e in self.entries}
+        self._factor = 1.0
+        self._hyper: dict[int, dict] = {}   # per master: the group's hyperparameters when step() was called
+        self.threads = threads
+        self.staged = any(e.grad_buf is not None for e in self.entries)
+        cuda = self.staged and self.entries[0].param.device.type == "cuda"
+        self.d2h = torch.cuda.Stream() if cuda else None
+        self.h2d = torch.cuda.Stream() if cuda else None
+        self.chunks: list[_Chunk] = []
+        unit_chunks = []
+        for _, entries in units:
+            first = len(self.chunks)
+            for e in entries:
+                if len(self.chunks) == first or self.chunks[-1].numel + e.master.numel() > chunk_size:
+                    self.chunks.append(_Chunk())
+                self.chunks[-1].entries.append(e)
+                self.chunks[-1].numel += e.master.numel()
+            unit_chunks.append(self.chunks[first:])
+        # loading model weights (e.g. a module-only checkpoint) must reach the masters, or the next step would
+        # write the old weights back; a following load_state_dict of the optimizer then restores exact fp32 masters
+        model.register_load_state_dict_post_hook(lambda *_: self.refresh_masters())
+        self.overlap = overlap and all(m is not None for m, _ in units)
+        self._worker: threading.Thread | None = None
+        self._error: BaseException | None = None
+        if self.overlap:
+            model.register_state_dict_pre_hook(lambda *_: self.wait())   # saving reads the updated weights
+            index = {id(m): i for i, (m, _) in enumerate(units)}
+            for i, (module, _) in enumerate(units):
+                # explicit forward prefetch (set_modules_to_forward_prefetch) unshards later units from this
+                # unit's pre-forward: their chunks must be ready too
+                ahead = [index[id(s._modules[0])] for s in getattr(module._get_fsdp_state(),
+                                                                   "_states_to_forward_prefetch", [])
+                         if id(s._modules[0]) in index]
+                waits = [c for j in [i, *ahead] for c in unit_chunks[j]]
+                module.register_forward_pre_hook(self._make_wait_hook(module, waits), prepend=True)
+
+    def _make_wait_hook(self, module, chunks):
+        def wait_for_update(*_):
+            for c in chunks:
+                c.ready.wait()
+            if self._error is not None:
+                raise RuntimeError("fsdpzero offload: the CPU optimizer step failed") from self._error
+            if self.h2d is not None:   # FSDP2's all-gather copy-in reads the shards on its own streams
+                ctx = getattr(module._get_fsdp_state(), "_comm_ctx", None)
+                streams = [torch.cuda.current_stream()] + [getattr(ctx, n) for n in (
+                    "all_gather_copy_in_stream", "all_gather_stream") if hasattr(ctx, n)]
+                for c in chunks:
+                    if c.h2d_done is not None:
+                        for s in streams:
+                            s.wait_event(c.h2d_done)
+        return wait_for_update
+
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        """masters <- the model's (possibly low-precision) shards, e.g. after new weights were loaded."""
+        self._join()
+        for e in self.entries:
+            local = _local(e.param)
+            if e.master is not local:
+                e.master.copy_(local)
+
+    def wait(self) -> None:
+        """Block until an overlapped CPU step has finished (before reading the weights outside a forward)."""
+        self._join()
+
+    def _join(self) -> None:
+        if self._worker is not None:
+            self._worker.join()
+            self._worker = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError("fsdpzero offload: the CPU optimizer step failed") from err
+
+    # -- GradPath -------------------------------------------------------------------------------------------------
+    def set_sync(self, sync: bool) -> None:
+        if hasattr(self.model, "set_requires_gradient_sync"):
+            self.model.set_requires_gradient_sync(sync)
+
+    def finish_gradients(self) -> None:
+        self._join()                      # the previous step must be done with the grad buffers
+        if not self.staged:
+            return
+        if self.d2h is not None:
+            self.d2h.wait_stream(torch.cuda.current_stream())
+        for chunk in self.chunks:
+            with _on(self.d2h):
+                for e in chunk.entries:
+                    if e.param.grad is not None:
+                        e.grad_buf.copy_(_local(e.param.grad), non_blocking=True)
+                if self.d2h is not None:
+                    chunk.d2h_done = torch.cuda.Event()
+                    chunk.d2h_done.record(self.d2h)
+
+    def grad_norm(self) -> torch.Tensor:
+        return global_grad_norm(e.param for e in self.entries)
+
+    def scale_grads_(self, factor) -> None:
+        self._factor = self._factor * factor   # a float or 0-dim tensor; the kernel applies it as it reads grads
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self._join()
+        factor, self._factor = float(self._factor), 1.0   # the CPU needs the value: one sync, after the norm
+        # what to step, read now: zero_grad() may drop the grads before an overlapped worker reaches them
+        work = [(chunk, [(e, e.grad_buf if e.grad_buf is not None else _local(e.param.grad))
+                         for e in chunk.entries if e.param.grad is not None]) for chunk in self.chunks]
+        # and the hyperparameters: the engine steps the LR scheduler right after step() returns
+        self._hyper = {id(m): {k: v for k, v in g.items() if k != "params"}
+                       for g in self.optimizer.param_groups for m in g["params"]}
+        if not self.overlap:
+            self._step_chunks(work, factor)
+            if self.h2d is not None:         # the next forward's all-gathers read the updated shards
+                torch.cuda.current_stream().wait_stream(self.h2d)
+            return
+        for chunk in self.chunks:
+            chunk.ready.clear()
+        self._worker = threading.Thread(target=self._worker_main, args=(work, factor), daemon=True,
+                                        name="fsdpzero-offload-step")
+        self._worker.start()
+
+    @torch.no_grad()   # grad mode is per thread
+    def _worker_main(self, work, factor) -> None:
+        try:
+            if self.h2d is not None:   # a new thread starts on GPU 0, whatever this rank's device is
+                torch.cuda.set_device(self.h2d.device)
+            torch.set_num_threads(max(1, self.threads - 1))   # OpenMP settings are per thread; leave one core
+            self._step_chunks(work, factor)                     # to the thread that launches the forward
+        except BaseException as e:
+            self._error = e
+        finally:
+            for chunk in self.chunks:
+                chunk.ready.set()
+
+    def _step_chunks(self, work, factor) -> None:
+        for chunk, items in work:
+            if chunk.d2h_done is not None:
+                chunk.d2h_done.synchronize()
+            if chunk.h2d_done is not None:       # last step's H2D must have read the out buffers we overwrite
+                chunk.h2d_done.synchronize()
+            for e, grad in items:
+                out = e.out_buf
+                if out is None and e.master is not _local(e.param):
+                    out = _local(e.param)      # CPU-resident low-precision shard: written in place
+                self.optimizer.step_param(e.master, grad, out=out, grad_scale=factor, hyper=self._hyper[id(e.master)])
+            if self.staged and items:
+                with _on(self.h2d):
+                    for e, _ in items:
+                        _local(e.param).copy_(e.out_buf, non_blocking=True)
+                    if self.h2d is not None:
+                        chunk.h2d_done = torch.cuda.Event()
+                        chunk.h2d_done.record(self.h2d)
+            chunk.ready.set()
+
+    def zero_grad(self) -> None:
+        if self.d2h is not None:              # grads may be freed only after their D2H has read them
+            self.d2h.synchronize()
+        for e in self.entries:
+            e.param.grad = None
+
+    def state_dict(self) -> dict:
+        """Per parameter name: step, exp_avg, exp_avg_sq and the fp32 master, as DTensors placed like the param
+        (CPU local shards) so DCP saves each rank's own shard; plus the param groups' hyperparameters."""
+        self._join()
+        state = {}
+        for e in self.entries:
+            st = self.optimizer._state(e.master)   # created (zeros, step 0) before the first step: DCP loads
+            tensors = {k: st[k] for k in ("exp_avg", "exp_avg_sq")}  # into this dict in place
+            tensors["master"] = e.master
+            state[e.name] = {"step": st["step"],
+                             **{k: _like(e.param, v) for k, v in tensors.items()}}
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [self._by_master[id(m)].name for m in g["params"]]} for g in self.optimizer.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        self._join()
+        names = {e.name: e for e in self.entries}
+        for name, saved in sd["state"].items():
+            e = names[name]
+            st = self.optimizer._state(e.master)
+            st["step"] = saved["step"].clone()
+            for k in ("exp_avg", "exp_avg_sq"):
+                st[k].copy_(_local(saved[k]).view(st[k].shape))
+            if "master" in saved:   # absent in a non-offload checkpoint: the model weights just loaded are the masters
+                e.master.copy_(_local(saved["master"]).view(e.master.shape))
+                _local(e.param).copy_(e.master.view(_local(e.param).shape))   # the device copy follows the master
+        for group, saved in zip(self.optimizer.param_groups, sd["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _on(stream):
+    """torch.cuda.stream(stream), or nothing on CPU-only runs."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _like(param, local: torch.Tensor):
+    """`local` as a DTensor shard placed like `param` (a plain tensor when param is plain)."""
+    if not hasattr(param, "device_mesh"):
+        return local
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(local.view(_local(param).shape), param.device_mesh, param.placements,
+                              shape=param.shape, stride=param.stride(), run_check=False)
