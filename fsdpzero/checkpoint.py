@@ -52,8 +52,13 @@ class ModelOptimizer(Stateful):
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, sd: dict) -> None:
-        set_state_dict(self.model, self.optimizer or [], model_state_dict=sd["model"],
-                       optim_state_dict=sd.get("optim", {}))
+        if self.optimizer is None:
+            set_state_dict(self.model, [], model_state_dict=sd["model"], optim_state_dict={})
+            return
+        from fsdpzero.optim import keeping_impl_flags
+        with keeping_impl_flags(self.optimizer):
+            set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"],
+                           optim_state_dict=sd.get("optim", {}))
 
 
 def _rank() -> int:
@@ -312,11 +317,54 @@ def resolve_tag(load_dir: str | Path, tag: str | None = None) -> Path:
     return path
 
 
+# ---- loading across layouts ------------------------------------------------------------------------------------
+
+def _full_where_layout_differs(template: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    """Entries saved with another shape of the same numel (a stage-1 flat (numel,) state against a stage 0/2/3
+    parameter-shaped one, either way) are read in full, in the saved dtype, into plain CPU tensors that replace them
+    in `template`; the live tensors are returned by key, for _copy_full_into after the load. Memory: every such entry
+    is held whole on every rank for the duration of the load (a one-time cost of a cross-layout resume: about 12
+    bytes per parameter for fp32 weights and two Adam moments)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    relaid = {}
+    for key, t in template.items():
+        md = saved.get(key)
+        if isinstance(md, TensorStorageMetadata) and tuple(md.size) != tuple(t.shape) and md.size.numel() == t.numel():
+            relaid[key] = t
+            template[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    return relaid
+
+
+@torch.no_grad()
+def _copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
+    """target <- full, reshaped to target's (global) shape; a DTensor takes only its own local piece, cut as DTensor
+    cuts it (torch.chunk along each sharded dim, mesh dim by mesh dim), with no communication."""
+    full = full.reshape(target.shape)
+    if not hasattr(target, "to_local"):
+        target.copy_(full)
+        return
+    piece, coord = full, target.device_mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(target.placements):
+        if placement.is_shard():
+            dim = placement.dim
+            chunks = torch.chunk(piece, target.device_mesh.size(mesh_dim), dim=dim)
+            piece = chunks[coord[mesh_dim]] if coord[mesh_dim] < len(chunks) else piece.narrow(dim, 0, 0)
+        elif not placement.is_replicate():
+            raise NotImplementedError(f"loading a checkpoint entry into a DTensor placed {target.placements}")
+    local = target.to_local()
+    if piece.shape != local.shape:
+        raise RuntimeError(f"checkpoint entry of shape {tuple(full.shape)}: this rank's piece is {tuple(piece.shape)}, "
+                           f"its live shard {tuple(local.shape)}")
+    local.copy_(piece)
+
+
 def load_checkpoint(load_dir: str | Path, tag: str | None = None, state: dict | None = None, *,
                     load_rng: bool = True) -> tuple[Path, dict]:
     """Load <load_dir>/<tag or latest> into `state` (same structure as saved; Stateful objects get
     load_state_dict, dicts are updated in place). Reshards to the current world size. Returns (path, client_state).
-    Keys of `state` that the checkpoint lacks raise; keys left out of `state` are not loaded."""
+    Keys of `state` that the checkpoint lacks raise; keys left out of `state` are not loaded. A tensor saved in
+    another shape of the same size (another stage's optimizer layout) is read whole and cut to the live layout."""
     path = resolve_tag(load_dir, tag)
     problems = checkpoint_problems(path)
     if problems:
@@ -330,7 +378,11 @@ def load_checkpoint(load_dir: str | Path, tag: str | None = None, state: dict | 
     live = _materialize(state)
     template: dict[str, torch.Tensor] = {}
     _split({k: live[k] for k in state}, "state", template, "state")
+    relaid = _full_where_layout_differs(template, path)
     dcp.load(template, checkpoint_id=path)
+    for key, target in relaid.items():
+        _copy_full_into(target, template[key])
+        template[key] = target
     loaded = {k: _join(saved_top[k], template, live[k]) for k in state}
     for k, target in state.items():
         if isinstance(target, Stateful) or hasattr(target, "load_state_dict"):

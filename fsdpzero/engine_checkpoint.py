@@ -2,7 +2,7 @@
 
 State keys: "train" = {"model", "optim"} (what `fsdpzero convert --from deepspeed --to dcp` writes too), "engine" =
 the engine's counters, scheduler and loss scaler. A DeepSpeed save_dir given to load is converted once into
-<dir>/.fsdpzero-<tag>/ and loaded from there.
+<dir>/.fsdpzero-<tag>/ and loaded from there. Any stage loads any other stage's checkpoint (EngineState).
 """
 from __future__ import annotations
 
@@ -23,27 +23,71 @@ def _rank0() -> bool:
 
 
 class EngineState(Stateful):
-    """The engine's model + optimizer (through its gradient path) under the key "train", as the converter writes."""
+    """The engine's model + optimizer (through its gradient path) under the key "train", as the converter writes.
 
-    def __init__(self, engine, with_optimizer: bool = True, saved_masters: bool = True):
-        self.engine, self.with_optimizer = engine, with_optimizer
-        self.saved_masters = saved_masters   # False: a checkpoint without optimizer "master" entries is loading
+    Loading, `saved_masters` says whether the checkpoint's optimizer state holds fp32 "master" entries (stage 1 and
+    offload write them; stage 0/2/3 and converted DeepSpeed checkpoints do not: their fp32 model weights are the
+    masters). When the checkpoint and the live path disagree, the fp32 weights cross over: a live master is read
+    from the saved model weight, or a live fp32 weight from the saved master. Shapes may differ too (stage 1 keeps
+    flat per-parameter states): fsdpzero.checkpoint.load_checkpoint reads those whole and cuts them to the live layout.
+    So any stage's checkpoint resumes on any other stage."""
+
+    def __init__(self, engine, with_optimizer: bool = True, saved_masters: bool | None = None):
+        self.engine, self.with_optimizer, self.saved_masters = engine, with_optimizer, saved_masters
+        self._crossed: str | None = None   # "to_masters" / "to_weights": how the last state_dict() moved masters
+        self._live_groups: list[dict] = []
 
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
         sd = {"model": get_model_state_dict(self.engine.module)}
-        if self.with_optimizer:
-            sd["optim"] = self.engine.grad_path.state_dict()
-            if not self.saved_masters:   # FSDP paths keep fp32 masters as the model weights: those load as "model"
-                for entry in sd["optim"].get("state", {}).values():
-                    entry.pop("master", None)
+        if not self.with_optimizer:
+            return sd
+        sd["optim"] = optim = self.engine.grad_path.state_dict()
+        self._live_groups, self._crossed = optim.get("param_groups", []), None
+        state = optim.get("state", {})
+        live_masters = any("master" in entry for entry in state.values())
+        if self.saved_masters is None or live_masters == self.saved_masters:
+            return sd
+        if live_masters:     # fill the live masters from the saved fp32 model weights
+            for name, entry in state.items():
+                sd["model"][_clean_fqn(name)] = entry.pop("master")
+            self._crossed = "to_masters"
+        else:                # fill the live fp32 model weights from the saved masters
+            for name, entry in state.items():
+                entry["master"] = sd["model"].pop(_clean_fqn(name))
+            moved = {_data_ptr(entry["master"]) for entry in state.values()}
+            for key in [k for k, v in sd["model"].items() if _data_ptr(v) in moved]:
+                del sd["model"][key]   # a tied alias (lm_head of wte) would load the saved 16-bit copy over it
+            self._crossed = "to_weights"
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-        set_model_state_dict(self.engine.module, sd["model"])
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        from fsdpzero.optim import keeping_impl_flags
+        model, strict = sd["model"], self._crossed is None
         if self.with_optimizer:
-            self.engine.grad_path.load_state_dict(sd["optim"])
+            optim = sd["optim"]
+            if self._crossed == "to_masters":   # copies: loading the weights may refresh masters from them (offload)
+                for name, entry in optim["state"].items():
+                    entry["master"] = model.pop(_clean_fqn(name)).detach().clone()
+            elif self._crossed == "to_weights":
+                for name, entry in optim["state"].items():
+                    model[_clean_fqn(name)] = entry.pop("master")
+            for saved, live in zip(optim.get("param_groups", []), self._live_groups):
+                for key in ("params", "param_names"):   # torch groups list "params", stage 1's "param_names"
+                    if key in live:
+                        saved[key] = live[key]
+                    else:
+                        saved.pop(key, None)
+        set_model_state_dict(self.engine.module, model, options=StateDictOptions(strict=strict))
+        if self.with_optimizer:
+            with keeping_impl_flags(self.engine.grad_path.optimizer):
+                self.engine.grad_path.load_state_dict(optim)
+
+
+def _data_ptr(t) -> int:
+    return (t.to_local() if hasattr(t, "to_local") else t).data_ptr()
 
 
 def _has_optimizer_masters(path: Path) -> bool:
@@ -52,20 +96,6 @@ def _has_optimizer_masters(path: Path) -> bool:
     from torch.distributed.checkpoint import FileSystemReader
     keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     return any("/optim/state/" in k and k.endswith("/master") for k in keys)
-
-
-def _check_stage1_layout(engine, path: Path) -> None:
-    """Stage 1 keeps its optimizer state as flat per-parameter shards (ops/stage1_state.py); DCP cannot reshape the
-    full-shape state that stage 0/2/3, offload or a converted DeepSpeed checkpoint holds. Say so before loading."""
-    if type(engine.grad_path).__name__ != "Stage1GradPath":
-        return
-    from torch.distributed.checkpoint import FileSystemReader
-    md = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    full = [k for k, v in md.items() if "/optim/state/" in k and k.endswith("/exp_avg") and len(v.size) > 1]
-    if full:
-        raise ValueError(f"{path}: its optimizer state is laid out per full parameter (e.g. {full[0]}), written by a "
-                         "stage 0/2/3 or offload engine or converted from DeepSpeed; a stage-1 engine cannot load it. "
-                         "Resume with zero_optimization.stage 2 (the same math), or load_optimizer_states=False.")
 
 
 def save_engine(engine, save_dir, tag=None, client_state=None, save_latest=True, **options) -> Path | PendingSave:
@@ -113,8 +143,6 @@ def load_engine(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_
         return None, None
     top = dict(json.loads((path / "state.json").read_text())["__dict__"]) if (path / "state.json").is_file() else {}
     with_optim = load_optimizer_states and not load_module_only
-    if with_optim:
-        _check_stage1_layout(engine, path)
     state: dict = {"train": EngineState(engine, with_optim, _has_optimizer_masters(path))}
     engine_state: dict = {}
     if not load_module_only:

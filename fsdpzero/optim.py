@@ -28,6 +28,7 @@ Two things live here:
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
@@ -150,6 +151,34 @@ def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
     their step count), so an overflow verdict needs no host sync before the step."""
     return (isinstance(optimizer, (torch.optim.Adam, torch.optim.SGD))   # groups, not defaults: a loaded state
             and all(g.get("fused") for g in optimizer.param_groups))       # dict can turn `fused` off
+
+
+# How an optimizer runs, not what it computes: torch's load_state_dict copies these from the saved groups, so a
+# converted DeepSpeed state or another device's checkpoint would silently switch fused Adam off (slow single-tensor
+# path, and no device-side overflow skip: skips_on_device reads the live groups).
+IMPL_FLAGS = ("fused", "foreach", "capturable")
+
+
+@contextlib.contextmanager
+def keeping_impl_flags(optimizer: torch.optim.Optimizer):
+    """Around an optimizer-state load: afterwards each param group has the implementation flags it had before (the
+    ones make_optimizer_factory chose), and fused/capturable groups get their `step` counters on the params' device
+    (a state saved unfused keeps them on the CPU, where those kernels cannot read them)."""
+    own = [{k: g[k] for k in IMPL_FLAGS if k in g} for g in optimizer.param_groups]
+    yield
+    for g, flags in zip(optimizer.param_groups, own):
+        for key in IMPL_FLAGS:
+            if key in flags:
+                g[key] = flags[key]
+            else:
+                g.pop(key, None)
+        if not (g.get("fused") or g.get("capturable")):
+            continue
+        for p in g["params"]:
+            st = optimizer.state.get(p, {})
+            step = st.get("step")
+            if torch.is_tensor(step) and step.device != p.device:
+                st["step"] = step.to(p.device, torch.float32)
 
 
 def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None = None) -> None:

@@ -105,7 +105,10 @@ def _resume_from_deepspeed(rank, world, ckpt_dir, variant, stage=None):
     if stage is not None:
         config = {**config, "zero_optimization": {**config.get("zero_optimization", {}), "stage": stage}}
     engine = wrap(model, config)
+    fused = [g.get("fused") for g in engine.optimizer.param_groups]
     path, _ = engine.load_checkpoint(ckpt_dir)
+    # the engine's own implementation flags survive the load (DeepSpeed's saved groups say fused=None)
+    assert [g.get("fused") for g in engine.optimizer.param_groups] == fused == [True] * len(fused)
     assert engine.global_steps == RECORD["save_step"]
     data = load_file(ASSETS / "data.safetensors")["input_ids"]   # [step, micro-step, DS rank, micro, seq]
     save = RECORD["save_step"]
@@ -134,8 +137,9 @@ def _resume_from_deepspeed(rank, world, ckpt_dir, variant, stage=None):
                                          ("z2_fp32", 2e-6), ("z3_fp32", 2e-6), ("z1_fp32", 2e-6),
                                          ("z2_bf16", 2e-3), ("z3_bf16", 2e-3), ("z2_fp16", 2e-3), ("z3_fp16", 2e-3)])
 def test_engine_resumes_converted_deepspeed_checkpoint(tmp_path, variant, tol):
-    # a DeepSpeed ZeRO-1 run resumes on fsdpzero stage 2 (the same math); a stage-1 engine refuses the layout below
-    stage = 2 if variant.startswith("z1") else None
+    # each on the stage DeepSpeed ran (ZeRO-1 on fsdpzero's stage 1: its flat optimizer state is cut from the
+    # converted full-shape one, its masters from the fp32 weights)
+    stage = None
     assert cli(["convert", str(ASSETS / variant), "--from", "deepspeed", "--to", "dcp", "--out", str(tmp_path)]) == 0
     losses, _, scale = run_distributed(_resume_from_deepspeed, 2, str(tmp_path), variant, stage, timeout=180)[0]
     record = RECORD["variants"][variant]
@@ -195,7 +199,56 @@ def test_engine_save_16bit_model_loads_with_from_pretrained(tmp_path):
     torch.testing.assert_close(ours, logits, rtol=0, atol=2e-2)  # both bf16 forwards; kernels may differ
 
 
-def test_stage1_engine_refuses_full_shape_optimizer_state_clearly(tmp_path):
-    assert cli(["convert", str(ASSETS / "z1_fp32"), "--from", "deepspeed", "--to", "dcp", "--out", str(tmp_path)]) == 0
-    with pytest.raises(RuntimeError, match="a stage-1 engine cannot load it"):
-        run_distributed(_resume_from_deepspeed, 2, str(tmp_path), "z1_fp32", timeout=180)
+def _flat_fp32_state(engine) -> dict:
+    """Per trainable parameter: the fp32 master and Adam state, flat and whole, whatever the engine's layout."""
+    def whole(t):
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().reshape(-1).clone()
+    params = dict(engine.module.named_parameters())
+    out = {}
+    for name, entry in engine.grad_path.state_dict()["state"].items():
+        out[name] = {k: whole(v) for k, v in entry.items() if k != "step"}
+        out[name].setdefault("master", whole(params[name]))   # stage 0/2/3: the fp32 weights are the masters
+        out[name]["step"] = float(entry["step"])
+    return out
+
+
+def _save_bf16(rank, world, stage, save_dir):
+    engine = wrap(build_model("gpt2"), make_plan(stage=stage, dtype="bfloat16", gas=2, world=world))
+    engine_losses(engine, _data()[:3], rank, world)
+    engine.save_checkpoint(save_dir)
+    return _flat_fp32_state(engine)
+
+
+def _load_bf16(rank, world, stage, save_dir):
+    engine = wrap(build_model("gpt2", seed=99), make_plan(stage=stage, dtype="bfloat16", gas=2, world=world))
+    engine.load_checkpoint(save_dir)
+    return _flat_fp32_state(engine), [g.get("fused") for g in engine.optimizer.param_groups]
+
+
+@pytest.mark.parametrize("save_stage,load_stage", [(1, 3), (3, 1), (0, 1), (1, 2)])
+def test_cross_stage_resume_carries_exact_fp32_state(tmp_path, save_stage, load_stage):
+    """bf16: stage 1 saves flat states and fp32 masters next to bf16 weights, stages 0/2/3 shaped states and fp32
+    weights; either loads into the other with every fp32 master and Adam moment bit-identical (not via bf16)."""
+    saved = run_distributed(_save_bf16, 2, save_stage, str(tmp_path), timeout=180)[0]
+    loaded, fused = run_distributed(_load_bf16, 2, load_stage, str(tmp_path), timeout=180)[0]
+    assert fused == [True] * len(fused)
+    assert sorted(saved) == sorted(loaded)
+    for name in saved:
+        assert saved[name]["step"] == loaded[name]["step"] == 3
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(saved[name][key], loaded[name][key]), (name, key)
+        master = saved[name]["master"]
+        assert not torch.equal(master, master.bfloat16().float())   # the masters really are finer than bf16
+
+
+@pytest.mark.parametrize("save_stage,load_stage", [(3, 1), (1, 2)])
+def test_cross_stage_resume_continues_the_loss_curve(tmp_path, save_stage, load_stage):
+    """fp32 with fp16-style loss scaling and an LR schedule: 6 steps on one stage, 6 more on another, against 12 on
+    the second (stages 1 and 2 differ only in the order of fp32 sums)."""
+    ref_losses, ref_params, ref_scale, ref_lr = run_distributed(_straight, 2, load_stage, timeout=180)[0]
+    run_distributed(_first_half, 2, save_stage, str(tmp_path), timeout=180)
+    second, params, scale, lr = run_distributed(_second_half, 2, load_stage, str(tmp_path), timeout=180)[0]
+    assert lr == ref_lr and scale == ref_scale
+    assert max(abs(a - b) for a, b in zip(second, ref_losses[HALF:])) <= 1e-5
+    for k in ref_params:
+        torch.testing.assert_close(params[k], ref_params[k], rtol=0, atol=1e-5)
