@@ -143,7 +143,11 @@ class FSDPGradPath:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        # loaded groups carry the saver's implementation flags (a converted DeepSpeed state has none): keep ours
+        impl = [{k: g[k] for k in _IMPL_FLAGS if k in g} for g in self.optimizer.param_groups]
         set_optimizer_state_dict(self.model, self.optimizer, state)
+        for group, flags in zip(self.optimizer.param_groups, impl):
+            group.update(flags)
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
@@ -191,6 +195,9 @@ def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None
         optimizer.step()
     finally:
         del optimizer.found_inf
+
+
+_IMPL_FLAGS = ("fused", "foreach", "capturable", "differentiable")   # how to step, not what: never from a checkpoint
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

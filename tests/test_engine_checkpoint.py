@@ -125,7 +125,8 @@ def _resume_from_deepspeed(rank, world, ckpt_dir, variant, stage=None):
             acc += loss.detach()
         torch.distributed.all_reduce(acc)
         losses.append(acc.item() / (data.shape[1] * world))
-    return losses, ds_world, engine.get_loss_scale()
+    fused = [g.get("fused") for g in engine.optimizer.param_groups]
+    return losses, ds_world, engine.get_loss_scale(), fused
 
 
 # fp32: DeepSpeed's curve to float noise. 16-bit: the first step after the resume is bit-identical (the fp32 masters
@@ -141,7 +142,9 @@ def test_engine_resumes_converted_deepspeed_checkpoint(tmp_path, variant, tol):
     # converted full-shape one, its masters from the fp32 weights)
     stage = None
     assert cli(["convert", str(ASSETS / variant), "--from", "deepspeed", "--to", "dcp", "--out", str(tmp_path)]) == 0
-    losses, _, scale = run_distributed(_resume_from_deepspeed, 2, str(tmp_path), variant, stage, timeout=180)[0]
+    losses, _, scale, fused = run_distributed(_resume_from_deepspeed, 2, str(tmp_path), variant, stage,
+                                              timeout=180)[0]
+    assert all(fused), f"the resumed optimizer lost its fused implementation: {fused}"
     record = RECORD["variants"][variant]
     expected = record["losses_after_save"]
     assert losses[0] == expected[0]
@@ -155,7 +158,7 @@ def test_engine_loads_deepspeed_dir_directly(tmp_path, variant):
     """engine.load_checkpoint(<DeepSpeed save_dir>) converts once into <dir>/.fsdpzero-<tag>/ and resumes."""
     import shutil
     shutil.copytree(ASSETS / variant, tmp_path / "ds")
-    losses, _, _ = run_distributed(_resume_from_deepspeed, 2, str(tmp_path / "ds"), variant, timeout=180)[0]
+    losses = run_distributed(_resume_from_deepspeed, 2, str(tmp_path / "ds"), variant, timeout=180)[0][0]
     assert losses[0] == RECORD["variants"][variant]["losses_after_save"][0]
     assert (tmp_path / "ds" / ".fsdpzero-global_step3" / "latest").is_file()
 
