@@ -143,11 +143,8 @@ class FSDPGradPath:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-        # loaded groups carry the saver's implementation flags (a converted DeepSpeed state has none): keep ours
-        impl = [{k: g[k] for k in _IMPL_FLAGS if k in g} for g in self.optimizer.param_groups]
-        set_optimizer_state_dict(self.model, self.optimizer, state)
-        for group, flags in zip(self.optimizer.param_groups, impl):
-            group.update(flags)
+        with keeping_impl_flags(self.optimizer):   # the saver's flags (a converted DeepSpeed state: none) are not ours
+            set_optimizer_state_dict(self.model, self.optimizer, state)
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
@@ -160,7 +157,7 @@ def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
 # How an optimizer runs, not what it computes: torch's load_state_dict copies these from the saved groups, so a
 # converted DeepSpeed state or another device's checkpoint would silently switch fused Adam off (slow single-tensor
 # path, and no device-side overflow skip: skips_on_device reads the live groups).
-IMPL_FLAGS = ("fused", "foreach", "capturable")
+IMPL_FLAGS = ("fused", "foreach", "capturable", "differentiable")
 
 
 @contextlib.contextmanager
@@ -195,9 +192,6 @@ def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None
         optimizer.step()
     finally:
         del optimizer.found_inf
-
-
-_IMPL_FLAGS = ("fused", "foreach", "capturable", "differentiable")   # how to step, not what: never from a checkpoint
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

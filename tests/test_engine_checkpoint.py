@@ -105,10 +105,7 @@ def _resume_from_deepspeed(rank, world, ckpt_dir, variant, stage=None):
     if stage is not None:
         config = {**config, "zero_optimization": {**config.get("zero_optimization", {}), "stage": stage}}
     engine = wrap(model, config)
-    fused = [g.get("fused") for g in engine.optimizer.param_groups]
     path, _ = engine.load_checkpoint(ckpt_dir)
-    # the engine's own implementation flags survive the load (DeepSpeed's saved groups say fused=None)
-    assert [g.get("fused") for g in engine.optimizer.param_groups] == fused == [True] * len(fused)
     assert engine.global_steps == RECORD["save_step"]
     data = load_file(ASSETS / "data.safetensors")["input_ids"]   # [step, micro-step, DS rank, micro, seq]
     save = RECORD["save_step"]
