@@ -110,6 +110,18 @@ def _nvme_stand_in(local, stage, on_accel, low, pin):
     return torch.empty(local.shape, dtype=final), None, None
 
 
+def _param_swapper(model: nn.Module, plan: Plan, entries: list[_Entry]):
+    """offload_param nvme: the CPU shards go to disk (fsdpzero.nvme_params). A stand-in NVMeAdam steps becomes
+    a view of its shard's storage, so it is swapped with the shard instead of being a second copy in memory."""
+    from fsdpzero.nvme_params import param_swapper_from_plan
+    with torch.no_grad():
+        for e in entries:
+            local = _local(e.param)
+            if e.master is not local and e.master.dtype == local.dtype and e.grad_buf is None:
+                e.master.set_(local)
+    return param_swapper_from_plan(model, plan)
+
+
 def overlap_default() -> bool:
     """FSDPZERO_OFFLOAD_OVERLAP=1 overlaps the CPU step with the next forward (see OffloadGradPath)."""
     return os.environ.get("FSDPZERO_OFFLOAD_OVERLAP", "0") == "1"
@@ -187,8 +199,12 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
     path_class = OffloadGradPath
     if nvme:
         from fsdpzero.nvme import NVMeGradPath as path_class
+    swap_params = plan.offload.param_device == "nvme" and plan.shard.stage == 3 and units[0][0] is not None
+    overlap = (overlap_default() if overlap is None else overlap) and not swap_params   # one thread swaps
     path = path_class(model, optimizer, [(m, [by_name[n] for n in ns]) for m, ns in units], chunk,
-                      threads=threads, overlap=overlap_default() if overlap is None else overlap)
+                      threads=threads, overlap=overlap)
+    if swap_params:
+        path.param_swapper = _param_swapper(model, plan, entries)
     log.info("offload: %d params, %.1f M elements on this rank, %d chunks, %d CPU threads, staged=%s, pinned "
              "copy buffers=%s, "
              "overlap=%s", len(entries), sum(e.master.numel() for e in entries) / 1e6, len(path.chunks), threads,

