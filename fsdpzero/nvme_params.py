@@ -197,6 +197,7 @@ class ParamSwapper:
         """Make units `ks` resident now (waiting for their reads); start reading `ahead` as far as room allows."""
         self._clock += 1
         protected = set(ks) | set(ahead)
+        self._make_room(0, protected)            # back within the budget after a restore_all()
         for k in ks:
             u = self.units[k]
             u.last_use = self._clock

@@ -110,3 +110,59 @@ def test_param_nvme_equals_param_cpu(tmp_path, opt_device, dtype):
         assert all(sum(1 for x in r if x) <= 3 for r in checks["resident"])          # param buffer_count
         assert sum(checks["numel"]) > max_in_cpu and checks["evicted_match_file"] >= 1
     assert not (tmp_path / nvme.SWAP_ROOT).exists()
+
+
+# ---------------------------------------------------------------- end to end: a ds_config through fsdpzero.wrap
+
+def _engine_run(rank, world, param_device, nvme_path, save_dir):
+    from safetensors.torch import load_file
+    from fsdpzero.api import wrap
+    from tests.engine_cases import batches, build_model, engine_losses, full_params
+    offload_param = {"device": param_device, "pin_memory": True}
+    if param_device == "nvme":
+        offload_param.update(nvme_path=nvme_path, buffer_count=2, buffer_size=40_000, max_in_cpu=60_000)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 5e-4, "weight_decay": 0.01}},
+           "zero_optimization": {"stage": 3, "offload_param": offload_param, "sub_group_size": 20000,
+                                 "stage3_param_persistence_threshold": 0,
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 3},
+                                 "stage3_gather_16bit_weights_on_model_save": True},
+           "aio": {"block_size": 262144, "queue_depth": 4, "intra_op_parallelism": 1}}
+    engine = wrap(build_model("gpt2"), cfg)
+    data = batches(4, 1, 2 * world)
+    losses = engine_losses(engine, data[:2], rank, world)
+    swapper = engine.grad_path.param_swapper
+    if param_device == "nvme":
+        assert sum(u.resident for u in swapper.units) <= 2 < len(swapper.units)
+        assert any(not u.resident for u in swapper.units)
+    engine.save_checkpoint(save_dir)
+    assert not any(nvme.is_swap_dir(p) for p in Path(save_dir).rglob("*")), "swap files in a checkpoint"
+    losses += engine_losses(engine, data[2:], rank, world)
+    again = None
+    if param_device == "nvme":
+        resumed = wrap(build_model("gpt2", seed=7), cfg)
+        resumed.load_checkpoint(save_dir)
+        again = engine_losses(resumed, data[2:], rank, world)
+        assert sum(u.resident for u in resumed.grad_path.param_swapper.units) <= 2
+    engine.save_16bit_model(f"{save_dir}_16bit")
+    exported = load_file(f"{save_dir}_16bit/model.safetensors") if rank == 0 else None
+    return losses, again, full_params(engine.module), exported
+
+
+@pytest.mark.slow
+def test_ds_config_param_nvme_end_to_end(tmp_path):
+    """`offload_param: {device: nvme}` + `offload_optimizer: nvme` in a ds_config through fsdpzero.wrap on 2 gloo
+    ranks (GPT-2, 3 units, buffer_count 2): losses and final params equal `offload_param: cpu` bit for bit; a
+    checkpoint (no swap files in it) resumes identically into a fresh param-NVMe engine; save_16bit_model
+    exports the real weights."""
+    cpu = run_distributed(_engine_run, 2, "cpu", str(tmp_path), str(tmp_path / "ck_cpu"), timeout=300)
+    ours = run_distributed(_engine_run, 2, "nvme", str(tmp_path), str(tmp_path / "ck_nvme"), timeout=300)
+    for (l_cpu, _, p_cpu, x_cpu), (l_nvme, again, p_nvme, x_nvme) in zip(cpu, ours):
+        assert l_cpu == l_nvme and l_nvme[0] != l_nvme[-1]
+        assert again == l_nvme[2:]
+        for k, v in p_cpu.items():
+            assert torch.equal(v, p_nvme[k]), k
+    x_cpu, x_nvme = cpu[0][3], ours[0][3]
+    assert x_cpu.keys() == x_nvme.keys() and all(torch.equal(x_cpu[k], x_nvme[k]) for k in x_cpu)
+    nvme.remove_stale_swap_dirs(tmp_path)    # whatever a rank left (forked ranks may skip atexit) is stale now
+    assert not (tmp_path / nvme.SWAP_ROOT).exists()
