@@ -166,3 +166,42 @@ def test_ds_config_param_nvme_end_to_end(tmp_path):
     assert x_cpu.keys() == x_nvme.keys() and all(torch.equal(x_cpu[k], x_nvme[k]) for k in x_cpu)
     nvme.remove_stale_swap_dirs(tmp_path)    # whatever a rank left (forked ranks may skip atexit) is stale now
     assert not (tmp_path / nvme.SWAP_ROOT).exists()
+
+
+# ------------------------------------------------------------------------------------------ bad settings
+
+def _swapper_errors(rank, world, nvme_path):
+    from fsdpzero.nvme_params import ParamSwapper, fsdp_units
+    from tests.test_offload import _model
+    model = _model(cpu_offload=True)                 # per rank: the root ~160 elements, 3 blocks ~1776 each
+    errors = []
+    for knobs in (dict(buffer_size=1000), dict(buffer_count=1), dict(max_in_cpu=3000)):
+        try:
+            ParamSwapper(fsdp_units(model), nvme_path=nvme_path, **knobs)
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors, list(Path(nvme_path).iterdir())
+
+
+def test_bad_buffer_settings_are_clear_errors(tmp_path):
+    """Model-dependent limits fail when the swapper is built (before step 1, before any swap file), naming the key,
+    the value and the value that works; values < 1 fail in the config layer, before any process group."""
+    from fsdpzero.config import ConfigError
+    from fsdpzero.translate import build_plan
+    from fsdpzero.plan import Env
+    (errors, left), = run_distributed(_swapper_errors, 1, str(tmp_path), timeout=120)
+    assert errors[0].startswith("offload_param.buffer_size=1000 is smaller than the largest FSDP unit's shard on "
+                                "this rank (3552 elements): set buffer_size >= 3552"), errors[0]
+    assert errors[1].startswith("offload_param.buffer_count=1: FSDP2 needs 2 units in CPU memory at once"), errors[1]
+    assert errors[2].startswith("offload_param.max_in_cpu=3000: the unit in use and the 1 prefetched after it hold "
+                                "up to 7104 elements on this rank; set max_in_cpu >= 7104"), errors[2]
+    assert left == []
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu"},
+        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0, "buffer_size": 0}}}
+    with pytest.raises(ConfigError) as e:
+        build_plan(cfg, Env())
+    msg = str(e.value)
+    assert "zero_optimization.offload_param.max_in_cpu: = 0: the NVMe parameter swapper needs at least 1" in msg
+    assert "set zero_optimization.offload_param.buffer_size >= 1 (DeepSpeed's default: 100000000)" in msg
