@@ -66,6 +66,25 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     return [m for _, m in model.named_modules() if isinstance(m, FSDPModule)]
 
 
+def _shards(module: nn.Module) -> list:
+    return [fp for g in module._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params]
+
+
+@torch.no_grad()
+def own_resizable_storages(units: list[nn.Module]) -> None:
+    """Give each shard a fresh storage that can be resized, pinned where it was: FSDP2 pins shards with
+    Tensor.pin_memory(), whose storages refuse resize_(). Both aliases FSDP2 keeps are re-pointed (the padded
+    _sharded_param_data and the DTensor's _local_tensor): call this before anything else holds a view."""
+    for module in units:
+        for fp in _shards(module):
+            old = fp._sharded_param_data.untyped_storage()
+            fresh = torch.empty(old.nbytes(), dtype=torch.uint8,
+                                pin_memory=fp._sharded_param_data.is_pinned()).untyped_storage()
+            fresh.copy_(old)
+            for t in (fp._sharded_param_data, fp.sharded_param._local_tensor):
+                t.set_(fresh, t.storage_offset(), t.size(), t.stride())
+
+
 class ParamSwapper:
     """Keeps the CPU shards of `units` (FSDP modules, forward order, root first) on disk between uses."""
 
@@ -74,15 +93,17 @@ class ParamSwapper:
                  aio: AioConfig | None = None):
         if not units:
             raise ValueError("offload_param.device=nvme: the model has no fully_shard-ed module to swap")
-        units[0]._get_fsdp_state()._lazy_init()        # FSDP2 re-pads the shards at lazy init: it must see them in memory, so do it now
+        units[0]._get_fsdp_state()._lazy_init()   # FSDP2 re-pads the shards at lazy init: in memory, now
         self.units: list[_Unit] = []
         offset = 0
         for module in units:
-            shards = [fp for g in module._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params]
+            shards = _shards(module)
             if not shards:
                 continue
             if any(fp._sharded_param_data.device.type != "cpu" for fp in shards):
                 raise ValueError("offload_param.device=nvme needs the shards in CPU memory (CPUOffloadPolicy)")
+            if not all(fp._sharded_param_data.untyped_storage().resizable() for fp in shards):
+                own_resizable_storages([module])
             nbytes = [fp._sharded_param_data.untyped_storage().nbytes() for fp in shards]
             offsets = []
             for n in nbytes:
@@ -306,6 +327,7 @@ def fsdp_prefetch_depth(units: list[nn.Module]) -> int:
 
 
 def param_swapper_from_plan(model: nn.Module, plan) -> ParamSwapper:
+    """After own_resizable_storages(fsdp_units(model)) and before step 1."""
     off, units = plan.offload, fsdp_units(model)
     return ParamSwapper(units, nvme_path=off.param_nvme_path,
                         rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0,
