@@ -20,6 +20,8 @@ CPU = os.environ.get("FSDPZERO_BENCH_CPU") == "1"
 PRESETS = {
     "0.9b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
                  intermediate_size=5632, vocab_size=32000, seq=2048, micro=4),
+    "0.25b": dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+                  intermediate_size=2816, vocab_size=32000, seq=2048, micro=4),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=512, seq=32, micro=2),
 }

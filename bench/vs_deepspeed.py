@@ -3,6 +3,8 @@
     python bench/vs_deepspeed.py --matrix core --nproc 2 --out out/vs_ds          # run + table + plots
     python bench/vs_deepspeed.py --scaling 1 2 4 --out out/scaling                 # weak scaling, stages 2/3
     python bench/vs_deepspeed.py --summarize out/vs_ds                            # table + plots from JSON
+    python bench/vs_deepspeed.py --matrix nvme --nvme-path /tmp/nv --preset 0.25b  # ZeRO-Infinity: opt + params
+                                                                                  # on NVMe, state vs host RSS
 FSDPZERO_BENCH_CPU=1 uses gloo/CPU, the tiny preset and fp32 (DeepSpeed with DS_ACCELERATOR=cpu).
 """
 from __future__ import annotations
@@ -31,6 +33,10 @@ def entry(stage, dtype="bf16", ga=1, offload="none", hpz=0, impls=tuple(IMPLS)):
 def matrix(kind: str, nvme_path: str | None, nproc: int) -> list[dict]:
     if kind == "smoke":
         return [entry(2, impls=("fsdpzero", "plain_fsdp2", "deepspeed"))]
+    if kind == "nvme":
+        if not nvme_path:
+            raise SystemExit("--matrix nvme needs --nvme-path DIR (a directory on the disk to swap to)")
+        return [dict(entry(3, offload="nvme", impls=("fsdpzero", "deepspeed")), nvme_path=nvme_path)]
     core = [entry(s) for s in (1, 2, 3)] + [entry(2, offload="opt", impls=("fsdpzero", "deepspeed"))]
     if kind == "core":
         return core
@@ -123,6 +129,9 @@ def worker(args) -> None:
         r = common.row(timing, n, p["micro"] * p["seq"] * e["ga"], config=e["name"], impl=args.impl,
                        stage=e["stage"], dtype=e["dtype"], ga=e["ga"], offload=e["offload"], hpz=e["hpz"],
                        world_size=world, preset=args.preset,
+                       # fp32 master + two Adam moments per parameter, this rank's share: what NVMe offload keeps
+                       # off the host; compare with host_rss_gib (peak resident set of rank 0)
+                       opt_state_gib_per_rank=12 * n / world / 2**30,
                        device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
         Path(args.json).write_text(json.dumps(r, indent=1))
     dist.destroy_process_group()
@@ -157,6 +166,7 @@ def table(rows: list[dict]) -> str:
     fields = [("step_s", "step s", "{:.4f}"), ("tokens_per_s_per_gpu", "tok/s/GPU", "{:.0f}"),
               ("tflops_per_gpu", "TFLOP/s/GPU", "{:.1f}"), ("peak_alloc_gib", "peak alloc GiB", "{:.2f}"),
               ("peak_reserved_gib", "peak resv GiB", "{:.2f}"), ("host_rss_gib", "host RSS GiB", "{:.2f}"),
+              ("opt_state_gib_per_rank", "opt state GiB/rank", "{:.2f}"),
               ("launch_to_first_step_s", "launch->step0 s", "{:.1f}")]
     lines = []
     for (cfg, world), impls in sorted(by.items()):
@@ -216,7 +226,7 @@ def summarize(out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--matrix", choices=["smoke", "core", "full"])
+    ap.add_argument("--matrix", choices=["smoke", "core", "full", "nvme"])
     ap.add_argument("--scaling", type=int, nargs="+")
     ap.add_argument("--summarize", metavar="DIR")
     ap.add_argument("--nproc", type=int, default=2)
@@ -237,7 +247,7 @@ def main() -> None:
     if args.summarize:
         return summarize(Path(args.summarize))
     if not (args.matrix or args.scaling):
-        ap.error("give --matrix {smoke,core,full}, --scaling N [N ...] or --summarize DIR")
+        ap.error("give --matrix {smoke,core,full,nvme}, --scaling N [N ...] or --summarize DIR")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     has_ds = importlib.util.find_spec("deepspeed") is not None

@@ -1,7 +1,6 @@
 """offload_param.device: nvme (stage 3) — FSDP2's CPU shards live in a swap file between uses: the same losses and
 final params as offload_param cpu, bit for bit (with offload_optimizer cpu and nvme); evicted units hold no CPU
 memory and the swap file holds their values; checkpoints resume; bad buffer settings give clear errors."""
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -205,3 +204,49 @@ def test_bad_buffer_settings_are_clear_errors(tmp_path):
     msg = str(e.value)
     assert "zero_optimization.offload_param.max_in_cpu: = 0: the NVMe parameter swapper needs at least 1" in msg
     assert "set zero_optimization.offload_param.buffer_size >= 1 (DeepSpeed's default: 100000000)" in msg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opt_device", ["cpu", "nvme"])
+def test_param_nvme_on_gpu_equals_param_cpu(tmp_path, opt_device):
+    """1 GPU, bf16 compute, pinned CPU shards (CPUOffloadPolicy(pin_memory=True)): offload_param nvme == cpu, bit
+    for bit, with units evicted between uses (FSDP2 copies the shards H2D from memory we resize and refill)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from fsdpzero import offload
+    from fsdpzero.optim import clip_factor
+    from tests.test_offload import HYPER, Net
+    if not dist.is_initialized():
+        dist.init_process_group("cuda:nccl,cpu:gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    runs = []
+    for param_device in ("cpu", "nvme"):
+        torch.manual_seed(0)
+        model = Net(d=256, n=4).cuda()
+        mesh = init_device_mesh("cuda", (1,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy(pin_memory=True))
+        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy(pin_memory=True))
+        plan = _plan(opt_device, param_device, str(tmp_path), "bfloat16", param_buffer_count=3,
+                     max_in_cpu=1_000_000)           # blocks ~394k elements, 4 of them: 2 fit, evictions happen
+        path = offload.build_grad_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER))
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        losses = []
+        for _ in range(6):
+            x = torch.randn(32, 7, device="cuda", generator=gen)
+            y = torch.randn(32, 5, device="cuda", generator=gen)
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            loss.backward()
+            path.finish_gradients()
+            path.scale_grads_(clip_factor(path.grad_norm(), 1.0))
+            path.step()
+            path.zero_grad()
+            losses.append(loss.item())
+            if param_device == "nvme":
+                assert any(not u.resident for u in path.param_swapper.units)
+        torch.cuda.synchronize()
+        path.close()
+        runs.append((losses, {n: p.full_tensor().float().cpu() for n, p in model.named_parameters()}))
+    assert runs[0][0] == runs[1][0]
+    for n, v in runs[0][1].items():
+        assert torch.equal(v, runs[1][1][n]), n
