@@ -94,7 +94,7 @@ def reshard_policy(plan: Plan, shard_size: int) -> bool | int:
 
 
 def offload_policy(plan: Plan, device_type: str) -> OffloadPolicy:
-    if plan.offload.param_device in ("cpu", "nvme"):   # nvme: no parameter swapper yet, CPU memory instead
+    if plan.offload.param_device in ("cpu", "nvme"):   # nvme: CPU shards, swapped to disk by nvme_params
         # pinning needs an accelerator (pin_memory() raises on CPU-only machines)
         return CPUOffloadPolicy(pin_memory=plan.offload.pin_memory and device_type == "cuda")
     return OffloadPolicy()
