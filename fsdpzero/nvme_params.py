@@ -121,6 +121,7 @@ class ParamSwapper:
         self._check_capacity(buffer_size)
         self._clock = 0
         self._in_step: list[int] = []
+        self.peak = (0, 0)          # most units / shard elements resident during forward, backward and step
         self.swap_dir = SwapDir(nvme_path, rank, key="offload_param.nvme_path")
         try:
             self.swap_dir.check_space(offset + ALIGN)
@@ -140,6 +141,8 @@ class ParamSwapper:
         for k, u in enumerate(self.units):   # prepend: before fully_shard's hooks on the same module
             self._hooks.append(u.module.register_forward_pre_hook(self._pre_forward_hook(k), prepend=True))
             self._hooks.append(u.module.register_forward_hook(self._post_forward_hook(k), prepend=True))
+        log.info("offload_param nvme: %d FSDP units, %.1f MiB of shards in %s; at most %d units / %d elements in "
+                 "CPU memory", len(self.units), offset / 2**20, self.swap_dir.path, buffer_count, max_in_cpu)
         self._hooks.append(units[0].register_state_dict_pre_hook(lambda *_: self.restore_all()))
         self._hooks.append(units[0].register_load_state_dict_pre_hook(lambda *_: self.restore_all(dirty=True)))
 
@@ -235,6 +238,8 @@ class ParamSwapper:
                 break
             u.last_use = self._clock
             self._start_read(u)
+        live = [u for u in self.units if u.resident]
+        self.peak = (max(self.peak[0], len(live)), max(self.peak[1], sum(u.numel for u in live)))
         for k in ks:
             u = self.units[k]
             for r in u.reads:
@@ -261,7 +266,9 @@ class ParamSwapper:
     def _pre_forward_hook(self, k: int):
         def restore_for_forward(module, args):
             self.step_end()
-            self.need(*self._window(self.forward_order, k))
+            # a recompute (activation checkpointing) runs inside backward: keep to the backward order
+            in_backward = torch._C._current_graph_task_id() != -1
+            self.need(*self._window(self.backward_order if in_backward else self.forward_order, k))
         return restore_for_forward
 
     def _post_forward_hook(self, k: int):

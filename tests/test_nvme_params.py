@@ -62,6 +62,7 @@ def _path_run(rank, world, opt_device, nvme_path, dtype, max_in_cpu):
         if param_device == "nvme":
             sw = path.param_swapper
             checks["resident"] = bounds
+            checks["peak"] = sw.peak                       # (units, elements) at any point of fwd / bwd / step
             checks["numel"] = [u.numel for u in sw.units]
             checks["evicted_match_file"] = _evicted_match_file(sw)
             swap = sw.swap_dir.path
@@ -107,6 +108,7 @@ def test_param_nvme_equals_param_cpu(tmp_path, opt_device, dtype):
             assert torch.equal(v, ours[1][name]), name
         assert all(sum(r) <= max_in_cpu for r in checks["resident"]), checks
         assert all(sum(1 for x in r if x) <= 3 for r in checks["resident"])          # param buffer_count
+        assert checks["peak"][0] <= 3 and 0 < checks["peak"][1] <= max_in_cpu
         assert sum(checks["numel"]) > max_in_cpu and checks["evicted_match_file"] >= 1
     assert not (tmp_path / nvme.SWAP_ROOT).exists()
 
@@ -126,7 +128,8 @@ def _engine_run(rank, world, param_device, nvme_path, save_dir):
                                  "stage3_param_persistence_threshold": 0,
                                  "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 3},
                                  "stage3_gather_16bit_weights_on_model_save": True},
-           "aio": {"block_size": 262144, "queue_depth": 4, "intra_op_parallelism": 1}}
+           "aio": {"block_size": 262144, "queue_depth": 4, "intra_op_parallelism": 1},
+           "activation_checkpointing": {"contiguous_memory_optimization": False}}   # recompute inside backward
     engine = wrap(build_model("gpt2"), cfg)
     data = batches(4, 1, 2 * world)
     losses = engine_losses(engine, data[:2], rank, world)
@@ -151,7 +154,7 @@ def _engine_run(rank, world, param_device, nvme_path, save_dir):
 @pytest.mark.slow
 def test_ds_config_param_nvme_end_to_end(tmp_path):
     """`offload_param: {device: nvme}` + `offload_optimizer: nvme` in a ds_config through fsdpzero.wrap on 2 gloo
-    ranks (GPT-2, 3 units, buffer_count 2): losses and final params equal `offload_param: cpu` bit for bit; a
+    ranks (GPT-2, 3 units, buffer_count 2, activation checkpointing): losses and final params equal `offload_param: cpu` bit for bit; a
     checkpoint (no swap files in it) resumes identically into a fresh param-NVMe engine; save_16bit_model
     exports the real weights."""
     cpu = run_distributed(_engine_run, 2, "cpu", str(tmp_path), str(tmp_path / "ck_cpu"), timeout=300)
