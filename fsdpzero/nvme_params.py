@@ -117,7 +117,9 @@ class ParamSwapper:
             raise ValueError("offload_param.device=nvme: the model's FSDP units hold no parameters")
         self.index = {id(u.module): k for k, u in enumerate(self.units)}
         self.forward_order = list(range(len(self.units)))
-        self.backward_order = [0] + self.forward_order[:0:-1]
+        # FSDP2's backward: the root's pre-backward first (it holds the head), then the other units in reverse
+        root_first = self.units[0].module is units[0]
+        self.backward_order = [0] + self.forward_order[:0:-1] if root_first else self.forward_order[::-1]
         self._check_capacity(buffer_size)
         self._clock = 0
         self._in_step: list[int] = []
