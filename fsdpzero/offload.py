@@ -35,7 +35,7 @@ import os
 import torch
 from torch import nn
 
-from fsdpzero.offload_path import CHUNK, _DTYPES, NVMeGradPath, OffloadGradPath, _Entry, _local
+from fsdpzero.offload_path import CHUNK, _DTYPES, OffloadGradPath, _Entry, _local
 from fsdpzero.optim import OptimizerFactory
 from fsdpzero.plan import Plan
 
@@ -198,7 +198,9 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
         optimizer = CPUAdam(hyper)
     chunk = max(1, min(int(plan.offload.sub_group_size), CHUNK))
     by_name = {e.name: e for e in entries}
-    path_class = NVMeGradPath if nvme else OffloadGradPath
+    path_class = OffloadGradPath
+    if nvme:
+        from fsdpzero.nvme import NVMeGradPath as path_class
     swap_params = plan.offload.param_device == "nvme" and plan.shard.stage == 3 and units[0][0] is not None
     overlap = (overlap_default() if overlap is None else overlap) and not swap_params   # one thread swaps
     path = path_class(model, optimizer, [(m, [by_name[n] for n in ns]) for m, ns in units], chunk,
