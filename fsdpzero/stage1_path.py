@@ -89,4 +89,7 @@ def build_grad_path(model: nn.Module, plan, make_optimizer: Callable, mesh=None)
         param_dtype=dtype, reduce_dtype=_DTYPES[precision.reduce_dtype],
         reduce_bucket_size=shard.reduce_bucket_size, allgather_bucket_size=shard.allgather_bucket_size,
         overlap_comm=bool(shard.overlap_comm), master_device="cpu" if offload.optimizer_device == "cpu" else None)
+    # weights loaded without the optimizer (load_module_only, load_optimizer_states=False) become the masters; a
+    # following optimizer load then restores the exact fp32 masters from the checkpoint
+    model.register_load_state_dict_post_hook(lambda *_: stage1.refresh_masters())
     return Stage1GradPath(stage1)

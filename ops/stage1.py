@@ -52,6 +52,14 @@ def _all_gather(out, inp, group, async_op):
     return fn(out, inp, group=group, async_op=async_op)
 
 
+@torch.no_grad()
+def _take_chunks(master: torch.Tensor, slots: list[_Slot], rank: int) -> None:
+    """master shard <- chunk `rank` of each slot's parameter (fp32 upcast)."""
+    for s in slots:
+        start = rank * s.chunk
+        master[s.offset: s.offset + s.local].copy_(s.param.detach().view(-1)[start: start + s.local])
+
+
 # ---------------------------------------------------------------- the optimizer
 
 class Stage1Optimizer(torch.optim.Optimizer):
@@ -172,12 +180,17 @@ class Stage1Optimizer(torch.optim.Optimizer):
             offset += chunk
         self.comm_device = slots[0].param.device
         master = torch.zeros(offset, dtype=torch.float32, device=self.master_device or self.comm_device)
-        with torch.no_grad():
-            for s in slots:
-                start = self.rank * s.chunk
-                master[s.offset: s.offset + s.local].copy_(s.param.detach().view(-1)[start: start + s.local])
+        _take_chunks(master, slots, self.rank)
         return _FlatGroup(gi, slots[0].param.dtype, slots, master,
                           _runs(slots, int(reduce_bucket), self.world), _runs(slots, int(gather_bucket), self.world))
+
+    def refresh_masters(self) -> None:
+        """Masters <- this rank's chunk of the parameters as they are now: after weights were loaded into the model
+        without the optimizer state, or the next step would all-gather the old masters back over them (DeepSpeed
+        restores its fp32 partitions from the 16-bit weights the same way). The engine calls it from a
+        load_state_dict post-hook on the model."""
+        for fg in self.flat_groups:
+            _take_chunks(fg.master, fg.slots, self.rank)
 
     # ------------------------------------------------------------ gradient reduction
 
