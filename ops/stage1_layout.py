@@ -41,12 +41,22 @@ class _FlatGroup:
     grad_cache: torch.Tensor | None = None   # pinned CPU master grad kept between steps (offload only)
 
 
-def _runs(slots: list[_Slot], bucket_elements: int, world: int) -> list[_Run]:
+def _runs(slots: list[_Slot], bucket_elements: int, world: int, last: int | None = None) -> list[_Run]:
     """Cut slots into runs of at most `bucket_elements` (counted across all ranks, as DeepSpeed counts); a single
-    larger parameter makes a run of its own."""
+    larger parameter makes a run of its own. `last`: cut from the end instead, the last run holding at most `last`
+    elements and the remainder going to the first run (for reductions launched as gradients arrive, in slot order:
+    what is left after backward is the last run)."""
+    if last is None:
+        return _greedy(slots, [bucket_elements], world)
+    return [_Run(r.slots[::-1], r.slots[-1].offset, r.slots[0].offset + r.slots[0].chunk)
+            for r in _greedy(slots[::-1], [max(1, last), bucket_elements], world)][::-1]
+
+
+def _greedy(slots: list[_Slot], caps: list[int], world: int) -> list[_Run]:
+    """Runs of consecutive slots, run i holding at most caps[min(i, len(caps) - 1)] elements (at least one slot)."""
     runs, cur, size = [], [], 0
     for s in slots:
-        if cur and size + s.chunk * world > bucket_elements:
+        if cur and size + s.chunk * world > caps[min(len(runs), len(caps) - 1)]:
             runs.append(_Run(cur, cur[0].offset, cur[-1].offset + cur[-1].chunk))
             cur, size = [], 0
         cur.append(s)

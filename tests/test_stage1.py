@@ -131,6 +131,41 @@ def test_matches_replicated_data_parallel(world, kw):
     _check_parity(run_distributed(_parity_rank, world, kw, timeout=120))
 
 
+def fused_adamw(param_groups):
+    return torch.optim.AdamW(param_groups, lr=LR, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+
+def _fold_rank(rank, world, fold):
+    """A fused AdamW takes the clip factor as its grad_scale (fold on) or the shard is scaled first (fold off);
+    overlap_comm with the small last reduce bucket. Both against replicated data parallel with the same optimizer."""
+    model = make_model()
+    opt = Stage1Optimizer(groups(model), fused_adamw, max_grad_norm=MAX_NORM, overlap_comm=True,
+                          reduce_bucket_size=400, fold_grad_scale=fold)
+    last = opt.flat_groups[0].reduce_runs[-1]   # the gradients that arrive last: a bucket of 400 // 8 (or one param)
+    assert (last.hi - last.lo) * world <= 400 // 8 or len(last.slots) == 1
+    opt.set_gradient_sync(True)
+    model(*batch(0, 0, rank, world)).backward()
+    opt.reduce_gradients()
+    before = opt.flat_groups[0].master.grad.clone()
+    opt.scale_grads_(torch.tensor(0.5))
+    folded = torch.equal(opt.flat_groups[0].master.grad, before)   # left for the fused kernel to apply
+    opt.zero_grad()
+    model = make_model()
+    opt = Stage1Optimizer(groups(model), fused_adamw, max_grad_norm=MAX_NORM, overlap_comm=True,
+                          reduce_bucket_size=400, fold_grad_scale=fold)
+    model, _, losses, norms = train_stage1(rank, world, model=model, opt=opt)
+    ref_model, ref_losses = train_replicated(rank, world, factory=fused_adamw)
+    return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "folded": folded,
+            "params": _params(model), "ref_params": _params(ref_model)}
+
+
+@pytest.mark.parametrize("fold", [True, False])
+def test_clip_factor_folded_into_fused_step(fold):
+    results = run_distributed(_fold_rank, 2, fold, timeout=120)
+    assert all(r["folded"] == fold for r in results)
+    _check_parity(results)
+
+
 def _fallback_rank(rank, world):
     def unavailable(*args, **kwargs):
         raise RuntimeError("reduce_scatter is not supported by this backend")
