@@ -24,8 +24,8 @@ _ELEMENTWISE = {"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam",
 
 # Speed-ups that are on by default; "0" turns one off (A/B runs: bench/stage1.py's *_legacy configs). Both keep the
 # result within float rounding of the plain schedule (the stage-0 parity tests hold either way).
-KNOBS = {"small_last_bucket": "FSDPZERO_STAGE1_SMALL_LAST_BUCKET",   # overlap_comm: short reduction after backward
-         "fold_grad_scale": "FSDPZERO_STAGE1_FOLD_GRAD_SCALE"}       # clip/unscale factor inside the fused step
+KNOBS = {"ramp_buckets": "FSDPZERO_STAGE1_RAMP_BUCKETS",         # small first/last buckets: short exposed ends
+         "fold_grad_scale": "FSDPZERO_STAGE1_FOLD_GRAD_SCALE"}   # clip/unscale factor inside the fused step
 
 
 def knobs_from_env() -> dict[str, bool]:

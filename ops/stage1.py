@@ -89,7 +89,7 @@ class Stage1Optimizer(torch.optim.Optimizer):
                  reduce_bucket_size: int = 500_000_000, allgather_bucket_size: int = 500_000_000,
                  overlap_comm: bool = False, max_grad_norm: float = 0.0, check_overflow: bool = True,
                  reduce_op: str = "reduce_scatter", master_device: torch.device | str | None = None,
-                 small_last_bucket: bool = True, fold_grad_scale: bool = True):
+                 ramp_buckets: bool = True, fold_grad_scale: bool = True):
         if reduce_op not in ("reduce_scatter", "all_reduce"):
             raise ValueError(f"reduce_op={reduce_op!r}: use 'reduce_scatter' (default) or 'all_reduce' (reference)")
         for key, value in (("reduce_bucket_size", reduce_bucket_size), ("allgather_bucket_size", allgather_bucket_size)):
@@ -105,9 +105,8 @@ class Stage1Optimizer(torch.optim.Optimizer):
         self.master_device = torch.device(master_device) if master_device is not None else None
         self.max_grad_norm, self.check_overflow = float(max_grad_norm or 0.0), check_overflow
         self.overlap_comm, self._sync = overlap_comm, False
-        # overlap_comm: the gradients that arrive last (the embedding's) get a bucket of reduce_bucket_size / 8, so
-        # the reduction left after backward is short; the others are cut from the end, the remainder arriving first
-        self.last_reduce_bucket = int(reduce_bucket_size) // 8 if overlap_comm and small_last_bucket else None
+        # buckets ramp up from size/8 and down to size/8 at the ends (stage1_layout._runs): less exposed time
+        self.ramp_buckets = ramp_buckets
         # scale_grads_ hands its factor to a fused Adam/AdamW/SGD step (its grad_scale input) instead of a pass of
         # its own over the fp32 gradient shard
         self.fold_grad_scale, self._grad_factor = fold_grad_scale, None
@@ -196,8 +195,8 @@ class Stage1Optimizer(torch.optim.Optimizer):
         master = torch.zeros(offset, dtype=torch.float32, device=self.master_device or self.comm_device)
         _take_chunks(master, slots, self.rank)
         return _FlatGroup(gi, slots[0].param.dtype, slots, master,
-                          _runs(slots, int(reduce_bucket), self.world, last=self.last_reduce_bucket),
-                          _runs(slots, int(gather_bucket), self.world))
+                          _runs(slots, int(reduce_bucket), self.world, self.ramp_buckets),
+                          _runs(slots, int(gather_bucket), self.world, self.ramp_buckets))
 
     def refresh_masters(self) -> None:
         """Masters <- this rank's chunk of the parameters as they are now: after weights were loaded into the model

@@ -41,15 +41,22 @@ class _FlatGroup:
     grad_cache: torch.Tensor | None = None   # pinned CPU master grad kept between steps (offload only)
 
 
-def _runs(slots: list[_Slot], bucket_elements: int, world: int, last: int | None = None) -> list[_Run]:
+RAMP = (8, 4, 2)   # ramped runs: the first and the last three hold at most bucket/8, /4, /2 elements
+
+
+def _runs(slots: list[_Slot], bucket_elements: int, world: int, ramp: bool = False) -> list[_Run]:
     """Cut slots into runs of at most `bucket_elements` (counted across all ranks, as DeepSpeed counts); a single
-    larger parameter makes a run of its own. `last`: cut from the end instead, the last run holding at most `last`
-    elements and the remainder going to the first run (for reductions launched as gradients arrive, in slot order:
-    what is left after backward is the last run)."""
-    if last is None:
+    larger parameter makes a run of its own. `ramp`: the runs grow from bucket/8 at the start and shrink to bucket/8
+    at the end. Runs move through a pipeline of two (pack or cast | collective | unpack or copy-out), whose exposed
+    time is the first run's copy-in and the last run's copy-out, and, for reductions launched as gradients arrive in
+    slot order, the last run's collective: small end runs keep those short, big middle runs keep messages large."""
+    if not ramp:
         return _greedy(slots, [bucket_elements], world)
-    return [_Run(r.slots[::-1], r.slots[-1].offset, r.slots[0].offset + r.slots[0].chunk)
-            for r in _greedy(slots[::-1], [max(1, last), bucket_elements], world)][::-1]
+    caps = [max(1, bucket_elements // d) for d in RAMP]
+    tail = _greedy(slots[len(slots) // 2:][::-1], caps, world)[:len(caps)]   # from the back half, smallest last
+    taken = sum(len(r.slots) for r in tail)
+    tail = [_Run(r.slots[::-1], r.slots[-1].offset, r.slots[0].offset + r.slots[0].chunk) for r in tail[::-1]]
+    return _greedy(slots[:len(slots) - taken], caps + [bucket_elements], world) + tail
 
 
 def _greedy(slots: list[_Slot], caps: list[int], world: int) -> list[_Run]:
