@@ -22,10 +22,11 @@ _ELEMENTWISE = {"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam",
                 "AdamNoBiasCorrection", "CPUAdam", "DeepSpeedCPUAdam"}   # update of an element needs only that element
 
 
-# Speed-ups that are on by default; "0" turns one off (A/B runs: bench/stage1.py's *_legacy configs). Both keep the
-# result within float rounding of the plain schedule (the stage-0 parity tests hold either way).
+# Speed-ups that are on by default; "0" turns one off (A/B runs: bench/stage1.py's *_legacy configs). All keep the
+# result within float rounding of the plain schedule (the stage-0 parity tests hold either way; see docs/stage1.md).
 KNOBS = {"ramp_buckets": "FSDPZERO_STAGE1_RAMP_BUCKETS",         # small first/last buckets: short exposed ends
-         "fold_grad_scale": "FSDPZERO_STAGE1_FOLD_GRAD_SCALE"}   # clip/unscale factor inside the fused step
+         "fold_grad_scale": "FSDPZERO_STAGE1_FOLD_GRAD_SCALE",   # clip/unscale factor inside the fused step
+         "pipeline_step": "FSDPZERO_STAGE1_PIPELINE_STEP"}       # fused Adam bucket by bucket, under the all-gather
 
 
 def knobs_from_env() -> dict[str, bool]:

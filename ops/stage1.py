@@ -34,6 +34,7 @@ from torch import nn
 
 from .stage1_layout import _FlatGroup, _named_groups, _pack, _Run, _runs, _Slot, _unpack
 from .stage1_state import load_logical_state_dict, logical_state_dict
+from .stage1_step import BucketStep, pipelinable
 
 __all__ = ["Stage1Optimizer"]
 
@@ -89,7 +90,7 @@ class Stage1Optimizer(torch.optim.Optimizer):
                  reduce_bucket_size: int = 500_000_000, allgather_bucket_size: int = 500_000_000,
                  overlap_comm: bool = False, max_grad_norm: float = 0.0, check_overflow: bool = True,
                  reduce_op: str = "reduce_scatter", master_device: torch.device | str | None = None,
-                 ramp_buckets: bool = True, fold_grad_scale: bool = True):
+                 ramp_buckets: bool = True, fold_grad_scale: bool = True, pipeline_step: bool = False):
         if reduce_op not in ("reduce_scatter", "all_reduce"):
             raise ValueError(f"reduce_op={reduce_op!r}: use 'reduce_scatter' (default) or 'all_reduce' (reference)")
         for key, value in (("reduce_bucket_size", reduce_bucket_size), ("allgather_bucket_size", allgather_bucket_size)):
@@ -110,6 +111,8 @@ class Stage1Optimizer(torch.optim.Optimizer):
         # scale_grads_ hands its factor to a fused Adam/AdamW/SGD step (its grad_scale input) instead of a pass of
         # its own over the fp32 gradient shard
         self.fold_grad_scale, self._grad_factor = fold_grad_scale, None
+        # fused Adam/AdamW: update the shard bucket by bucket, all-gathering each while the next updates
+        self.pipeline_step = pipeline_step
         self.last_grad_norm: torch.Tensor | None = None   # unscaled, pre-clip global norm at the last step()
         self.overflow = False                              # the last step() was skipped for inf/nan gradients
 
@@ -327,11 +330,18 @@ class Stage1Optimizer(torch.optim.Optimizer):
     def update_params(self) -> None:
         """Step the inner optimizer on the shards, then all-gather the parameters in their own dtype."""
         factor, self._grad_factor = self._grad_factor, None
-        if factor is None:
+        device = self.flat_groups[0].master.device
+        grad_scale = None if factor is None else (1.0 / torch.as_tensor(factor, dtype=torch.float32)).to(device)
+        if self.pipeline_step and device == self.comm_device and pipelinable(self.optimizer, device):
+            bucket_step = BucketStep(self.optimizer, grad_scale)
+            self._gather_params(bucket_step)
+            bucket_step.finish()
+            self._free_grads()
+            return
+        if grad_scale is None:
             self.optimizer.step()
         else:
-            device = self.flat_groups[0].master.device
-            self.optimizer.grad_scale = (1.0 / torch.as_tensor(factor, dtype=torch.float32)).to(device)
+            self.optimizer.grad_scale = grad_scale
             try:
                 self.optimizer.step()
             finally:
@@ -387,12 +397,15 @@ class Stage1Optimizer(torch.optim.Optimizer):
                         s.param.grad.zero_()
 
     @torch.no_grad()
-    def _gather_params(self) -> None:
+    def _gather_params(self, update: Callable[[torch.Tensor, int, int], None] | None = None) -> None:
         """Cast the updated shard to the parameter dtype and all-gather it into the whole parameters, keeping at most
-        two buckets in flight (bounded temporary memory)."""
+        two buckets in flight (bounded temporary memory). `update(master, lo, hi)`, if given, first steps each
+        bucket's slice of the shard (ops/stage1_step.py)."""
         window: collections.deque = collections.deque()
         for fg in self.flat_groups:
             for run in fg.gather_runs:
+                if update is not None:
+                    update(fg.master, run.lo, run.hi)
                 if self.world == 1:
                     for s in run.slots:
                         s.param.view(-1).copy_(fg.master[s.offset: s.offset + s.numel])
