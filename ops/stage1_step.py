@@ -22,6 +22,10 @@ def pipelinable(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
     update kernels that take BucketStep's call on this device (checked once: they are torch-internal ops)."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         return False
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+    if (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks or _global_optimizer_pre_hooks
+            or _global_optimizer_post_hooks):
+        return False   # step() runs hooks; the bucketed step would bypass them
     for g in optimizer.param_groups:
         if not g.get("fused") or g.get("amsgrad") or g.get("differentiable"):
             return False
@@ -93,3 +97,4 @@ class BucketStep:
     def finish(self) -> None:
         if self.found_inf is not None and self.steps:   # a skipped step does not count (as torch's fused Adam)
             torch._foreach_sub_(self.steps, [self.found_inf] * len(self.steps))
+        self.optimizer._opt_called = True   # what step() tells an LR scheduler (else it warns of a missing step)
