@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from fsdpzero.offload_timeline import Timeline, profiling
 from fsdpzero.optim import global_grad_norm
 
 log = logging.getLogger("fsdpzero")
@@ -78,6 +80,7 @@ class OffloadGradPath:
         # write the old weights back; a following load_state_dict of the optimizer then restores exact fp32 masters
         model.register_load_state_dict_post_hook(lambda *_: self.refresh_masters())
         self.overlap = overlap and all(m is not None for m, _ in units)
+        self.tl = Timeline(threads, len(units)) if profiling() else None   # FSDPZERO_OFFLOAD_PROFILE=1
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
         if self.overlap:
@@ -90,22 +93,35 @@ class OffloadGradPath:
                                                                    "_states_to_forward_prefetch", [])
                          if id(s._modules[0]) in index]
                 waits = [c for j in [i, *ahead] for c in unit_chunks[j]]
-                module.register_forward_pre_hook(self._make_wait_hook(module, waits), prepend=True)
+                module.register_forward_pre_hook(self._make_wait_hook(module, waits, i), prepend=True)
+        if self.tl is not None:   # prepended last: runs before any wait hook, so the waits count in the step
+            model.register_forward_pre_hook(lambda *_: self.tl.forward_start(), prepend=True)
 
-    def _make_wait_hook(self, module, chunks):
+    def _make_wait_hook(self, module, chunks, unit):
         def wait_for_update(*_):
+            t0 = time.perf_counter()
             for c in chunks:
                 c.ready.wait()
+            host_wait = time.perf_counter() - t0
             if self._error is not None:
                 raise RuntimeError("fsdpzero offload: the CPU optimizer step failed") from self._error
             if self.h2d is not None:   # FSDP2's all-gather copy-in reads the shards on its own streams
                 ctx = getattr(module._get_fsdp_state(), "_comm_ctx", None)
                 streams = [torch.cuda.current_stream()] + [getattr(ctx, n) for n in (
                     "all_gather_copy_in_stream", "all_gather_stream") if hasattr(ctx, n)]
+                before = torch.cuda.Event(enable_timing=True) if self.tl is not None else None
+                if before is not None:
+                    before.record()
                 for c in chunks:
                     if c.h2d_done is not None:
                         for s in streams:
                             s.wait_event(c.h2d_done)
+                if before is not None:   # after - before: how long the compute stream stalls on the H2D
+                    after = torch.cuda.Event(enable_timing=True)
+                    after.record()
+                    self.tl.unit_wait(unit, host_wait, before, after)
+            elif self.tl is not None:
+                self.tl.unit_wait(unit, host_wait, None, None)
         return wait_for_update
 
     @torch.no_grad()
@@ -120,6 +136,8 @@ class OffloadGradPath:
     def wait(self) -> None:
         """Block until an overlapped CPU step has finished (before reading the weights outside a forward)."""
         self._join()
+        if self.tl is not None:
+            self.tl.flush()
 
     def _join(self) -> None:
         if self._worker is not None:
@@ -136,21 +154,39 @@ class OffloadGradPath:
 
     def finish_gradients(self) -> None:
         self._join()                      # the previous step must be done with the grad buffers
+        tl = self.tl
+        rec = tl.cur if tl is not None else None
+        if tl is not None:
+            tl.flush()
+            tl.host(rec, "backward_end_host")
+            tl.gpu(rec, "backward_end")
         if not self.staged:
             return
         if self.d2h is not None:
             self.d2h.wait_stream(torch.cuda.current_stream())
-        for chunk in self.chunks:
+        for k, chunk in enumerate(self.chunks):
             with _on(self.d2h):
+                if rec is not None and self.d2h is not None:
+                    tl.chunk(rec, k)["ev"]["d2h_start"] = torch.cuda.Event(enable_timing=True)
+                    tl.chunk(rec, k)["ev"]["d2h_start"].record(self.d2h)
                 for e in chunk.entries:
                     if e.param.grad is not None:
                         e.grad_buf.copy_(_local(e.param.grad), non_blocking=True)
                 if self.d2h is not None:
-                    chunk.d2h_done = torch.cuda.Event()
+                    chunk.d2h_done = torch.cuda.Event(enable_timing=rec is not None)
                     chunk.d2h_done.record(self.d2h)
+                    if rec is not None:
+                        tl.chunk(rec, k)["ev"]["d2h_end"] = chunk.d2h_done
 
     def grad_norm(self) -> torch.Tensor:
-        return global_grad_norm(e.param for e in self.entries)
+        if self.tl is None:
+            return global_grad_norm(e.param for e in self.entries)
+        rec, t0 = self.tl.cur, time.perf_counter()
+        self.tl.gpu(rec, "norm_start")
+        norm = global_grad_norm(e.param for e in self.entries)
+        self.tl.gpu(rec, "norm_end")
+        self.tl.host(rec, "grad_norm_host", t0)
+        return norm
 
     def scale_grads_(self, factor) -> None:
         self._factor = self._factor * factor   # a float or 0-dim tensor; the kernel applies it as it reads grads
@@ -158,7 +194,11 @@ class OffloadGradPath:
     @torch.no_grad()
     def step(self) -> None:
         self._join()
+        rec = self.tl.stepped(max(1, self.threads - 1) if self.overlap else self.threads) if self.tl else None
+        t0 = time.perf_counter()
         factor, self._factor = float(self._factor), 1.0   # the CPU needs the value: one sync, after the norm
+        if rec is not None:
+            self.tl.host(rec, "factor_sync_host", t0)
         # what to step, read now: zero_grad() may drop the grads before an overlapped worker reaches them
         work = [(chunk, [(e, e.grad_buf if e.grad_buf is not None else _local(e.param.grad))
                          for e in chunk.entries if e.param.grad is not None]) for chunk in self.chunks]
@@ -166,48 +206,68 @@ class OffloadGradPath:
         self._hyper = {id(m): {k: v for k, v in g.items() if k != "params"}
                        for g in self.optimizer.param_groups for m in g["params"]}
         if not self.overlap:
-            self._step_chunks(work, factor)
+            self._step_chunks(work, factor, rec)
             if self.h2d is not None:         # the next forward's all-gathers read the updated shards
                 torch.cuda.current_stream().wait_stream(self.h2d)
+            if rec is not None:
+                self.tl.host(rec, "step_return_host")
             return
         for chunk in self.chunks:
             chunk.ready.clear()
-        self._worker = threading.Thread(target=self._worker_main, args=(work, factor), daemon=True,
+        self._worker = threading.Thread(target=self._worker_main, args=(work, factor, rec), daemon=True,
                                         name="fsdpzero-offload-step")
         self._worker.start()
+        if rec is not None:
+            self.tl.host(rec, "step_return_host")
 
     @torch.no_grad()   # grad mode is per thread
-    def _worker_main(self, work, factor) -> None:
+    def _worker_main(self, work, factor, rec) -> None:
         try:
             if self.h2d is not None:   # a new thread starts on GPU 0, whatever this rank's device is
                 torch.cuda.set_device(self.h2d.device)
             torch.set_num_threads(max(1, self.threads - 1))   # OpenMP settings are per thread; leave one core
-            self._step_chunks(work, factor)                     # to the thread that launches the forward
+            self._step_chunks(work, factor, rec)                # to the thread that launches the forward
         except BaseException as e:
             self._error = e
         finally:
             for chunk in self.chunks:
                 chunk.ready.set()
 
-    def _step_chunks(self, work, factor) -> None:
-        for chunk, items in work:
+    def _step_chunks(self, work, factor, rec=None) -> None:
+        tl = self.tl if rec is not None else None
+        for k, (chunk, items) in enumerate(work):
+            t0 = time.perf_counter()
             if chunk.d2h_done is not None:
                 chunk.d2h_done.synchronize()
             if chunk.h2d_done is not None:       # last step's H2D must have read the out buffers we overwrite
                 chunk.h2d_done.synchronize()
+            if tl is not None:
+                t1 = time.perf_counter()
+                c = tl.chunk(rec, k)
+                c.update(numel=sum(e.master.numel() for e, _ in items), d2h_wait_host=t1 - t0,
+                         adam_start_host=t1 - rec["t0"])
             for e, grad in items:
                 out = e.out_buf
                 if out is None and e.master is not _local(e.param):
                     out = _local(e.param)      # CPU-resident low-precision shard: written in place
                 self.optimizer.step_param(e.master, grad, out=out, grad_scale=factor, hyper=self._hyper[id(e.master)])
+            if tl is not None:
+                c["adam_host"] = time.perf_counter() - t1
             if self.staged and items:
                 with _on(self.h2d):
+                    if tl is not None and self.h2d is not None:
+                        c["ev"]["h2d_start"] = torch.cuda.Event(enable_timing=True)
+                        c["ev"]["h2d_start"].record(self.h2d)
                     for e, _ in items:
                         _local(e.param).copy_(e.out_buf, non_blocking=True)
                     if self.h2d is not None:
-                        chunk.h2d_done = torch.cuda.Event()
+                        chunk.h2d_done = torch.cuda.Event(enable_timing=tl is not None)
                         chunk.h2d_done.record(self.h2d)
+                        if tl is not None:
+                            c["ev"]["h2d_end"] = chunk.h2d_done
             chunk.ready.set()
+        if tl is not None:
+            tl.host(rec, "cpu_done_host")
 
     def zero_grad(self) -> None:
         if self.d2h is not None:              # grads may be freed only after their D2H has read them
