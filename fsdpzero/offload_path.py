@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.optim.adam import adam as torch_adam
 from torch import nn
 
 from fsdpzero.offload_timeline import Timeline, profiling
@@ -31,6 +32,23 @@ class _Entry:
     master: torch.Tensor           # fp32 CPU; the param's own local shard when it is fp32 and on the CPU
     grad_buf: torch.Tensor | None  # pinned CPU landing buffer for the grad (None: read the CPU grad directly)
     out_buf: torch.Tensor | None   # pinned CPU low-precision param written by the kernel, then copied H2D
+    on_device: bool = False        # offload_optimizer.ratio < 1: master and states live with the param and
+                                   # torch's Adam steps it there (fused on CUDA)
+
+
+def chunk_layout(units: list[list[tuple[str, int]]], chunk_size: int) -> list[list[str]]:
+    """Names per pipeline chunk: consecutive params of one unit, <= chunk_size elements unless one param is larger.
+    The builder uses it to decide which chunks stay on the device (ratio < 1) before the path exists."""
+    chunks: list[list[str]] = []
+    for unit in units:
+        size = 0
+        for i, (name, numel) in enumerate(unit):
+            if i == 0 or size + numel > chunk_size:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(name)
+            size += numel
+    return chunks
 
 
 @dataclass
@@ -59,6 +77,7 @@ class OffloadGradPath:
         self.optimizer = optimizer          # a CPUAdam over the masters: schedulers drive its param_groups
         self.entries = [e for _, es in units for e in es]
         self._by_master = {id(e.master): e for e in self.entries}
+        self._model_order = {n: i for i, (n, _) in enumerate(model.named_parameters())}
         self._factor = 1.0
         self._hyper: dict[int, dict] = {}   # per master: the group's hyperparameters when step() was called
         self.threads = threads
@@ -68,14 +87,17 @@ class OffloadGradPath:
         self.h2d = torch.cuda.Stream() if cuda else None
         self.chunks: list[_Chunk] = []
         unit_chunks = []
+        by_name = {e.name: e for e in self.entries}
         for _, entries in units:
             first = len(self.chunks)
-            for e in entries:
-                if len(self.chunks) == first or self.chunks[-1].numel + e.master.numel() > chunk_size:
-                    self.chunks.append(_Chunk())
-                self.chunks[-1].entries.append(e)
-                self.chunks[-1].numel += e.master.numel()
+            for names in chunk_layout([[(e.name, e.master.numel()) for e in entries]], chunk_size):
+                es = [by_name[n] for n in names]
+                if len({e.on_device for e in es}) > 1:
+                    raise ValueError("offload: a pipeline chunk mixes device- and CPU-stepped params")
+                self.chunks.append(_Chunk(entries=es, numel=sum(e.master.numel() for e in es)))
             unit_chunks.append(self.chunks[first:])
+        self.cpu_chunks = [c for c in self.chunks if not c.entries[0].on_device]
+        self.device_chunks = [c for c in self.chunks if c.entries[0].on_device]
         # loading model weights (e.g. a module-only checkpoint) must reach the masters, or the next step would
         # write the old weights back; a following load_state_dict of the optimizer then restores exact fp32 masters
         model.register_load_state_dict_post_hook(lambda *_: self.refresh_masters())
@@ -164,7 +186,7 @@ class OffloadGradPath:
             return
         if self.d2h is not None:
             self.d2h.wait_stream(torch.cuda.current_stream())
-        for k, chunk in enumerate(self.chunks):
+        for k, chunk in enumerate(self.cpu_chunks):
             with _on(self.d2h):
                 if rec is not None and self.d2h is not None:
                     tl.chunk(rec, k)["ev"]["d2h_start"] = torch.cuda.Event(enable_timing=True)
@@ -179,11 +201,13 @@ class OffloadGradPath:
                         tl.chunk(rec, k)["ev"]["d2h_end"] = chunk.d2h_done
 
     def grad_norm(self) -> torch.Tensor:
+        # in the model's parameter order, as FSDPGradPath: the same norm bits, so the same clip coefficient
+        params = [e.param for e in sorted(self.entries, key=lambda e: self._model_order[e.name])]
         if self.tl is None:
-            return global_grad_norm(e.param for e in self.entries)
+            return global_grad_norm(params)
         rec, t0 = self.tl.cur, time.perf_counter()
         self.tl.gpu(rec, "norm_start")
-        norm = global_grad_norm(e.param for e in self.entries)
+        norm = global_grad_norm(params)
         self.tl.gpu(rec, "norm_end")
         self.tl.host(rec, "grad_norm_host", t0)
         return norm
@@ -201,10 +225,16 @@ class OffloadGradPath:
             self.tl.host(rec, "factor_sync_host", t0)
         # what to step, read now: zero_grad() may drop the grads before an overlapped worker reaches them
         work = [(chunk, [(e, e.grad_buf if e.grad_buf is not None else _local(e.param.grad))
-                         for e in chunk.entries if e.param.grad is not None]) for chunk in self.chunks]
+                         for e in chunk.entries if e.param.grad is not None]) for chunk in self.cpu_chunks]
         # and the hyperparameters: the engine steps the LR scheduler right after step() returns
         self._hyper = {id(m): {k: v for k, v in g.items() if k != "params"}
                        for g in self.optimizer.param_groups for m in g["params"]}
+        if self.device_chunks:          # queued on the device first: it runs while the CPU steps its chunks
+            t0 = time.perf_counter()
+            for chunk in self.device_chunks:
+                self._step_on_device(chunk, factor)
+            if rec is not None:
+                self.tl.host(rec, "device_step_host", t0)
         if not self.overlap:
             self._step_chunks(work, factor, rec)
             if self.h2d is not None:         # the next forward's all-gathers read the updated shards
@@ -212,7 +242,7 @@ class OffloadGradPath:
             if rec is not None:
                 self.tl.host(rec, "step_return_host")
             return
-        for chunk in self.chunks:
+        for chunk in self.cpu_chunks:
             chunk.ready.clear()
         self._worker = threading.Thread(target=self._worker_main, args=(work, factor, rec), daemon=True,
                                         name="fsdpzero-offload-step")
@@ -269,6 +299,32 @@ class OffloadGradPath:
         if tl is not None:
             tl.host(rec, "cpu_done_host")
 
+    def _step_on_device(self, chunk: _Chunk, factor: float) -> None:
+        """torch's Adam(W) on the chunk's device-resident fp32 masters (fused on CUDA); the grad is read in fp32
+        and scaled as the CPU kernel reads it (fp32(grad) * factor), then the param receives the rounded master."""
+        items = [e for e in chunk.entries if e.param.grad is not None]
+        groups: dict[int, list[_Entry]] = {}
+        for e in items:   # one call per hyperparameter group
+            groups.setdefault(id(self._hyper[id(e.master)]), []).append(e)
+        for es in groups.values():
+            h = self._hyper[id(es[0].master)]
+            grads = [_local(e.param.grad).float() for e in es]   # fp32 grads: in place, as FSDPGradPath does
+            if factor != 1.0:
+                for g in grads:
+                    g.mul_(factor)
+            states = [self.optimizer.state[e.master] for e in es]
+            cuda = es[0].master.device.type == "cuda"
+            torch_adam(
+                [e.master for e in es], grads, [st["exp_avg"] for st in states],
+                [st["exp_avg_sq"] for st in states], [], [st["step"] for st in states], foreach=False,
+                fused=True if cuda else None, decoupled_weight_decay=bool(h.get("decoupled_weight_decay")),
+                amsgrad=False, beta1=h["betas"][0], beta2=h["betas"][1], lr=h["lr"], weight_decay=h["weight_decay"],
+                eps=h["eps"], maximize=False)
+            for e in es:
+                local = _local(e.param)
+                if e.master is not local:
+                    local.copy_(e.master)
+
     def zero_grad(self) -> None:
         if self.d2h is not None:              # grads may be freed only after their D2H has read them
             self.d2h.synchronize()
@@ -297,7 +353,7 @@ class OffloadGradPath:
         for name, saved in sd["state"].items():
             e = names[name]
             st = self.optimizer._state(e.master)
-            st["step"] = saved["step"].clone()
+            st["step"] = saved["step"].to(st["step"].device, torch.float32, copy=True)
             for k in ("exp_avg", "exp_avg_sq"):
                 st[k].copy_(_local(saved[k]).view(st[k].shape))
             if "master" in saved:   # absent in a non-offload checkpoint: the model weights just loaded are the masters
