@@ -128,6 +128,16 @@ def device_stepped(units: list[list[tuple[str, int]]], chunk_size: int, ratio: f
     return device
 
 
+def drop_shards_default(plan: Plan) -> bool:
+    """Free the device shards of stage-2 units between forward and the step (offload_fsdp.DroppableShards): on
+    with CUDA and no gradient accumulation (each extra micro-batch would copy them back H2D for its all-gather).
+    FSDPZERO_OFFLOAD_DROP_SHARDS=0 turns it off, =1 forces it on (also on CPU, for tests)."""
+    env = os.environ.get("FSDPZERO_OFFLOAD_DROP_SHARDS")
+    if env is not None:
+        return env == "1"
+    return torch.cuda.is_available() and plan.batch.gradient_accumulation_steps == 1
+
+
 def overlap_default() -> bool:
     """FSDPZERO_OFFLOAD_OVERLAP=1 overlaps the CPU step with the next forward (see OffloadGradPath)."""
     return os.environ.get("FSDPZERO_OFFLOAD_OVERLAP", "0") == "1"
@@ -218,6 +228,10 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
             now = dict(model.named_parameters())
             for e in entries:
                 e.param = now[e.name]   # .to() may replace the Parameter objects
+        if not nvme:
+            for e in entries:           # the out buffer always holds the exact current shard (drop_shards)
+                if e.out_buf is not None:
+                    e.out_buf.copy_(_local(e.param))
     if not nvme:
         for g in hyper:
             g["params"] = [master_of[id(p)] for p in g["params"]]
@@ -229,7 +243,8 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
     if nvme:
         from fsdpzero.nvme import NVMeGradPath as path_class
     path = path_class(model, optimizer, [(m, [by_name[n] for n in ns]) for m, ns in units], chunk,
-                      threads=threads, overlap=overlap_default() if overlap is None else overlap)
+                      threads=threads, overlap=overlap_default() if overlap is None else overlap,
+                      drop_shards=not nvme and drop_shards_default(plan))
     log.info("offload: %d params, %.1f M elements on this rank, %d chunks, %d CPU threads, staged=%s, pinned "
              "copy buffers=%s, "
              "overlap=%s, device-stepped chunks=%d (ratio %s)", len(entries),

@@ -12,6 +12,7 @@ import torch
 from torch.optim.adam import adam as torch_adam
 from torch import nn
 
+from fsdpzero import offload_fsdp
 from fsdpzero.offload_timeline import Timeline, profiling
 from fsdpzero.optim import global_grad_norm
 
@@ -72,7 +73,8 @@ class OffloadGradPath:
     its first parameters are updated while the CPU steps the rest."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, units: list[tuple[nn.Module | None,
-                 list[_Entry]]], chunk_size: int, *, threads: int, overlap: bool = False):
+                 list[_Entry]]], chunk_size: int, *, threads: int, overlap: bool = False,
+                 drop_shards: bool = False):
         self.model = model
         self.optimizer = optimizer          # a CPUAdam over the masters: schedulers drive its param_groups
         self.entries = [e for _, es in units for e in es]
@@ -105,19 +107,100 @@ class OffloadGradPath:
         self.tl = Timeline(threads, len(units)) if profiling() else None   # FSDPZERO_OFFLOAD_PROFILE=1
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
-        if self.overlap:
-            model.register_state_dict_pre_hook(lambda *_: self.wait())   # saving reads the updated weights
-            index = {id(m): i for i, (m, _) in enumerate(units)}
-            for i, (module, _) in enumerate(units):
-                # explicit forward prefetch (set_modules_to_forward_prefetch) unshards later units from this
-                # unit's pre-forward: their chunks must be ready too
-                ahead = [index[id(s._modules[0])] for s in getattr(module._get_fsdp_state(),
-                                                                   "_states_to_forward_prefetch", [])
-                         if id(s._modules[0]) in index]
+        self._index = {id(c): k for k, c in enumerate(self.cpu_chunks)}
+        self._sync = True
+        self._rec = None                    # the timeline record of the step being stepped (profiling only)
+        self._early: set[int] = set()       # chunks whose D2H was issued during this backward
+        self._dropped: dict[int, offload_fsdp.DroppableShards] = {}
+        model.register_state_dict_pre_hook(lambda *_: self.wait())   # saving reads the updated weights
+        index = {id(m): i for i, (m, _) in enumerate(units)}
+        aheads: dict[int, list[int]] = {}
+        for i, (module, entries) in enumerate(units):
+            if module is None:
+                continue
+            # explicit forward prefetch (set_modules_to_forward_prefetch) unshards later units from this
+            # unit's pre-forward: their chunks must be ready (and their shards present) too
+            state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+            ahead = [index[id(s._modules[0])] for s in getattr(state, "_states_to_forward_prefetch", [])
+                     if id(s._modules[0]) in index]
+            aheads[i] = ahead
+            mine = [c for c in unit_chunks[i] if not c.entries[0].on_device]
+            if self.staged and mine:   # D2H as soon as the unit's reduce-scatter is done, during backward
+                offload_fsdp.after_reduce(module, lambda event, cs=mine: self._d2h_unit(cs, event))
+            if drop_shards and self.staged and offload_fsdp.keeps_unsharded(module) and \
+                    all(e.out_buf is not None for e in entries):
+                self._dropped[i] = offload_fsdp.DroppableShards(module)
+                module.register_forward_hook(lambda mod, *_, i=i: self._drop(i, mod))
+            if self.overlap:
                 waits = [c for j in [i, *ahead] for c in unit_chunks[j]]
                 module.register_forward_pre_hook(self._make_wait_hook(module, waits, i), prepend=True)
+        for i, (module, _) in enumerate(units):   # prepended after the wait hooks: they run before them
+            restore = [u for u in [i, *aheads.get(i, [])] if u in self._dropped]
+            if restore:
+                module.register_forward_pre_hook(lambda mod, *_, us=restore: self._restore(us, mod), prepend=True)
+        self._unit_entries = [entries for _, entries in units]
         if self.tl is not None:   # prepended last: runs before any wait hook, so the waits count in the step
             model.register_forward_pre_hook(lambda *_: self.tl.forward_start(), prepend=True)
+
+    # -- device shards of stage-2 units: dropped after forward, back for the step (offload_fsdp.DroppableShards) -----
+    def _drop(self, unit: int, module: nn.Module) -> None:
+        if torch.is_grad_enabled() and module.training:   # a training forward: backward and a step follow
+            self._dropped[unit].drop()
+
+    def _restore(self, units: list[int], module: nn.Module | None) -> None:
+        """Shards that are still dropped (no step since, e.g. a skipped step or an eval forward) come back from
+        the out buffers, which hold exactly the current low-precision params."""
+        todo = [u for u in units if self._dropped[u].dropped and
+                (module is None or self._dropped[u].needs_all_gather())]
+        if not todo:
+            return
+        for u in todo:
+            self._dropped[u].allocate()
+        done = offload_fsdp.restore_from([e for u in todo for e in self._unit_entries[u]], self.h2d)
+        if done is not None:
+            for s in self._consumer_streams(module):
+                s.wait_event(done)
+
+    def _restore_all(self) -> None:
+        if self._dropped:
+            self._restore(list(self._dropped), None)
+
+    @staticmethod
+    def _consumer_streams(module):
+        """The compute stream and FSDP2's all-gather streams (the copy-in reads the shards on its own streams)."""
+        state = module._get_fsdp_state() if module is not None and hasattr(module, "_get_fsdp_state") else None
+        ctx = getattr(state, "_comm_ctx", None)
+        return [torch.cuda.current_stream()] + [getattr(ctx, n) for n in (
+            "all_gather_copy_in_stream", "all_gather_stream") if hasattr(ctx, n)]
+
+    def _d2h_unit(self, chunks: list[_Chunk], event) -> None:
+        """A unit's grads are reduced (post-backward): queue their D2H now, behind the reduce-scatter."""
+        if not self._sync:
+            return
+        for c in chunks:                    # an overlapped step of the last iteration reads these grad buffers
+            c.ready.wait()
+        rec = self.tl.cur if self.tl is not None else None
+        with _on(self.d2h):
+            if event is not None and self.d2h is not None:
+                self.d2h.wait_event(event)
+            for chunk in chunks:
+                self._d2h_chunk(chunk, rec)
+                self._early.add(id(chunk))
+
+    def _d2h_chunk(self, chunk: _Chunk, rec) -> None:
+        """(On the D2H stream) copy the chunk's sharded grads into their pinned buffers; record d2h_done."""
+        tl, k = self.tl, self._index[id(chunk)]
+        if rec is not None and self.d2h is not None:
+            tl.chunk(rec, k)["ev"]["d2h_start"] = torch.cuda.Event(enable_timing=True)
+            tl.chunk(rec, k)["ev"]["d2h_start"].record(self.d2h)
+        for e in chunk.entries:
+            if e.param.grad is not None:
+                e.grad_buf.copy_(_local(e.param.grad), non_blocking=True)
+        if self.d2h is not None:
+            chunk.d2h_done = torch.cuda.Event(enable_timing=rec is not None)
+            chunk.d2h_done.record(self.d2h)
+            if rec is not None:
+                tl.chunk(rec, k)["ev"]["d2h_end"] = chunk.d2h_done
 
     def _make_wait_hook(self, module, chunks, unit):
         def wait_for_update(*_):
@@ -128,9 +211,7 @@ class OffloadGradPath:
             if self._error is not None:
                 raise RuntimeError("fsdpzero offload: the CPU optimizer step failed") from self._error
             if self.h2d is not None:   # FSDP2's all-gather copy-in reads the shards on its own streams
-                ctx = getattr(module._get_fsdp_state(), "_comm_ctx", None)
-                streams = [torch.cuda.current_stream()] + [getattr(ctx, n) for n in (
-                    "all_gather_copy_in_stream", "all_gather_stream") if hasattr(ctx, n)]
+                streams = self._consumer_streams(module)
                 before = torch.cuda.Event(enable_timing=True) if self.tl is not None else None
                 if before is not None:
                     before.record()
@@ -150,14 +231,18 @@ class OffloadGradPath:
     def refresh_masters(self) -> None:
         """masters <- the model's (possibly low-precision) shards, e.g. after new weights were loaded."""
         self._join()
+        self._restore_all()
         for e in self.entries:
             local = _local(e.param)
             if e.master is not local:
                 e.master.copy_(local)
+            if e.out_buf is not None:   # the out buffer is the exact copy of the shard (DroppableShards)
+                e.out_buf.copy_(local)
 
     def wait(self) -> None:
         """Block until an overlapped CPU step has finished (before reading the weights outside a forward)."""
         self._join()
+        self._restore_all()
         if self.tl is not None:
             self.tl.flush()
 
@@ -171,6 +256,7 @@ class OffloadGradPath:
 
     # -- GradPath -------------------------------------------------------------------------------------------------
     def set_sync(self, sync: bool) -> None:
+        self._sync = sync
         if hasattr(self.model, "set_requires_gradient_sync"):
             self.model.set_requires_gradient_sync(sync)
 
@@ -184,21 +270,15 @@ class OffloadGradPath:
             tl.gpu(rec, "backward_end")
         if not self.staged:
             return
+        late = [c for c in self.cpu_chunks if id(c) not in self._early]   # not hooked (e.g. no FSDP unit)
+        self._early.clear()
+        if not late:
+            return
         if self.d2h is not None:
             self.d2h.wait_stream(torch.cuda.current_stream())
-        for k, chunk in enumerate(self.cpu_chunks):
-            with _on(self.d2h):
-                if rec is not None and self.d2h is not None:
-                    tl.chunk(rec, k)["ev"]["d2h_start"] = torch.cuda.Event(enable_timing=True)
-                    tl.chunk(rec, k)["ev"]["d2h_start"].record(self.d2h)
-                for e in chunk.entries:
-                    if e.param.grad is not None:
-                        e.grad_buf.copy_(_local(e.param.grad), non_blocking=True)
-                if self.d2h is not None:
-                    chunk.d2h_done = torch.cuda.Event(enable_timing=rec is not None)
-                    chunk.d2h_done.record(self.d2h)
-                    if rec is not None:
-                        tl.chunk(rec, k)["ev"]["d2h_end"] = chunk.d2h_done
+        with _on(self.d2h):
+            for chunk in late:
+                self._d2h_chunk(chunk, rec)
 
     def grad_norm(self) -> torch.Tensor:
         # in the model's parameter order, as FSDPGradPath: the same norm bits, so the same clip coefficient
@@ -226,6 +306,15 @@ class OffloadGradPath:
         # what to step, read now: zero_grad() may drop the grads before an overlapped worker reaches them
         work = [(chunk, [(e, e.grad_buf if e.grad_buf is not None else _local(e.param.grad))
                          for e in chunk.entries if e.param.grad is not None]) for chunk in self.cpu_chunks]
+        if self._dropped:   # the dropped shards get their storage back; the H2D below fills it
+            back = [u for u, d in self._dropped.items() if d.dropped]
+            for u in back:
+                self._dropped[u].allocate()
+            stale = [e for u in back for e in self._unit_entries[u] if e.param.grad is None]
+            if stale:       # no grad, no step: the current value comes back from the out buffer
+                offload_fsdp.restore_from(stale, self.h2d)
+            elif back and self.h2d is not None:
+                self.h2d.wait_stream(torch.cuda.current_stream())   # allocated on the compute stream
         # and the hyperparameters: the engine steps the LR scheduler right after step() returns
         self._hyper = {id(m): {k: v for k, v in g.items() if k != "params"}
                        for g in self.optimizer.param_groups for m in g["params"]}
@@ -236,7 +325,8 @@ class OffloadGradPath:
             if rec is not None:
                 self.tl.host(rec, "device_step_host", t0)
         if not self.overlap:
-            self._step_chunks(work, factor, rec)
+            self._rec = rec
+            self._step_chunks(work, factor)
             if self.h2d is not None:         # the next forward's all-gathers read the updated shards
                 torch.cuda.current_stream().wait_stream(self.h2d)
             if rec is not None:
@@ -256,14 +346,16 @@ class OffloadGradPath:
             if self.h2d is not None:   # a new thread starts on GPU 0, whatever this rank's device is
                 torch.cuda.set_device(self.h2d.device)
             torch.set_num_threads(max(1, self.threads - 1))   # OpenMP settings are per thread; leave one core
-            self._step_chunks(work, factor, rec)                # to the thread that launches the forward
+            self._rec = rec
+            self._step_chunks(work, factor)                     # to the thread that launches the forward
         except BaseException as e:
             self._error = e
         finally:
             for chunk in self.chunks:
                 chunk.ready.set()
 
-    def _step_chunks(self, work, factor, rec=None) -> None:
+    def _step_chunks(self, work, factor) -> None:
+        rec = self._rec
         tl = self.tl if rec is not None else None
         for k, (chunk, items) in enumerate(work):
             t0 = time.perf_counter()
