@@ -244,7 +244,8 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
         from fsdpzero.nvme import NVMeGradPath as path_class
     path = path_class(model, optimizer, [(m, [by_name[n] for n in ns]) for m, ns in units], chunk,
                       threads=threads, overlap=overlap_default() if overlap is None else overlap,
-                      drop_shards=not nvme and drop_shards_default(plan))
+                      drop_shards=not nvme and drop_shards_default(plan),
+                      early_d2h=os.environ.get("FSDPZERO_OFFLOAD_EARLY_D2H", "1") == "1")
     log.info("offload: %d params, %.1f M elements on this rank, %d chunks, %d CPU threads, staged=%s, pinned "
              "copy buffers=%s, "
              "overlap=%s, device-stepped chunks=%d (ratio %s)", len(entries),

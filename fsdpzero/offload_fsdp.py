@@ -25,16 +25,18 @@ def param_group(module: nn.Module):
 
 def after_reduce(module: nn.Module, fn: Callable[[object], None]) -> bool:
     """Call fn(post-reduce event) after each post-backward of the unit that reduced its grads. False when the unit
-    has no FSDP param group to hook."""
+    has no FSDP param group to hook (or this torch lacks the internals: the D2H then runs after backward)."""
     group = param_group(module)
-    if group is None:
+    if group is None or not all(hasattr(group, a) for a in ("post_backward", "reduce_grads", "_post_reduce_event")):
         return False
     original = group.post_backward
+    on_cuda = getattr(group, "device", torch.device("cpu")).type == "cuda"
 
     def post_backward(*args, **kwargs):
         out = original(*args, **kwargs)
-        if group.reduce_grads:
-            fn(group._post_reduce_event)
+        event = getattr(group, "_post_reduce_event", None)
+        if group.reduce_grads and (event is not None or not on_cuda):   # no event: nothing was reduced
+            fn(event)
         return out
     group.post_backward = post_backward   # FSDP2 calls it through the instance (autograd node, final callback)
     return True
@@ -43,7 +45,13 @@ def after_reduce(module: nn.Module, fn: Callable[[object], None]) -> bool:
 def keeps_unsharded(module: nn.Module) -> bool:
     """True for a unit that does not reshard after forward (its shards are not read during backward)."""
     group = param_group(module)
-    return group is not None and group.post_forward_mesh_info is None and len(group.fsdp_params) > 0
+    try:
+        return (group is not None and group.post_forward_mesh_info is None and len(group.fsdp_params) > 0
+                and all(isinstance(fp._sharded_param_data, torch.Tensor) and not fp.offload_to_cpu
+                        and fp.sharded_param._local_tensor.untyped_storage() is not None
+                        for fp in group.fsdp_params))
+    except AttributeError:   # another torch's internals: keep the shards
+        return False
 
 
 class DroppableShards:

@@ -74,7 +74,7 @@ class OffloadGradPath:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, units: list[tuple[nn.Module | None,
                  list[_Entry]]], chunk_size: int, *, threads: int, overlap: bool = False,
-                 drop_shards: bool = False):
+                 drop_shards: bool = False, early_d2h: bool = True):
         self.model = model
         self.optimizer = optimizer          # a CPUAdam over the masters: schedulers drive its param_groups
         self.entries = [e for _, es in units for e in es]
@@ -125,7 +125,7 @@ class OffloadGradPath:
                      if id(s._modules[0]) in index]
             aheads[i] = ahead
             mine = [c for c in unit_chunks[i] if not c.entries[0].on_device]
-            if self.staged and mine:   # D2H as soon as the unit's reduce-scatter is done, during backward
+            if self.staged and mine and early_d2h:   # D2H as soon as the unit's reduce-scatter is done
                 offload_fsdp.after_reduce(module, lambda event, cs=mine: self._d2h_unit(cs, event))
             if drop_shards and self.staged and offload_fsdp.keeps_unsharded(module) and \
                     all(e.out_buf is not None for e in entries):
