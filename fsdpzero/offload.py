@@ -6,11 +6,15 @@ fused CPU Adam of ops/cpu_adam.cpp, which reads the low-precision gradient and w
 the same pass. The device keeps only low-precision shards (`model.to(param_dtype)` after the masters are taken).
 
 One optimizer step, with params on an accelerator:
-    finish_gradients  D2H of every sharded grad on a side stream, one event per chunk (a chunk: one FSDP unit's
-                      params, <= sub_group_size and <= CHUNK elements; units in forward order, root first)
+    backward          as each FSDP unit's reduce-scatter is issued (its post-backward), D2H of its sharded grads on
+                      a side stream behind it, one event per chunk (a chunk: one FSDP unit's params,
+                      <= sub_group_size and <= CHUNK elements; units in forward order, root first). Stage-2 units
+                      have already freed their device shards after forward (the pinned out buffers hold them).
+    finish_gradients  D2H of whatever was not hooked
     grad_norm         from the device grads (global, collective) while the copies run
     scale_grads_      nothing is touched: 1/loss_scale and the clip coefficient are folded into the kernel's read
-    step              for each chunk: wait its D2H, CPU step into pinned low-precision buffers, queue the H2D on a
+    step              device-stepped chunks (offload_optimizer.ratio < 1) first, with torch's fused Adam; then for
+                      each CPU chunk: wait its D2H, CPU step into pinned low-precision buffers, queue the H2D on a
                       second side stream, so the copy of chunk k overlaps the step of chunk k+1
 Clipping and fp16 overflow: the norm is taken on the device from the reduced shards *before* any CPU step, so a
 skipped step (inf/nan) never touches the masters and clipping is exact; the cost is that the CPU step cannot start
