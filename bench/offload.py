@@ -8,7 +8,8 @@ All configs in sequence, one table (each config is its own torchrun, so nothing 
     python bench/offload.py --all --nproc 2 --out out/offload
 Configs: fsdp_z2, fsdp_z3 (no offload); fsdp_z3_cpuoffload (CPUOffloadPolicy + CPU fused AdamW); ours_z2 (stage 2 +
 optimizer offload); ours_z3_both (stage 3 + optimizer and param offload); *_overlap (the CPU step overlaps the next
-forward); ds_z2_offload, ds_z3_offload_both (DeepSpeed, when importable). --layers/--hidden/--vocab/--seq/--micro shrink the model for a smoke run;
+forward); ours_z3_ratio_overlap / ds_z3_ratio (stage 3, offload_optimizer.ratio = FSDPZERO_BENCH_RATIO, default 0.5:
+the rest steps on the GPU); ds_z2_offload, ds_z3_offload_both (DeepSpeed, when importable). --layers/--hidden/--vocab/--seq/--micro shrink the model for a smoke run;
 FSDPZERO_BENCH_CPU=1 runs it on CPU/gloo (correctness of the script only).
 FSDPZERO_OFFLOAD_PROFILE=1: the ours_* configs also write the offload path's per-step timeline (rank 0, JSON lines,
 fields in fsdpzero/offload_timeline.py) next to their JSON as <config>.timeline.jsonl, and the row gets
@@ -27,7 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from common import config_main, run_configs  # noqa: E402  (bench/ is the script's folder)
 CONFIGS = ["fsdp_z2", "fsdp_z3", "fsdp_z3_cpuoffload", "ours_z2", "ours_z2_overlap", "ours_z3_both",
-           "ours_z3_both_overlap", "ds_z2_offload", "ds_z3_offload_both"]
+           "ours_z3_both_overlap", "ours_z3_ratio_overlap", "ds_z2_offload", "ds_z3_offload_both", "ds_z3_ratio"]
+RATIO = float(os.environ.get("FSDPZERO_BENCH_RATIO", "0.5"))   # *_ratio*: offload_optimizer.ratio (stage 3)
 DEVICE = "cuda" if os.environ.get("FSDPZERO_BENCH_CPU") != "1" else "cpu"   # CPU: smoke runs only
 HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 CLIP = 1.0
@@ -64,6 +66,8 @@ def ds_config(args, name):
     both = "both" in name
     zero = {"stage": 3 if "z3" in name else 2, "overlap_comm": True, "contiguous_gradients": True,
             "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    if "ratio" in name:
+        zero["offload_optimizer"]["ratio"] = RATIO
     if both:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     return {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
@@ -225,7 +229,8 @@ def run_all(args):
     for r in rows:
         t = r.get("timeline_median")
         if t:
-            keys = ("backward_end_host", "backward_end_gpu", "grad_norm_gpu", "factor_sync_host", "step_return_host",
+            keys = ("backward_end_host", "backward_end_gpu", "grad_norm_gpu", "factor_sync_host", "device_step_host",
+                    "step_return_host",
                     "cpu_done_host", "adam_host_total", "adam_gparam_s", "d2h_wait_host_total", "step_threads")
             print(f"{r['config']} timeline (median s): " + ", ".join(f"{k}={t[k]:.4g}" for k in keys if k in t)
                   + f", unit_wait_host={sum(t['unit_wait_host']):.4g}"
