@@ -284,10 +284,10 @@ class OffloadGradPath:
         # in the model's parameter order, as FSDPGradPath: the same norm bits, so the same clip coefficient
         params = [e.param for e in sorted(self.entries, key=lambda e: self._model_order[e.name])]
         if self.tl is None:
-            return global_grad_norm(params)
+            return _grad_norm(params)
         rec, t0 = self.tl.cur, time.perf_counter()
         self.tl.gpu(rec, "norm_start")
-        norm = global_grad_norm(params)
+        norm = _grad_norm(params)
         self.tl.gpu(rec, "norm_end")
         self.tl.host(rec, "grad_norm_host", t0)
         return norm
@@ -453,6 +453,17 @@ class OffloadGradPath:
                 _local(e.param).copy_(e.master.view(_local(e.param).shape))   # the device copy follows the master
         for group, saved in zip(self.optimizer.param_groups, sd["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _grad_norm(params) -> torch.Tensor:
+    """global_grad_norm, but each tensor's norm in fp32 when the grads are low precision: the device keeps bf16
+    grads here (the shards are bf16), and torch's foreach norm of bf16 tensors returns bf16 norms, a clip
+    coefficient off by up to ~0.4%. DeepSpeed takes the norm in fp32; so does this. fp32 grads: global_grad_norm."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if all(g.dtype == torch.float32 for g in grads):
+        return global_grad_norm(params)
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def _on(stream):

@@ -75,3 +75,26 @@ def test_pipeline_variants_are_bit_identical(skip_at):
             assert units == 4 and all(dropped)   # every unit's shards were freed during backward
             assert losses == ref_losses
             assert all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+def _norm_scenario(rank, world):
+    from fsdpzero.plan import PrecisionPlan
+    from tests.test_offload import _model
+    torch.set_num_threads(1)
+    model = _model(param_dtype=torch.bfloat16, cpu_offload=True)
+    plan = Plan(offload=OffloadPlan(optimizer_device="cpu", param_device="cpu"),
+                precision=PrecisionPlan(param_dtype="bfloat16"))
+    path = offload.build_grad_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER))
+    x = torch.randn(6, 7, generator=torch.Generator().manual_seed(rank))
+    nn.functional.mse_loss(model(x).float(), torch.ones(6, 5)).backward()
+    path.finish_gradients()
+    grads = [p.grad.full_tensor().double() for p in model.parameters()]
+    exact = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
+    return float(path.grad_norm()), exact, {p.grad.dtype for p in model.parameters()}
+
+
+def test_grad_norm_of_bf16_grads_is_taken_in_fp32():
+    """The clip coefficient comes from this norm: bf16 per-tensor norms would be off by up to ~0.4%."""
+    for got, exact, dtypes in run_distributed(_norm_scenario, 2, timeout=120):
+        assert dtypes == {torch.bfloat16}
+        assert abs(got - exact) <= 1e-6 * exact
