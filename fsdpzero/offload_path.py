@@ -9,12 +9,10 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from torch.optim.adam import adam as torch_adam
 from torch import nn
 
-from fsdpzero import offload_fsdp
+from fsdpzero import offload_device, offload_fsdp
 from fsdpzero.offload_timeline import Timeline, profiling
-from fsdpzero.optim import global_grad_norm
 
 log = logging.getLogger("fsdpzero")
 
@@ -284,10 +282,10 @@ class OffloadGradPath:
         # in the model's parameter order, as FSDPGradPath: the same norm bits, so the same clip coefficient
         params = [e.param for e in sorted(self.entries, key=lambda e: self._model_order[e.name])]
         if self.tl is None:
-            return _grad_norm(params)
+            return offload_device.grad_norm(params)
         rec, t0 = self.tl.cur, time.perf_counter()
         self.tl.gpu(rec, "norm_start")
-        norm = _grad_norm(params)
+        norm = offload_device.grad_norm(params)
         self.tl.gpu(rec, "norm_end")
         self.tl.host(rec, "grad_norm_host", t0)
         return norm
@@ -320,8 +318,8 @@ class OffloadGradPath:
                        for g in self.optimizer.param_groups for m in g["params"]}
         if self.device_chunks:          # queued on the device first: it runs while the CPU steps its chunks
             t0 = time.perf_counter()
-            for chunk in self.device_chunks:
-                self._step_on_device(chunk, factor)
+            offload_device.adam_step([e for c in self.device_chunks for e in c.entries], self._hyper,
+                                     self.optimizer.state, factor)
             if rec is not None:
                 self.tl.host(rec, "device_step_host", t0)
         if not self.overlap:
@@ -391,32 +389,6 @@ class OffloadGradPath:
         if tl is not None:
             tl.host(rec, "cpu_done_host")
 
-    def _step_on_device(self, chunk: _Chunk, factor: float) -> None:
-        """torch's Adam(W) on the chunk's device-resident fp32 masters (fused on CUDA); the grad is read in fp32
-        and scaled as the CPU kernel reads it (fp32(grad) * factor), then the param receives the rounded master."""
-        items = [e for e in chunk.entries if e.param.grad is not None]
-        groups: dict[int, list[_Entry]] = {}
-        for e in items:   # one call per hyperparameter group
-            groups.setdefault(id(self._hyper[id(e.master)]), []).append(e)
-        for es in groups.values():
-            h = self._hyper[id(es[0].master)]
-            grads = [_local(e.param.grad).float() for e in es]   # fp32 grads: in place, as FSDPGradPath does
-            if factor != 1.0:
-                for g in grads:
-                    g.mul_(factor)
-            states = [self.optimizer.state[e.master] for e in es]
-            cuda = es[0].master.device.type == "cuda"
-            torch_adam(
-                [e.master for e in es], grads, [st["exp_avg"] for st in states],
-                [st["exp_avg_sq"] for st in states], [], [st["step"] for st in states], foreach=False,
-                fused=True if cuda else None, decoupled_weight_decay=bool(h.get("decoupled_weight_decay")),
-                amsgrad=False, beta1=h["betas"][0], beta2=h["betas"][1], lr=h["lr"], weight_decay=h["weight_decay"],
-                eps=h["eps"], maximize=False)
-            for e in es:
-                local = _local(e.param)
-                if e.master is not local:
-                    local.copy_(e.master)
-
     def zero_grad(self) -> None:
         if self.d2h is not None:              # grads may be freed only after their D2H has read them
             self.d2h.synchronize()
@@ -453,17 +425,6 @@ class OffloadGradPath:
                 _local(e.param).copy_(e.master.view(_local(e.param).shape))   # the device copy follows the master
         for group, saved in zip(self.optimizer.param_groups, sd["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
-
-
-def _grad_norm(params) -> torch.Tensor:
-    """global_grad_norm, but each tensor's norm in fp32 when the grads are low precision: the device keeps bf16
-    grads here (the shards are bf16), and torch's foreach norm of bf16 tensors returns bf16 norms, a clip
-    coefficient off by up to ~0.4%. DeepSpeed takes the norm in fp32; so does this. fp32 grads: global_grad_norm."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if all(g.dtype == torch.float32 for g in grads):
-        return global_grad_norm(params)
-    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def _on(stream):
