@@ -3,6 +3,7 @@
     python bench/vs_deepspeed.py --matrix core --nproc 2 --out out/vs_ds          # run + table + plots
     python bench/vs_deepspeed.py --scaling 1 2 4 --out out/scaling                 # weak scaling, stages 2/3
     python bench/vs_deepspeed.py --summarize out/vs_ds                            # table + plots from JSON
+    --only z2_fp16_ga1 z3_bf16_ga4 ... picks matrix entries (to split a matrix over GPU pairs of one host)
 FSDPZERO_BENCH_CPU=1 uses gloo/CPU, the tiny preset and fp32 (DeepSpeed with DS_ACCELERATOR=cpu).
 """
 from __future__ import annotations
@@ -223,6 +224,7 @@ def main() -> None:
     ap.add_argument("--out", default="out/vs_ds")
     ap.add_argument("--nvme-path", default=None)
     ap.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS)
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="run only these matrix entries (e.g. z2_fp16_ga1)")
     ap.add_argument("--preset", choices=sorted(common.PRESETS), default="tiny" if common.CPU else "0.9b")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -243,11 +245,12 @@ def main() -> None:
     has_ds = importlib.util.find_spec("deepspeed") is not None
     runs = ([(e, n) for n in args.scaling for e in (entry(2), entry(3))] if args.scaling
             else [(e, args.nproc) for e in matrix(args.matrix, args.nvme_path, args.nproc)])
+    runs = [(e, n) for e, n in runs if not args.only or e["name"] in args.only]
     for e, n in runs:
         for impl in e["impls"]:
             if impl not in args.impls or (impl == "deepspeed" and not has_ds):
                 continue
-            if impl == "plain_fsdp2" and (e["stage"] == 0 or e["dtype"] == "fp16" or e["hpz"]
+            if impl == "plain_fsdp2" and (e["stage"] in (0, 1) or e["dtype"] == "fp16" or e["hpz"]
                                           or e["offload"] in ("opt", "nvme")):
                 continue   # FSDP2 has no such feature: no row rather than a mislabelled one
             launch(e, impl, n, args, out)
