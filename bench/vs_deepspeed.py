@@ -175,12 +175,14 @@ def table(rows: list[dict]) -> str:
 
 
 def scaling_table(rows: list[dict]) -> str:
-    lines = ["| stage | impl | N | tok/s/GPU | efficiency vs N=1 |", "|---|---|---|---|---|"]
-    base = {(r["stage"], r["impl"]): r["tokens_per_s_per_gpu"] for r in rows if r["world_size"] == 1}
-    for r in sorted(rows, key=lambda r: (r["stage"], r["impl"], r["world_size"])):
-        b = base.get((r["stage"], r["impl"]))
-        eff = f"{r['tokens_per_s_per_gpu'] / b:.2f}" if b else "-"
-        lines.append(f"| {r['stage']} | {r['impl']} | {r['world_size']} | {r['tokens_per_s_per_gpu']:.0f} | {eff} |")
+    """Weak scaling (fixed tokens per GPU): tokens/s/GPU at N over N=1, for the configs that have an N=1 run."""
+    lines = ["| config | impl | N | step s | tok/s/GPU | efficiency vs N=1 |", "|---|---|---|---|---|---|"]
+    base = {(r["config"], r["impl"]): r["tokens_per_s_per_gpu"] for r in rows if r["world_size"] == 1}
+    for r in sorted(rows, key=lambda r: (r["config"], r["impl"], r["world_size"])):
+        b = base.get((r["config"], r["impl"]))
+        if b:
+            lines.append(f"| {r['config']} | {r['impl']} | {r['world_size']} | {r['step_s']:.4f} | "
+                         f"{r['tokens_per_s_per_gpu']:.0f} | {r['tokens_per_s_per_gpu'] / b:.2f} |")
     return "\n".join(lines)
 
 
