@@ -193,15 +193,18 @@ def plots(rows: list[dict], out: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    cfgs = sorted({r["config"] for r in rows})
+    keys = sorted({(r["config"], r["world_size"]) for r in rows})
+    labels = [f"{c} x{w}" for c, w in keys]
+    impls = ("fsdpzero", "deepspeed", "plain_fsdp2")
     for key, label in (("tokens_per_s_per_gpu", "tokens/s/GPU"), ("peak_alloc_gib", "peak alloc GiB")):
-        fig, ax = plt.subplots(figsize=(max(6, len(cfgs)), 4))
-        for k, impl in enumerate(("fsdpzero", "deepspeed")):
-            vals = [next((r[key] for r in rows if r["config"] == c and r["impl"] == impl), 0) for c in cfgs]
-            ax.bar([i + 0.4 * k for i in range(len(cfgs))], vals, width=0.4, label=impl)
-        ax.set_xticks([i + 0.2 for i in range(len(cfgs))], cfgs, rotation=30, ha="right")
+        fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(keys)), 4))
+        for k, impl in enumerate(impls):
+            vals = [next((r[key] for r in rows if (r["config"], r["world_size"]) == ck and r["impl"] == impl), 0)
+                    for ck in keys]
+            ax.bar([i + 0.28 * k for i in range(len(keys))], vals, width=0.28, label=impl)
+        ax.set_xticks([i + 0.28 for i in range(len(keys))], labels, rotation=40, ha="right", fontsize=8)
         ax.set_ylabel(label)
-        ax.legend()
+        ax.legend(ncol=3, loc="lower center", bbox_to_anchor=(0.5, 1.0), fontsize=8, frameon=False)
         fig.tight_layout()
         fig.savefig(out / f"{key}.png", dpi=120)
         plt.close(fig)
