@@ -19,8 +19,31 @@ def grad_norm(params) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     if all(g.dtype == torch.float32 for g in grads):
         return global_grad_norm(params)
+    if grads[0].device.type == "cpu":   # offload_param: asking torch for fp32 would first copy every grad to fp32
+        return _cpu_norm(grads)
     norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def _cpu_norm(grads) -> torch.Tensor:
+    """The norm of CPU grads from the ops' fp32 sum of squares of each local shard (2 bytes read per element),
+    reduced over the mesh dims the grads are sharded on (one collective per distinct placement)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    from fsdpzero.ops import cpu_adam
+    sums: dict = {}
+    for g in grads:
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        sums[key] = sums.get(key, 0.0) + cpu_adam.grad_sumsq(_local(g))
+    total = torch.zeros((), dtype=torch.float64)
+    for key, value in sums.items():
+        local = torch.tensor(value, dtype=torch.float64)
+        if key is not None:
+            mesh, placements = key
+            local = DTensor.from_local(local, mesh, [Partial() if p.is_shard() else Replicate() for p in placements],
+                                       run_check=False).full_tensor()
+        total += local
+    return total.sqrt().float()
 
 
 @torch.no_grad()
