@@ -59,18 +59,17 @@ class DroppableShards:
 
     def __init__(self, module: nn.Module):
         self.group = param_group(module)
-        self.shards = []   # (padded 1-D shard, its storage, bytes, valid elements)
-        for fp in self.group.fsdp_params:
-            padded = fp._sharded_param_data
-            valid = fp.sharded_param._local_tensor.numel()
-            self.shards.append((padded, padded.untyped_storage(), padded.untyped_storage().nbytes(), valid))
+        self.shards = []   # (padded 1-D shard, its storage, bytes, valid elements), read at each drop
         self.dropped = False
 
     def needs_all_gather(self) -> bool:
         return not self.group.is_unsharded
 
     def drop(self) -> None:
-        if not self.dropped:
+        if not self.dropped:   # FSDP2 may re-create a shard (lazy init, .to()): take the live ones each time
+            self.shards = [(fp._sharded_param_data, fp._sharded_param_data.untyped_storage(),
+                            fp._sharded_param_data.untyped_storage().nbytes(), fp.sharded_param._local_tensor.numel())
+                           for fp in self.group.fsdp_params]
             for _, storage, _, _ in self.shards:
                 storage.resize_(0)
             self.dropped = True
