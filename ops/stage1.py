@@ -52,6 +52,21 @@ def _all_gather(out, inp, group, async_op):
     return fn(out, inp, group=group, async_op=async_op)
 
 
+@torch.no_grad()
+def _take_chunks(master: torch.Tensor, slots: list[_Slot], rank: int) -> None:
+    """master shard <- chunk `rank` of each slot's parameter (fp32 upcast)."""
+    for s in slots:
+        start = rank * s.chunk
+        master[s.offset: s.offset + s.local].copy_(s.param.detach().view(-1)[start: start + s.local])
+
+
+def _takes_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
+    """torch's fused Adam/AdamW/SGD read `optimizer.grad_scale` (GradScaler's hook) and divide the gradients by it
+    inside the update kernel; a caller-set grad_scale (an AMP GradScaler's) is left alone."""
+    return (isinstance(optimizer, (torch.optim.Adam, torch.optim.SGD)) and not hasattr(optimizer, "grad_scale")
+            and all(g.get("fused") for g in optimizer.param_groups))
+
+
 # ---------------------------------------------------------------- the optimizer
 
 class Stage1Optimizer(torch.optim.Optimizer):
@@ -73,7 +88,8 @@ class Stage1Optimizer(torch.optim.Optimizer):
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  reduce_bucket_size: int = 500_000_000, allgather_bucket_size: int = 500_000_000,
                  overlap_comm: bool = False, max_grad_norm: float = 0.0, check_overflow: bool = True,
-                 reduce_op: str = "reduce_scatter", master_device: torch.device | str | None = None):
+                 reduce_op: str = "reduce_scatter", master_device: torch.device | str | None = None,
+                 ramp_buckets: bool = True, fold_grad_scale: bool = True):
         if reduce_op not in ("reduce_scatter", "all_reduce"):
             raise ValueError(f"reduce_op={reduce_op!r}: use 'reduce_scatter' (default) or 'all_reduce' (reference)")
         for key, value in (("reduce_bucket_size", reduce_bucket_size), ("allgather_bucket_size", allgather_bucket_size)):
@@ -89,6 +105,11 @@ class Stage1Optimizer(torch.optim.Optimizer):
         self.master_device = torch.device(master_device) if master_device is not None else None
         self.max_grad_norm, self.check_overflow = float(max_grad_norm or 0.0), check_overflow
         self.overlap_comm, self._sync = overlap_comm, False
+        # buckets ramp up from size/8 and down to size/8 at the ends (stage1_layout._runs): less exposed time
+        self.ramp_buckets = ramp_buckets
+        # scale_grads_ hands its factor to a fused Adam/AdamW/SGD step (its grad_scale input) instead of a pass of
+        # its own over the fp32 gradient shard
+        self.fold_grad_scale, self._grad_factor = fold_grad_scale, None
         self.last_grad_norm: torch.Tensor | None = None   # unscaled, pre-clip global norm at the last step()
         self.overflow = False                              # the last step() was skipped for inf/nan gradients
 
@@ -172,12 +193,18 @@ class Stage1Optimizer(torch.optim.Optimizer):
             offset += chunk
         self.comm_device = slots[0].param.device
         master = torch.zeros(offset, dtype=torch.float32, device=self.master_device or self.comm_device)
-        with torch.no_grad():
-            for s in slots:
-                start = self.rank * s.chunk
-                master[s.offset: s.offset + s.local].copy_(s.param.detach().view(-1)[start: start + s.local])
+        _take_chunks(master, slots, self.rank)
         return _FlatGroup(gi, slots[0].param.dtype, slots, master,
-                          _runs(slots, int(reduce_bucket), self.world), _runs(slots, int(gather_bucket), self.world))
+                          _runs(slots, int(reduce_bucket), self.world, self.ramp_buckets),
+                          _runs(slots, int(gather_bucket), self.world, self.ramp_buckets))
+
+    def refresh_masters(self) -> None:
+        """Masters <- this rank's chunk of the parameters as they are now: after weights were loaded into the model
+        without the optimizer state, or the next step would all-gather the old masters back over them (DeepSpeed
+        restores its fp32 partitions from the 16-bit weights the same way). The engine calls it from a
+        load_state_dict post-hook on the model."""
+        for fg in self.flat_groups:
+            _take_chunks(fg.master, fg.slots, self.rank)
 
     # ------------------------------------------------------------ gradient reduction
 
@@ -283,16 +310,32 @@ class Stage1Optimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def scale_grads_(self, factor: torch.Tensor | float) -> None:
-        """Shard gradients *= factor (unscale by the loss scale and clip, in one pass)."""
+        """Shard gradients *= factor (unscale by the loss scale and clip). With a fused torch optimizer the factor
+        goes to its step as grad_scale = 1/factor (the kernel divides the gradient it reads), which saves a read
+        and a write of the fp32 gradient shard; the .grad tensors then stay unscaled until update_params()."""
+        if not torch.is_tensor(factor) and factor == 1.0:
+            return
         grads = [fg.master.grad for fg in self.flat_groups]
         if torch.is_tensor(factor):
-            factor = factor.to(grads[0].device)
+            factor = factor.to(grads[0].device, torch.float32)
+        if self.fold_grad_scale and _takes_grad_scale(self.optimizer):
+            self._grad_factor = factor if self._grad_factor is None else self._grad_factor * factor
+            return
         torch._foreach_mul_(grads, factor)
 
     @torch.no_grad()
     def update_params(self) -> None:
         """Step the inner optimizer on the shards, then all-gather the parameters in their own dtype."""
-        self.optimizer.step()
+        factor, self._grad_factor = self._grad_factor, None
+        if factor is None:
+            self.optimizer.step()
+        else:
+            device = self.flat_groups[0].master.device
+            self.optimizer.grad_scale = (1.0 / torch.as_tensor(factor, dtype=torch.float32)).to(device)
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.grad_scale
         self._free_grads()
         self._gather_params()
 
@@ -321,12 +364,14 @@ class Stage1Optimizer(torch.optim.Optimizer):
         return loss
 
     def _free_grads(self) -> None:
+        self._grad_factor = None
         for fg in self.flat_groups:
             fg.master.grad = None
             for s in fg.slots:
                 s.param.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._grad_factor = None
         for _fg, _run, work, _buf, _recv in self._inflight:   # reductions started from hooks, now abandoned
             if work is not None:
                 work.wait()

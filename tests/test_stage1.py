@@ -123,12 +123,72 @@ def _check_parity(results, tol=1e-6):
 
 @pytest.mark.parametrize("world,kw", [
     (2, dict(reduce_bucket_size=200, allgather_bucket_size=500)),
+    (2, dict(reduce_bucket_size=200, allgather_bucket_size=500, overlap_comm=True, ramp_buckets=False)),
     (4, dict(reduce_bucket_size=300, allgather_bucket_size=100, overlap_comm=True)),
     (2, dict(reduce_op="all_reduce", overlap_comm=True, reduce_bucket_size=1000)),
     (4, dict(reduce_op="all_reduce")),
-], ids=["2rank-rs", "4rank-rs-overlap", "2rank-allreduce-overlap", "4rank-allreduce"])
+], ids=["2rank-rs", "2rank-rs-overlap-noramp", "4rank-rs-overlap", "2rank-allreduce-overlap", "4rank-allreduce"])
 def test_matches_replicated_data_parallel(world, kw):
     _check_parity(run_distributed(_parity_rank, world, kw, timeout=120))
+
+
+def fused_adamw(param_groups):
+    return torch.optim.AdamW(param_groups, lr=LR, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+
+def _fold_rank(rank, world, fold):
+    """A fused AdamW takes the clip factor as its grad_scale (fold on) or the shard is scaled first (fold off);
+    overlap_comm with ramped buckets (the last one small). Both against replicated data parallel with the same optimizer."""
+    model = make_model()
+    opt = Stage1Optimizer(groups(model), fused_adamw, max_grad_norm=MAX_NORM, overlap_comm=True,
+                          reduce_bucket_size=400, fold_grad_scale=fold)
+    last = opt.flat_groups[0].reduce_runs[-1]   # the gradients that arrive last: a bucket of 400 // 8 (or one param)
+    assert (last.hi - last.lo) * world <= 400 // 8 or len(last.slots) == 1
+    opt.set_gradient_sync(True)
+    model(*batch(0, 0, rank, world)).backward()
+    opt.reduce_gradients()
+    before = opt.flat_groups[0].master.grad.clone()
+    opt.scale_grads_(torch.tensor(0.5))
+    folded = torch.equal(opt.flat_groups[0].master.grad, before)   # left for the fused kernel to apply
+    opt.zero_grad()
+    model = make_model()
+    opt = Stage1Optimizer(groups(model), fused_adamw, max_grad_norm=MAX_NORM, overlap_comm=True,
+                          reduce_bucket_size=400, fold_grad_scale=fold)
+    model, _, losses, norms = train_stage1(rank, world, model=model, opt=opt)
+    ref_model, ref_losses = train_replicated(rank, world, factory=fused_adamw)
+    return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "folded": folded,
+            "params": _params(model), "ref_params": _params(ref_model)}
+
+
+@pytest.mark.parametrize("fold", [True, False])
+def test_clip_factor_folded_into_fused_step(fold):
+    results = run_distributed(_fold_rank, 2, fold, timeout=120)
+    assert all(r["folded"] == fold for r in results)
+    _check_parity(results)
+
+
+def test_ramped_buckets_cover_every_slot_once():
+    """Ramped runs: consecutive, every slot once, each within the bucket; the first and last within bucket/8."""
+    from fsdpzero.ops.stage1_layout import _runs, _Slot
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        sizes = torch.randint(1, 40, (int(torch.randint(1, 30, (), generator=g)),), generator=g).tolist()
+        slots, offset = [], 0
+        for i, n in enumerate(sizes):
+            slots.append(_Slot(f"p{i}", None, n, n, offset, n))
+            offset += n
+        bucket = int(torch.randint(1, 300, (), generator=g))
+        for ramp in (False, True):
+            runs = _runs(slots, bucket, 1, ramp)
+            assert [s for r in runs for s in r.slots] == slots
+            assert all(r.lo == r.slots[0].offset and r.hi == r.slots[-1].offset + r.slots[-1].chunk for r in runs)
+            assert all(r.hi - r.lo <= bucket or len(r.slots) == 1 for r in runs)
+            if ramp:
+                assert all(r.hi - r.lo <= max(1, bucket // 8) or len(r.slots) == 1 for r in (runs[0], runs[-1]))
+    llama = [65] + [45] * 16 + [65]          # M elements: embedding, 16 layers, head (in backward order reversed)
+    slots = [_Slot(str(i), None, n, n, sum(llama[:i]), n) for i, n in enumerate(llama)]
+    assert [r.hi - r.lo for r in _runs(slots, 500, 1)] == [470, 380]
+    assert [r.hi - r.lo for r in _runs(slots, 500, 1, ramp=True)] == [65, 90, 225, 90, 225, 90, 65]
 
 
 def _fallback_rank(rank, world):
