@@ -40,8 +40,9 @@ def matrix(kind: str, nvme_path: str | None, nproc: int) -> list[dict]:
              entry(3, offload="both", impls=("fsdpzero", "deepspeed", "plain_fsdp2"))]
     if nproc >= 2:
         full.append(entry(3, hpz=max(1, nproc // 2), impls=("fsdpzero", "deepspeed")))
-    if nvme_path:
-        full.append(dict(entry(3, offload="nvme", impls=("fsdpzero", "deepspeed")), nvme_path=nvme_path))
+    if nvme_path:   # ZeRO-Infinity: optimizer states on NVMe, and with them the parameters
+        full += [dict(entry(3, offload=o, impls=("fsdpzero", "deepspeed")), nvme_path=nvme_path)
+                 for o in ("optnvme", "nvme")]
     return full
 
 
@@ -51,7 +52,7 @@ def plain_step(model, e, p, device, batches):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-    if e["stage"] == 0 or e["dtype"] == "fp16" or e["hpz"] or e["offload"] in ("opt", "nvme"):
+    if e["stage"] == 0 or e["dtype"] == "fp16" or e["hpz"] or e["offload"] in ("opt", "nvme", "optnvme"):
         raise SystemExit(f"plain_fsdp2 has no equivalent of {e['name']}")   # driver skips such entries
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if e["dtype"] == "bf16"
@@ -256,7 +257,7 @@ def main() -> None:
             if impl not in args.impls or (impl == "deepspeed" and not has_ds):
                 continue
             if impl == "plain_fsdp2" and (e["stage"] in (0, 1) or e["dtype"] == "fp16" or e["hpz"]
-                                          or e["offload"] in ("opt", "nvme")):
+                                          or e["offload"] in ("opt", "nvme", "optnvme")):
                 continue   # FSDP2 has no such feature: no row rather than a mislabelled one
             launch(e, impl, n, args, out)
     summarize(out)
