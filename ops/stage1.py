@@ -8,7 +8,8 @@ gradients locally over the micro-steps. At the accumulation boundary:
   2. one all-reduce of the squared shard norms gives the global gradient norm, which drives clipping and (through
      inf/nan) an overflow verdict that every rank shares;
   3. the inner optimizer (any torch.optim optimizer, built by a factory over the flat fp32 master shards, one tensor
-     per dtype per param group) steps on this rank's shard only;
+     per dtype per param group) steps on this rank's shard only (a fused torch Adam/AdamW may step it bucket by
+     bucket, each bucket's all-gather starting while the next updates: ops/stage1_step.py);
   4. the updated shards are cast to the parameter dtype and all-gathered, in buckets of `allgather_bucket_size`.
 
 Traffic per optimizer step is one reduce-scatter plus one all-gather, about 2x the parameter bytes. DeepSpeed stage 1
@@ -32,9 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .stage1_layout import _FlatGroup, _named_groups, _pack, _Run, _runs, _Slot, _unpack
+from .stage1_layout import _FlatGroup, _named_groups, _pack, _Run, _runs, _Slot, _take_chunks, _unpack
 from .stage1_state import load_logical_state_dict, logical_state_dict
-from .stage1_step import BucketStep, pipelinable
+from .stage1_step import BucketStep, pipelinable, takes_grad_scale
 
 __all__ = ["Stage1Optimizer"]
 
@@ -51,21 +52,6 @@ def _reduce_scatter(out, inp, group, async_op):
 def _all_gather(out, inp, group, async_op):
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, inp, group=group, async_op=async_op)
-
-
-@torch.no_grad()
-def _take_chunks(master: torch.Tensor, slots: list[_Slot], rank: int) -> None:
-    """master shard <- chunk `rank` of each slot's parameter (fp32 upcast)."""
-    for s in slots:
-        start = rank * s.chunk
-        master[s.offset: s.offset + s.local].copy_(s.param.detach().view(-1)[start: start + s.local])
-
-
-def _takes_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
-    """torch's fused Adam/AdamW/SGD read `optimizer.grad_scale` (GradScaler's hook) and divide the gradients by it
-    inside the update kernel; a caller-set grad_scale (an AMP GradScaler's) is left alone."""
-    return (isinstance(optimizer, (torch.optim.Adam, torch.optim.SGD)) and not hasattr(optimizer, "grad_scale")
-            and all(g.get("fused") for g in optimizer.param_groups))
 
 
 # ---------------------------------------------------------------- the optimizer
@@ -321,7 +307,7 @@ class Stage1Optimizer(torch.optim.Optimizer):
         grads = [fg.master.grad for fg in self.flat_groups]
         if torch.is_tensor(factor):
             factor = factor.to(grads[0].device, torch.float32)
-        if self.fold_grad_scale and _takes_grad_scale(self.optimizer):
+        if self.fold_grad_scale and takes_grad_scale(self.optimizer):
             self._grad_factor = factor if self._grad_factor is None else self._grad_factor * factor
             return
         torch._foreach_mul_(grads, factor)

@@ -96,6 +96,14 @@ def _unpack(flat: torch.Tensor, src: torch.Tensor) -> None:
         flat[full * chunk:].copy_(src[full, :rem])
 
 
+@torch.no_grad()
+def _take_chunks(master: torch.Tensor, slots: list[_Slot], rank: int) -> None:
+    """master shard <- chunk `rank` of each slot's parameter (fp32 upcast)."""
+    for s in slots:
+        start = rank * s.chunk
+        master[s.offset: s.offset + s.local].copy_(s.param.detach().view(-1)[start: start + s.local])
+
+
 def _named_groups(params) -> list[dict[str, Any]]:
     """Accept a module, parameters, (name, parameter) pairs, or param-group dicts (with optional "param_names")."""
     if isinstance(params, nn.Module):

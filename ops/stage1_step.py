@@ -1,5 +1,6 @@
-"""Stage 1's optimizer step one all-gather bucket at a time, so the all-gather of bucket k overlaps the update of
-bucket k+1 (`Stage1Optimizer(pipeline_step=True)`).
+"""Stage 1's optimizer step with torch's fused kernels: the clip/unscale factor applied inside the update
+(`takes_grad_scale`), and the update run one all-gather bucket at a time, so the all-gather of bucket k overlaps the
+update of bucket k+1 (`BucketStep`, `Stage1Optimizer(pipeline_step=True)`).
 
 optimizer.step() updates a whole flat shard in one kernel, and the all-gather can only start after it. The update
 is HBM-bound and the all-gather is NVLink-bound, so they can run side by side. For torch's fused Adam/AdamW this
@@ -51,6 +52,13 @@ def _kernels_work(device: torch.device) -> bool:
                           f"its call here ({exc})", RuntimeWarning, stacklevel=3)
             _KERNELS_WORK[device] = False
     return _KERNELS_WORK[device]
+
+
+def takes_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
+    """torch's fused Adam/AdamW/SGD read `optimizer.grad_scale` (GradScaler's hook) and divide the gradients by it
+    inside the update kernel; a caller-set grad_scale (an AMP GradScaler's) is left alone."""
+    return (isinstance(optimizer, (torch.optim.Adam, torch.optim.SGD)) and not hasattr(optimizer, "grad_scale")
+            and all(g.get("fused") for g in optimizer.param_groups))
 
 
 class BucketStep:

@@ -564,7 +564,7 @@ def test_offloaded_masters_on_gpu_match_device_masters():
         assert (p - results["cpu"][1][n]).abs().max().item() <= 1e-2, n   # bf16 params: one rounding step
 
 
-def _nccl_rank(rank, world, path, out):
+def _nccl_rank(rank, world, path, out, fused=False):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
@@ -572,8 +572,10 @@ def _nccl_rank(rank, world, path, out):
         model = Tiny().cuda()
         ref = Tiny().cuda()
         ref.load_state_dict(model.state_dict())
-        opt = Stage1Optimizer(groups(model), adamw, max_grad_norm=MAX_NORM, overlap_comm=True, reduce_bucket_size=300)
-        ref_opt = adamw(groups(ref))
+        factory = fused_adamw if fused else adamw      # fused: the folded clip factor and the pipelined step
+        opt = Stage1Optimizer(groups(model), factory, max_grad_norm=MAX_NORM, overlap_comm=True, reduce_bucket_size=300,
+                              allgather_bucket_size=300, pipeline_step=fused)
+        ref_opt = factory(groups(ref))
         for step in range(4):
             for micro in range(GAS):
                 x, y = (t.cuda() for t in batch(step, micro, rank, world))
@@ -594,10 +596,11 @@ def _nccl_rank(rank, world, path, out):
 
 
 @pytest.mark.gpu
-def test_nccl_two_gpus_match_replicated(tmp_path):
+@pytest.mark.parametrize("fused", [False, True])
+def test_nccl_two_gpus_match_replicated(tmp_path, fused):
     """NCCL reduce-scatter / all-gather with overlap hooks on 2 GPUs against replicated data parallel (fp32)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    torch.multiprocessing.spawn(_nccl_rank, args=(2, str(tmp_path / "rv"), str(tmp_path / "diff")), nprocs=2)
+    torch.multiprocessing.spawn(_nccl_rank, args=(2, str(tmp_path / "rv"), str(tmp_path / "diff"), fused), nprocs=2)
     for rank in range(2):
         assert torch.load(tmp_path / f"diff.{rank}") <= 1e-5
