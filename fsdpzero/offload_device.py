@@ -38,11 +38,12 @@ def _cpu_norm(grads) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64)
     for key, value in sums.items():
         local = torch.tensor(value, dtype=torch.float64)
-        if key is not None:
+        if key is not None:   # the collective runs on the mesh's device (NCCL on a cuda mesh), the sum stays here
             mesh, placements = key
-            local = DTensor.from_local(local, mesh, [Partial() if p.is_shard() else Replicate() for p in placements],
-                                       run_check=False).full_tensor()
-        total += local
+            dev = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else local.device
+            local = DTensor.from_local(local.to(dev), mesh, [Partial() if p.is_shard() else Replicate()
+                                                             for p in placements], run_check=False).full_tensor()
+        total += local.cpu()
     return total.sqrt().float()
 
 

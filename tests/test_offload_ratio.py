@@ -7,7 +7,6 @@ chunks, overlapped or not) the losses and params stay within 1e-5 of the all-dev
 """
 import pytest
 import torch
-import torch.distributed as dist
 
 from fsdpzero import offload
 from fsdpzero.optim import FSDPGradPath
@@ -86,7 +85,7 @@ def test_ratio_fate(param_device, fate):
 
 
 @pytest.mark.gpu
-def test_ratio_on_gpu_matches_fsdp(tmp_path):
+def test_ratio_on_gpu_matches_fsdp(one_rank_nccl):
     """1 GPU, bf16 shards: half the chunks stepped by fused torch Adam on device fp32 masters, half by the CPU
     kernel through pinned buffers; vs plain FSDP2 + fused AdamW on the GPU (bf16-grad tolerance)."""
     import dataclasses
@@ -96,8 +95,6 @@ def test_ratio_on_gpu_matches_fsdp(tmp_path):
     from fsdpzero.optim import clip_factor
     from fsdpzero.plan import PrecisionPlan
     from tests.test_offload import Net
-    if not dist.is_initialized():
-        dist.init_process_group("cuda:nccl,cpu:gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     runs = []
     for offloaded in (False, True):
         torch.manual_seed(0)
