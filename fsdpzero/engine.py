@@ -208,6 +208,7 @@ class Engine(nn.Module):
                         load_module_only=False):
         """-> (path, client_state); (None, None) when there is nothing to load, as DeepSpeed."""
         from fsdpzero.engine_checkpoint import load_engine
+        self._settle()          # a pending verdict belongs to the state being replaced, not to the loaded one
         return load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
 
     def save_16bit_model(self, save_dir, save_filename="model.safetensors", exclude_frozen_parameters=False):
