@@ -138,10 +138,10 @@ FATES: dict[str, tuple[str, str]] = {
     _Z + "mics_hierarchical_params_gather": (N, "HSDP all-gathers within the shard dimension"),
     # ---- offload
     _OP + "device": (M, "OffloadPlan.param_device"),
-    _OP + "nvme_path": (M, "OffloadPlan.param_nvme_path: ops aio swap files"),
-    _OP + "buffer_count": (M, "OffloadPlan.param_buffer_count"),
-    _OP + "buffer_size": (M, "OffloadPlan.param_buffer_size (elements)"),
-    _OP + "max_in_cpu": (M, "OffloadPlan.max_in_cpu (elements)"),
+    _OP + "nvme_path": (M, "OffloadPlan.param_nvme_path: the parameter swap file (fsdpzero.nvme_params)"),
+    _OP + "buffer_count": (M, "OffloadPlan.param_buffer_count: most FSDP units' shards in CPU memory at once"),
+    _OP + "buffer_size": (M, "OffloadPlan.param_buffer_size: elements of the largest FSDP unit's shard allowed"),
+    _OP + "max_in_cpu": (M, "OffloadPlan.max_in_cpu: most shard elements in CPU memory at once (swapper bound)"),
     _OP + "pin_memory": (M, "OffloadPlan.pin_memory: CPUOffloadPolicy(pin_memory=...) (not pinned without a GPU)"),
     _OO + "device": (M, "OffloadPlan.optimizer_device"),
     _OO + "nvme_path": (M, "OffloadPlan.optimizer_nvme_path: ops aio swap files"),
@@ -259,7 +259,8 @@ WHEN = {
     _Z + "reduce_bucket_size": "stages 2/3: noop (the wrapped block is the unit)",
     _Z + "allgather_bucket_size": "stages 0/2/3: noop",
     _Z + "sub_group_size": "without optimizer offload: noop",
-    _OP + "device": "cpu: CPUOffloadPolicy; nvme: ops aio parameter swapper",
+    _OP + "device": "cpu: CPUOffloadPolicy; nvme: fsdpzero.nvme_params swapper with offload_optimizer on, else "
+                    "approximated (CPU memory)",
     _OO + "device": "cpu: ops cpuadam; nvme: ops aio swapper + cpuadam",
     _OO + "ratio": "< 1 (stage 3): that fraction of the elements steps on CPU, the rest on the GPU (fused torch "
                    "Adam on device fp32 masters); with offload_param or nvme: unsupported",
@@ -305,9 +306,18 @@ def decide(path: str, value: Any, cfg: "DSConfig", env: "Env") -> tuple[str, str
         return "unsupported", "quantized frozen weights (ZeRO++) are not implemented"
     if path == "zero_optimization.legacy_stage1" and on:
         return "unsupported", "DeepSpeed's legacy stage-1 implementation"
+    swaps_params = z.offload_optimizer is not None and z.offload_optimizer.device != "none"
     if path.endswith("offload_param.device") and value == "nvme":
-        return "approximated", ("parameters offloaded to CPU memory (CPUOffloadPolicy), not to NVMe: there is no "
-                                "NVMe parameter swapper yet (optimizer states do go to NVMe with offload_optimizer)")
+        if not swaps_params:
+            return "approximated", ("parameters offloaded to CPU memory (CPUOffloadPolicy), not to NVMe: the NVMe "
+                                    "parameter swapper runs with offload_optimizer (cpu or nvme), which steps "
+                                    "one FSDP unit at a time")
+        return "mapped", ("fsdpzero.nvme_params: FSDP2's CPU shards (CPUOffloadPolicy) swapped per FSDP unit to "
+                          "ops aio swap files, read back ahead of each unit in forward and backward, written "
+                          "back after the optimizer step")
+    if (path.startswith(_OP) and z.offload_param is not None and z.offload_param.device == "nvme"
+            and not swaps_params and path[len(_OP):] in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")):
+        return "noop", "no parameter swapper without offload_optimizer: parameters stay in CPU memory"
     if path.endswith("offload_param.device") and value != "none":
         return "mapped", "fully_shard(offload_policy=CPUOffloadPolicy(pin_memory)); the optimizer steps on CPU"
     if path.endswith("offload_optimizer.device") and value != "none":

@@ -73,6 +73,7 @@ class NVMeAdam(torch.optim.Optimizer):
         if rank is None:
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.impl = impl
+        self.before_update = None   # callback(param) before a slice is stepped (offload_param nvme swaps it in)
         self._ring_pos, self._writes, self._prefetched = 0, [], []    # the swap pipeline, across steps
         self._groups = self._plan_sub_groups(int(sub_group_size))
         self.swap_bytes = sum(g.numel for g in self._groups) * 4
@@ -224,6 +225,8 @@ class NVMeAdam(torch.optim.Optimizer):
             p, group, start, stop, _ = s
             if id(p) not in grads:
                 continue
+            if self.before_update is not None:
+                self.before_update(p)
             v = self._views(buf, s)
             out = None if _local(p).dtype == torch.float32 else _local(p).view(-1)[start:stop]
             beta1, beta2 = group["betas"]
@@ -351,6 +354,9 @@ class NVMeGradPath(OffloadGradPath):
     from one into the other."""
 
     def _step_chunks(self, work, factor) -> None:
+        swapper = self.param_swapper   # offload_param nvme: each unit is swapped in when its first slice steps
+        self.optimizer.before_update = None if swapper is None else (
+            lambda p: swapper.step_touch(swapper.index[id(self._unit_of[id(p)])]))
         grads = {}
         for chunk, items in work:
             if chunk.d2h_done is not None:
@@ -362,12 +368,14 @@ class NVMeGradPath(OffloadGradPath):
         for chunk, items in work:
             with _on(self.h2d):
                 for e, _ in items:
-                    if e.master is not _local(e.param):
+                    if not _same_storage(e.master, _local(e.param)):
                         _local(e.param).copy_(e.master, non_blocking=self.h2d is not None)
                 if self.h2d is not None and items:
                     chunk.h2d_done = torch.cuda.Event()
                     chunk.h2d_done.record(self.h2d)
             chunk.ready.set()
+        if swapper is not None:
+            swapper.step_end()
 
     @torch.no_grad()
     def refresh_masters(self) -> None:
@@ -381,6 +389,7 @@ class NVMeGradPath(OffloadGradPath):
 
     def state_dict(self) -> dict:
         self._join()
+        self._params_resident()
         saved = self.optimizer.state_dict()              # read back from disk, fp32
         params, entries = self._order()
         state = {}
@@ -400,6 +409,7 @@ class NVMeGradPath(OffloadGradPath):
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
         self._join()
+        self._params_resident(dirty=True)
         params, entries = self._order()
         state = {}
         for i, (p, e) in enumerate(zip(params, entries)):
@@ -423,5 +433,10 @@ class NVMeGradPath(OffloadGradPath):
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def close(self) -> None:
-        self._join()
+        super().close()
         self.optimizer.close()
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """offload_param nvme: the stand-in shares the shard's storage (swapped out, its data_ptr is 0)."""
+    return a is b or a.untyped_storage()._cdata == b.untyped_storage()._cdata

@@ -142,6 +142,20 @@ def drop_shards_default(plan: Plan) -> bool:
     return torch.cuda.is_available() and plan.batch.gradient_accumulation_steps == 1
 
 
+def _param_swapper(model: nn.Module, plan: Plan, entries: list[_Entry]):
+    """offload_param nvme: the CPU shards go to disk (fsdpzero.nvme_params). A stand-in NVMeAdam steps becomes
+    a view of its shard's storage, so it is swapped with the shard instead of being a second copy in memory."""
+    from fsdpzero.nvme_params import fsdp_units, own_resizable_storages, param_swapper_from_plan
+    model._get_fsdp_state()._lazy_init()       # FSDP2 re-pads (replaces) the shards at lazy init: do it first
+    own_resizable_storages(fsdp_units(model))  # resize_(0) evicts; FSDP2's pinned shards refuse it
+    with torch.no_grad():
+        for e in entries:
+            local = _local(e.param)
+            if e.master is not local and e.master.dtype == local.dtype and e.grad_buf is None:
+                e.master.set_(local)
+    return param_swapper_from_plan(model, plan)
+
+
 def overlap_default() -> bool:
     """FSDPZERO_OFFLOAD_OVERLAP=1 overlaps the CPU step with the next forward (see OffloadGradPath)."""
     return os.environ.get("FSDPZERO_OFFLOAD_OVERLAP", "0") == "1"
@@ -246,10 +260,14 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
     path_class = OffloadGradPath
     if nvme:
         from fsdpzero.nvme import NVMeGradPath as path_class
+    swap_params = plan.offload.param_device == "nvme" and plan.shard.stage == 3 and units[0][0] is not None
+    overlap = (overlap_default() if overlap is None else overlap) and not swap_params   # one thread swaps
     path = path_class(model, optimizer, [(m, [by_name[n] for n in ns]) for m, ns in units], chunk,
-                      threads=threads, overlap=overlap_default() if overlap is None else overlap,
+                      threads=threads, overlap=overlap,
                       drop_shards=not nvme and drop_shards_default(plan),
                       early_d2h=os.environ.get("FSDPZERO_OFFLOAD_EARLY_D2H", "1") == "1")
+    if swap_params:
+        path.param_swapper = _param_swapper(model, plan, entries)
     log.info("offload: %d params, %.1f M elements on this rank, %d chunks, %d CPU threads, staged=%s, pinned "
              "copy buffers=%s, "
              "overlap=%s, device-stepped chunks=%d (ratio %s)", len(entries),

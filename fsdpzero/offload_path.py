@@ -57,6 +57,7 @@ class _Chunk:
     d2h_done: object = None        # CUDA event: this chunk's grads have landed in their pinned buffers
     h2d_done: object = None        # CUDA event: this chunk's updated params have been copied back
     ready: threading.Event = field(default_factory=threading.Event)   # CPU side: stepped (and H2D queued)
+    unit: nn.Module | None = None  # the FSDP module whose shards these are
 
     def __post_init__(self):
         self.ready.set()
@@ -88,13 +89,15 @@ class OffloadGradPath:
         self.chunks: list[_Chunk] = []
         unit_chunks = []
         by_name = {e.name: e for e in self.entries}
-        for _, entries in units:
+        self._unit_of = {id(e.master): m for m, es in units for e in es}
+        self.param_swapper = None           # offload_param nvme: fsdpzero.nvme_params.ParamSwapper (set by the builder)
+        for unit, entries in units:
             first = len(self.chunks)
             for names in chunk_layout([[(e.name, e.master.numel()) for e in entries]], chunk_size):
                 es = [by_name[n] for n in names]
                 if len({e.on_device for e in es}) > 1:
                     raise ValueError("offload: a pipeline chunk mixes device- and CPU-stepped params")
-                self.chunks.append(_Chunk(entries=es, numel=sum(e.master.numel() for e in es)))
+                self.chunks.append(_Chunk(unit=unit, entries=es, numel=sum(e.master.numel() for e in es)))
             unit_chunks.append(self.chunks[first:])
         self.cpu_chunks = [c for c in self.chunks if not c.entries[0].on_device]
         self.device_chunks = [c for c in self.chunks if c.entries[0].on_device]
@@ -352,10 +355,28 @@ class OffloadGradPath:
             for chunk in self.chunks:
                 chunk.ready.set()
 
+    def _swap_in(self, unit) -> None:
+        """offload_param nvme: the unit's shards must be in memory while the optimizer updates them."""
+        if self.param_swapper is not None and unit is not None:
+            self.param_swapper.step_touch(self.param_swapper.index[id(unit)])
+
+    def _params_resident(self, dirty: bool = False) -> None:
+        if self.param_swapper is not None:
+            self.param_swapper.restore_all(dirty=dirty)
+
+    def close(self) -> None:
+        """Join an overlapped step; with offload_param nvme, bring every shard back and remove the swap files."""
+        self._join()
+        if self.param_swapper is not None:
+            self.param_swapper.close()
+            self.param_swapper = None
+
     def _step_chunks(self, work, factor) -> None:
         rec = self._rec
         tl = self.tl if rec is not None else None
         for k, (chunk, items) in enumerate(work):
+            if items:
+                self._swap_in(chunk.unit)
             t0 = time.perf_counter()
             if chunk.d2h_done is not None:
                 chunk.d2h_done.synchronize()
@@ -388,6 +409,8 @@ class OffloadGradPath:
             chunk.ready.set()
         if tl is not None:
             tl.host(rec, "cpu_done_host")
+        if self.param_swapper is not None:
+            self.param_swapper.step_end()
 
     def zero_grad(self) -> None:
         if self.d2h is not None:              # grads may be freed only after their D2H has read them
@@ -399,6 +422,7 @@ class OffloadGradPath:
         """Per parameter name: step, exp_avg, exp_avg_sq and the fp32 master, as DTensors placed like the param
         (CPU local shards) so DCP saves each rank's own shard; plus the param groups' hyperparameters."""
         self._join()
+        self._params_resident()
         state = {}
         for e in self.entries:
             st = self.optimizer._state(e.master)   # created (zeros, step 0) before the first step: DCP loads
@@ -413,6 +437,7 @@ class OffloadGradPath:
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
         self._join()
+        self._params_resident(dirty=True)
         names = {e.name: e for e in self.entries}
         for name, saved in sd["state"].items():
             e = names[name]

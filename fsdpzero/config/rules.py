@@ -70,6 +70,16 @@ def check(cfg: DSConfig, raw: dict, deferred: list[str]) -> list[Problem]:
         if off is not None and off.device == "nvme" and not off.nvme_path:
             out.append(Problem(f"zero_optimization.{name}.nvme_path", 'device "nvme" needs an nvme_path',
                                f"set zero_optimization.{name}.nvme_path to a directory on the NVMe drive"))
+    op = z.offload_param
+    if op is not None and op.device == "nvme":
+        for knob, why in (("buffer_count", "units of parameters swapped in at once (the one in use + prefetch)"),
+                          ("buffer_size", "elements of the largest FSDP unit's shard"),
+                          ("max_in_cpu", "parameter elements kept in CPU memory")):
+            if getattr(op, knob) < 1:
+                out.append(Problem(f"zero_optimization.offload_param.{knob}", f"= {getattr(op, knob)}: the NVMe "
+                                   f"parameter swapper needs at least 1 ({why})",
+                                   f"set zero_optimization.offload_param.{knob} >= 1 (DeepSpeed's default: "
+                                   f"{type(op).model_fields[knob].default})"))
     if z.offload_param is not None and z.offload_param.device != "none" and z.stage != 3:
         out.append(Problem("zero_optimization.offload_param", f"parameter offload needs ZeRO stage 3 (stage is "
                            f"{z.stage}); DeepSpeed would silently ignore it",

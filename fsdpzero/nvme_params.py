@@ -1,0 +1,336 @@
+"""NVMe offload of the parameters (`offload_param.device: nvme`, ZeRO stage 3): FSDP2's sharded parameters, which
+CPUOffloadPolicy keeps in CPU memory, live in a swap file and come back only around their uses.
+
+A unit is one fully_shard-ed module (the root, a block). Its CPU shards are the storages of its FSDPParams'
+`_sharded_param_data` (the DTensor local shard is a view of the same storage). FSDP2 frees unsharded parameters by
+resizing their storages to 0; we do the same to the shards:
+
+    evict(unit)     write it back if the optimizer changed it, then untyped_storage().resize_(0)
+    restore(unit)   resize_(nbytes) and an aio read into the storage (async; waited before FSDP2 reads it)
+
+When units come back:
+    forward         a forward pre-hook on each unit, registered to run before fully_shard's own: the unit and the
+                    units FSDP2 prefetches from it are made resident, further ones are read ahead
+    backward        a hook on each unit's forward outputs, registered before fully_shard's pre-backward hook on the
+                    same tensors; backward order is the root, then the blocks in reverse (FSDP2's post-forward order)
+    optimizer step  the gradient path calls step_touch(unit) before it updates a unit's shards; units finished in
+                    the step are written back asynchronously (read ahead | step | write behind)
+    state_dict      restore_all() (checkpoints, save_16bit_model); load_state_dict also marks every unit dirty
+
+At most `buffer_count` units and `max_in_cpu` elements are resident (reads in flight count); the least recently
+used unit outside the current window is evicted first. Gradients stay in memory, as with offload_param cpu.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+import fsdpzero.ops  # noqa: F401  registers fsdpzero_ops from a source checkout
+from fsdpzero.swapdir import SwapDir
+from fsdpzero_ops.aio import ALIGN, AioConfig, AioHandle, padded_nbytes
+
+log = logging.getLogger("fsdpzero")
+
+
+@dataclass
+class _Unit:
+    module: nn.Module
+    shards: list                          # FSDPParam objects: their _sharded_param_data storages are what we swap
+    nbytes: list[int]                     # each storage's size when resident
+    offsets: list[int]                    # and its place in the swap file
+    numel: int                            # elements resident (the max_in_cpu unit)
+    resident: bool = True                 # memory allocated (maybe still being read)
+    reads: list = field(default_factory=list)
+    writes: list = field(default_factory=list)
+    dirty: bool = False                   # memory differs from the file
+    last_use: int = 0
+
+
+def _storages(unit: _Unit):
+    return [fp._sharded_param_data.untyped_storage() for fp in unit.shards]
+
+
+def _bytes_view(storage, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over the whole storage (aio needs a contiguous CPU tensor; dtypes vary per param)."""
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,))
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The fully_shard-ed modules in forward order: the root first (its pre-forward runs first), then the others in
+    module order."""
+    from torch.distributed.fsdp import FSDPModule
+    return [m for _, m in model.named_modules() if isinstance(m, FSDPModule)]
+
+
+def _shards(module: nn.Module) -> list:
+    return [fp for g in module._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params]
+
+
+@torch.no_grad()
+def own_resizable_storages(units: list[nn.Module]) -> None:
+    """Give each shard a fresh storage that can be resized, pinned where it was: FSDP2 pins shards with
+    Tensor.pin_memory(), whose storages refuse resize_(). Both aliases FSDP2 keeps are re-pointed (the padded
+    _sharded_param_data and the DTensor's _local_tensor): call this before anything else holds a view."""
+    for module in units:
+        for fp in _shards(module):
+            old = fp._sharded_param_data.untyped_storage()
+            fresh = torch.empty(old.nbytes(), dtype=torch.uint8,
+                                pin_memory=fp._sharded_param_data.is_pinned()).untyped_storage()
+            fresh.copy_(old)
+            for t in (fp._sharded_param_data, fp.sharded_param._local_tensor):
+                t.set_(fresh, t.storage_offset(), t.size(), t.stride())
+
+
+class ParamSwapper:
+    """Keeps the CPU shards of `units` (FSDP modules, forward order, root first) on disk between uses."""
+
+    def __init__(self, units: list[nn.Module], *, nvme_path, rank: int = 0, buffer_count: int = 5,
+                 buffer_size: int = 100_000_000, max_in_cpu: int = 1_000_000_000, prefetch_depth: int = 1,
+                 aio: AioConfig | None = None):
+        if not units:
+            raise ValueError("offload_param.device=nvme: the model has no fully_shard-ed module to swap")
+        units[0]._get_fsdp_state()._lazy_init()   # FSDP2 re-pads the shards at lazy init: in memory, now
+        self.units: list[_Unit] = []
+        offset = 0
+        for module in units:
+            shards = _shards(module)
+            if not shards:
+                continue
+            if any(fp._sharded_param_data.device.type != "cpu" for fp in shards):
+                raise ValueError("offload_param.device=nvme needs the shards in CPU memory (CPUOffloadPolicy)")
+            if not all(fp._sharded_param_data.untyped_storage().resizable() for fp in shards):
+                own_resizable_storages([module])
+            nbytes = [fp._sharded_param_data.untyped_storage().nbytes() for fp in shards]
+            offsets = []
+            for n in nbytes:
+                offsets.append(offset)
+                offset += padded_nbytes(n)
+            self.units.append(_Unit(module, shards, nbytes, offsets,
+                                    sum(fp._sharded_param_data.numel() for fp in shards)))
+        self.depth = max(1, prefetch_depth)     # FSDP2 unshards the next unit(s) from the current one's hooks
+        self.buffer_count, self.max_in_cpu = buffer_count, max_in_cpu
+        if not self.units:
+            raise ValueError("offload_param.device=nvme: the model's FSDP units hold no parameters")
+        self.index = {id(u.module): k for k, u in enumerate(self.units)}
+        self.forward_order = list(range(len(self.units)))
+        self.backward_order = [0] + self.forward_order[:0:-1]
+        self._check_capacity(buffer_size)
+        self._clock = 0
+        self._in_step: list[int] = []
+        self.swap_dir = SwapDir(nvme_path, rank, key="offload_param.nvme_path")
+        try:
+            self.swap_dir.check_space(offset + ALIGN)
+            self._reader, self._writer = AioHandle(aio or AioConfig()), AioHandle(aio or AioConfig())
+            self._file = self._writer.open(self.swap_dir.path / "params.swp", write=True)
+            for u in self.units:                 # everything on disk, then evict down to the budget
+                u.dirty = True
+                self._write_back(u)
+            for u in self.units:
+                self._finish_writes(u)
+            self._make_room(0, protected=set())
+        except BaseException:
+            self.close(restore=False)
+            raise
+        self.swap_bytes = offset
+        self._hooks = []
+        for k, u in enumerate(self.units):   # prepend: before fully_shard's hooks on the same module
+            self._hooks.append(u.module.register_forward_pre_hook(self._pre_forward_hook(k), prepend=True))
+            self._hooks.append(u.module.register_forward_hook(self._post_forward_hook(k), prepend=True))
+        self._hooks.append(units[0].register_state_dict_pre_hook(lambda *_: self.restore_all()))
+        self._hooks.append(units[0].register_load_state_dict_pre_hook(lambda *_: self.restore_all(dirty=True)))
+
+    def _check_capacity(self, buffer_size: int) -> None:
+        """Clear errors, before step 1, when the unit in use plus FSDP2's prefetch cannot be resident at once."""
+        big = max(u.numel for u in self.units)
+        if big > buffer_size:
+            raise ValueError(f"offload_param.buffer_size={buffer_size} is smaller than the largest FSDP unit's "
+                             f"shard on this rank ({big} elements): set buffer_size >= {big}")
+        need = 1 + self.depth
+        if self.buffer_count < min(need, len(self.units)):
+            raise ValueError(f"offload_param.buffer_count={self.buffer_count}: FSDP2 needs {need} units in CPU "
+                             f"memory at once (the one in use and {self.depth} prefetched); set buffer_count >= "
+                             f"{need} (or lower stage3_prefetch_bucket_size)")
+        window = max(sum(self.units[j].numel for j in order[i:i + need]) for order in
+                     (self.forward_order, self.backward_order) for i in range(len(order)))
+        if self.max_in_cpu < window:
+            raise ValueError(f"offload_param.max_in_cpu={self.max_in_cpu}: the unit in use and the {self.depth} "
+                             f"prefetched after it hold up to {window} elements on this rank; set max_in_cpu >= "
+                             f"{window}")
+
+    # -- residency --------------------------------------------------------------------------------------------
+    def resident_numel(self) -> int:
+        return sum(u.numel for u in self.units if u.resident)
+
+    def _evict(self, u: _Unit) -> None:
+        for r in u.reads:
+            r.wait()
+        u.reads = []
+        if u.dirty:
+            self._write_back(u)
+        self._finish_writes(u)
+        for s in _storages(u):
+            s.resize_(0)
+        u.resident = False
+
+    def _write_back(self, u: _Unit) -> None:
+        """Start writing a resident unit to its place in the swap file (FSDP2 keeps no other reference to it)."""
+        if not u.dirty:
+            return
+        for r in u.reads:
+            r.wait()
+        u.reads = []
+        for s, n, off in zip(_storages(u), u.nbytes, u.offsets):
+            if n:
+                u.writes.append(self._writer.pwrite(_bytes_view(s, n), self._file, off))
+        u.dirty = False
+
+    @staticmethod
+    def _finish_writes(u: _Unit) -> None:
+        for w in u.writes:
+            w.wait()
+        u.writes = []
+
+    def _start_read(self, u: _Unit) -> None:
+        for s, n, off in zip(_storages(u), u.nbytes, u.offsets):
+            s.resize_(n)
+            if n:
+                u.reads.append(self._reader.pread(_bytes_view(s, n), self._file, off))
+        u.resident = True
+
+    def _make_room(self, numel: int, protected: set[int]) -> bool:
+        """Evict least recently used units outside `protected` until one more unit of `numel` elements fits."""
+        while True:
+            live = [k for k, u in enumerate(self.units) if u.resident]
+            fits = (len(live) + (numel > 0) <= self.buffer_count
+                    and sum(self.units[k].numel for k in live) + numel <= self.max_in_cpu)
+            if fits:
+                return True
+            victims = [k for k in live if k not in protected]
+            if not victims:
+                return False
+            self._evict(self.units[min(victims, key=lambda k: self.units[k].last_use)])
+
+    def need(self, ks: list[int], ahead: list[int] = ()) -> None:
+        """Make units `ks` resident now (waiting for their reads); start reading `ahead` as far as room allows."""
+        self._clock += 1
+        protected = set(ks) | set(ahead)
+        self._make_room(0, protected)            # back within the budget after a restore_all()
+        for k in ks:
+            u = self.units[k]
+            u.last_use = self._clock
+            if not u.resident:
+                if not self._make_room(u.numel, set(ks)):
+                    raise RuntimeError(f"fsdpzero param swapper: units {ks} do not fit in buffer_count="
+                                       f"{self.buffer_count} / max_in_cpu={self.max_in_cpu}")
+                self._start_read(u)
+        for k in ahead:
+            u = self.units[k]
+            if u.resident:
+                continue
+            if not self._make_room(u.numel, protected):
+                break
+            u.last_use = self._clock
+            self._start_read(u)
+        for k in ks:
+            u = self.units[k]
+            for r in u.reads:
+                r.wait()
+            u.reads = []
+
+    def _window(self, order: list[int], k: int) -> tuple[list[int], list[int]]:
+        i = order.index(k)
+        return order[i:i + 1 + self.depth], order[i + 1 + self.depth:i + self.buffer_count]
+
+    def restore_all(self, dirty: bool = False) -> None:
+        """Every unit resident (over the budget until the next forward evicts): for state_dict / load_state_dict,
+        whose tensors are read or written after the call returns. dirty: the caller will write into them."""
+        for u in self.units:
+            if not u.resident:
+                self._start_read(u)
+        for u in self.units:
+            for r in u.reads:
+                r.wait()
+            u.reads = []
+            u.dirty = u.dirty or dirty
+
+    # -- hooks ------------------------------------------------------------------------------------------------
+    def _pre_forward_hook(self, k: int):
+        def restore_for_forward(module, args):
+            self.step_end()
+            self.need(*self._window(self.forward_order, k))
+        return restore_for_forward
+
+    def _post_forward_hook(self, k: int):
+        def restore_for_backward(_grad):
+            self.step_end()
+            self.need(*self._window(self.backward_order, k))
+
+        def register(module, args, output):
+            if torch.is_grad_enabled():
+                for t in tree_flatten(output)[0]:
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(restore_for_backward)   # before fully_shard's pre-backward on t
+        return register
+
+    # -- the optimizer step -----------------------------------------------------------------------------------
+    def step_touch(self, k: int) -> None:
+        """The optimizer is about to update unit k's shards: make it resident and dirty, read the next units
+        ahead, and start writing back the units this step has finished (steps go in forward order)."""
+        if k not in self._in_step:
+            for j in self._in_step:
+                self._write_back(self.units[j])
+            self._in_step.append(k)
+        self.need(*self._window(self.forward_order, k))
+        self.units[k].dirty = True
+
+    def step_end(self) -> None:
+        """After the step: every updated unit on its way to disk (waited for when it is evicted)."""
+        for j in self._in_step:
+            self._write_back(self.units[j])
+        self._in_step = []
+
+    def close(self, restore: bool = True) -> None:
+        """Back to plain CPU offload: every shard in memory (unless restore=False), hooks and swap files gone."""
+        if restore and getattr(self, "_reader", None) is not None:
+            self.step_end()
+            self.restore_all()
+            for u in self.units:
+                self._finish_writes(u)
+        for h in getattr(self, "_hooks", []):
+            h.remove()
+        self._hooks = []
+        for name in ("_reader", "_writer"):
+            handle = getattr(self, name, None)
+            setattr(self, name, None)
+            if handle is not None:
+                try:
+                    handle.close()
+                except OSError:
+                    pass
+        if getattr(self, "_file", None) is not None:
+            self._file.close()
+            self._file = None
+        if hasattr(self, "swap_dir"):
+            self.swap_dir.close()
+
+
+def fsdp_prefetch_depth(units: list[nn.Module]) -> int:
+    """How many units FSDP2 unshards ahead of the current one: the explicit prefetch lists set by
+    fsdpzero.sharding.set_prefetch, else 1 (its implicit backward prefetch)."""
+    states = [m._get_fsdp_state() for m in units]
+    return max([1] + [len(getattr(s, a, ())) for s in states
+                      for a in ("_states_to_forward_prefetch", "_states_to_backward_prefetch")])
+
+
+def param_swapper_from_plan(model: nn.Module, plan) -> ParamSwapper:
+    """After own_resizable_storages(fsdp_units(model)) and before step 1."""
+    off, units = plan.offload, fsdp_units(model)
+    return ParamSwapper(units, nvme_path=off.param_nvme_path,
+                        rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0,
+                        buffer_count=off.param_buffer_count, buffer_size=off.param_buffer_size,
+                        max_in_cpu=off.max_in_cpu, prefetch_depth=fsdp_prefetch_depth(units),
+                        aio=AioConfig.from_plan(off.aio))

@@ -1,0 +1,207 @@
+"""offload_param.device: nvme (stage 3) — FSDP2's CPU shards live in a swap file between uses: the same losses and
+final params as offload_param cpu, bit for bit (with offload_optimizer cpu and nvme); evicted units hold no CPU
+memory and the swap file holds their values; checkpoints resume; bad buffer settings give clear errors."""
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fsdpzero.ops  # noqa: F401
+from fsdpzero import nvme
+from fsdpzero.plan import OffloadPlan, Plan, PrecisionPlan, ShardPlan
+from tests.multirank import run_distributed
+
+
+def _plan(opt_device, param_device, nvme_path, dtype, **param_knobs):
+    knobs = dict(param_buffer_count=3, max_in_cpu=10**9, param_buffer_size=10**8) | param_knobs
+    return Plan(shard=ShardPlan(stage=3, reshard_after_forward=True),
+                offload=OffloadPlan(optimizer_device=opt_device, param_device=param_device,
+                                    optimizer_nvme_path=nvme_path, param_nvme_path=nvme_path, sub_group_size=700,
+                                    buffer_count=3, **knobs),
+                precision=PrecisionPlan(param_dtype=dtype))
+
+
+def _resident(model):
+    """Elements of CPU shard storage actually allocated, per FSDP unit (module order)."""
+    from fsdpzero.nvme_params import fsdp_units
+    out = []
+    for m in fsdp_units(model):
+        fps = [fp for g in m._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params]
+        out.append(sum(fp._sharded_param_data.untyped_storage().nbytes() // fp._sharded_param_data.element_size()
+                       for fp in fps))
+    return out
+
+
+def _path_run(rank, world, opt_device, nvme_path, dtype, max_in_cpu):
+    """offload_param cpu vs nvme through fsdpzero.offload.build_grad_path on the same model and data."""
+    from fsdpzero import offload
+    from fsdpzero.optim import clip_factor
+    from tests.test_offload import HYPER, _model
+    torch.set_num_threads(1)
+    bf16 = dtype == "bfloat16"
+    runs, checks = [], {}
+    for param_device in ("cpu", "nvme"):
+        plan = _plan(opt_device, param_device, nvme_path, dtype, max_in_cpu=max_in_cpu)
+        model = _model(param_dtype=torch.bfloat16 if bf16 else None, cpu_offload=True)
+        path = offload.build_grad_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER))
+        gen = torch.Generator().manual_seed(100 + rank)
+        losses, bounds = [], []
+        for _ in range(5):
+            x, y = torch.randn(6, 7, generator=gen), torch.randn(6, 5, generator=gen)
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            loss.backward()
+            path.finish_gradients()
+            path.scale_grads_(clip_factor(path.grad_norm(), 0.05))
+            path.step()
+            path.zero_grad()
+            dist.all_reduce(loss := loss.detach())
+            losses.append(loss.item())
+            if param_device == "nvme":
+                bounds.append(_resident(model))
+        if param_device == "nvme":
+            sw = path.param_swapper
+            checks["resident"] = bounds
+            checks["numel"] = [u.numel for u in sw.units]
+            checks["evicted_match_file"] = _evicted_match_file(sw)
+            swap = sw.swap_dir.path
+            assert (swap / "params.swp").exists()
+        path.close()                                       # nvme: the shards back in memory, swap files gone
+        if param_device == "nvme":
+            assert not swap.exists()
+        runs.append((losses, {n: p.full_tensor().float() for n, p in model.named_parameters()}))
+    return runs, checks
+
+
+def _evicted_match_file(sw):
+    """For every unit swapped out now: its storages are empty, and restoring it gives exactly the swap file's
+    bytes (read here with plain file I/O, not through the engine)."""
+    evicted = [k for k, u in enumerate(sw.units) if not u.resident]
+    assert evicted, "nothing was swapped out"
+    raw = (sw.swap_dir.path / "params.swp").read_bytes()
+    for k in evicted:
+        u = sw.units[k]
+        assert all(fp._sharded_param_data.untyped_storage().nbytes() == 0 for fp in u.shards)
+    sw.restore_all()
+    for k in evicted:
+        u = sw.units[k]
+        for fp, n, off in zip(u.shards, u.nbytes, u.offsets):
+            mem = bytes(torch.empty(0, dtype=torch.uint8).set_(fp._sharded_param_data.untyped_storage(), 0,
+                                                                (n,)).numpy())
+            assert mem == raw[off:off + n]
+    return len(evicted)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("opt_device,dtype", [("cpu", "float32"), ("nvme", "bfloat16"), ("cpu", "bfloat16"),
+                                              ("nvme", "float32")])
+def test_param_nvme_equals_param_cpu(tmp_path, opt_device, dtype):
+    """2 gloo ranks, 5 steps with clipping: losses and final params bit-identical to offload_param cpu; at most
+    max_in_cpu elements of shards resident after every step; evicted units' storages are empty and the swap file
+    holds their values."""
+    max_in_cpu = 4000          # per rank: blocks ~1776 elements each, the root ~160; two blocks must fit
+    for (cpu, ours), checks in run_distributed(_path_run, 2, opt_device, str(tmp_path), dtype, max_in_cpu,
+                                               timeout=240):
+        assert cpu[0] == ours[0] and cpu[0][0] != cpu[0][-1]
+        for name, v in cpu[1].items():
+            assert torch.equal(v, ours[1][name]), name
+        assert all(sum(r) <= max_in_cpu for r in checks["resident"]), checks
+        assert all(sum(1 for x in r if x) <= 3 for r in checks["resident"])          # param buffer_count
+        assert sum(checks["numel"]) > max_in_cpu and checks["evicted_match_file"] >= 1
+    assert not (tmp_path / nvme.SWAP_ROOT).exists()
+
+
+# ---------------------------------------------------------------- end to end: a ds_config through fsdpzero.wrap
+
+def _engine_run(rank, world, param_device, nvme_path, save_dir):
+    from safetensors.torch import load_file
+    from fsdpzero.api import wrap
+    from tests.engine_cases import batches, build_model, engine_losses, full_params
+    offload_param = {"device": param_device, "pin_memory": True}
+    if param_device == "nvme":
+        offload_param.update(nvme_path=nvme_path, buffer_count=2, buffer_size=40_000, max_in_cpu=60_000)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 5e-4, "weight_decay": 0.01}},
+           "zero_optimization": {"stage": 3, "offload_param": offload_param, "sub_group_size": 20000,
+                                 "stage3_param_persistence_threshold": 0,
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 3},
+                                 "stage3_gather_16bit_weights_on_model_save": True},
+           "aio": {"block_size": 262144, "queue_depth": 4, "intra_op_parallelism": 1}}
+    engine = wrap(build_model("gpt2"), cfg)
+    data = batches(4, 1, 2 * world)
+    losses = engine_losses(engine, data[:2], rank, world)
+    swapper = engine.grad_path.param_swapper
+    if param_device == "nvme":
+        assert sum(u.resident for u in swapper.units) <= 2 < len(swapper.units)
+        assert any(not u.resident for u in swapper.units)
+    engine.save_checkpoint(save_dir)
+    assert not any(nvme.is_swap_dir(p) for p in Path(save_dir).rglob("*")), "swap files in a checkpoint"
+    losses += engine_losses(engine, data[2:], rank, world)
+    again = None
+    if param_device == "nvme":
+        resumed = wrap(build_model("gpt2", seed=7), cfg)
+        resumed.load_checkpoint(save_dir)
+        again = engine_losses(resumed, data[2:], rank, world)
+        assert sum(u.resident for u in resumed.grad_path.param_swapper.units) <= 2
+    engine.save_16bit_model(f"{save_dir}_16bit")
+    exported = load_file(f"{save_dir}_16bit/model.safetensors") if rank == 0 else None
+    return losses, again, full_params(engine.module), exported
+
+
+@pytest.mark.slow
+def test_ds_config_param_nvme_end_to_end(tmp_path):
+    """`offload_param: {device: nvme}` + `offload_optimizer: nvme` in a ds_config through fsdpzero.wrap on 2 gloo
+    ranks (GPT-2, 3 units, buffer_count 2): losses and final params equal `offload_param: cpu` bit for bit; a
+    checkpoint (no swap files in it) resumes identically into a fresh param-NVMe engine; save_16bit_model
+    exports the real weights."""
+    cpu = run_distributed(_engine_run, 2, "cpu", str(tmp_path), str(tmp_path / "ck_cpu"), timeout=300)
+    ours = run_distributed(_engine_run, 2, "nvme", str(tmp_path), str(tmp_path / "ck_nvme"), timeout=300)
+    for (l_cpu, _, p_cpu, x_cpu), (l_nvme, again, p_nvme, x_nvme) in zip(cpu, ours):
+        assert l_cpu == l_nvme and l_nvme[0] != l_nvme[-1]
+        assert again == l_nvme[2:]
+        for k, v in p_cpu.items():
+            assert torch.equal(v, p_nvme[k]), k
+    x_cpu, x_nvme = cpu[0][3], ours[0][3]
+    assert x_cpu.keys() == x_nvme.keys() and all(torch.equal(x_cpu[k], x_nvme[k]) for k in x_cpu)
+    nvme.remove_stale_swap_dirs(tmp_path)    # whatever a rank left (forked ranks may skip atexit) is stale now
+    assert not (tmp_path / nvme.SWAP_ROOT).exists()
+
+
+# ------------------------------------------------------------------------------------------ bad settings
+
+def _swapper_errors(rank, world, nvme_path):
+    from fsdpzero.nvme_params import ParamSwapper, fsdp_units
+    from tests.test_offload import _model
+    model = _model(cpu_offload=True)                 # per rank: the root ~160 elements, 3 blocks ~1776 each
+    errors = []
+    for knobs in (dict(buffer_size=1000), dict(buffer_count=1), dict(max_in_cpu=3000)):
+        try:
+            ParamSwapper(fsdp_units(model), nvme_path=nvme_path, **knobs)
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors, list(Path(nvme_path).iterdir())
+
+
+def test_bad_buffer_settings_are_clear_errors(tmp_path):
+    """Model-dependent limits fail when the swapper is built (before step 1, before any swap file), naming the key,
+    the value and the value that works; values < 1 fail in the config layer, before any process group."""
+    from fsdpzero.config import ConfigError
+    from fsdpzero.translate import build_plan
+    from fsdpzero.plan import Env
+    (errors, left), = run_distributed(_swapper_errors, 1, str(tmp_path), timeout=120)
+    assert errors[0].startswith("offload_param.buffer_size=1000 is smaller than the largest FSDP unit's shard on "
+                                "this rank (3552 elements): set buffer_size >= 3552"), errors[0]
+    assert errors[1].startswith("offload_param.buffer_count=1: FSDP2 needs 2 units in CPU memory at once"), errors[1]
+    assert errors[2].startswith("offload_param.max_in_cpu=3000: the unit in use and the 1 prefetched after it hold "
+                                "up to 7104 elements on this rank; set max_in_cpu >= 7104"), errors[2]
+    assert left == []
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu"},
+        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0, "buffer_size": 0}}}
+    with pytest.raises(ConfigError) as e:
+        build_plan(cfg, Env())
+    msg = str(e.value)
+    assert "zero_optimization.offload_param.max_in_cpu: = 0: the NVMe parameter swapper needs at least 1" in msg
+    assert "set zero_optimization.offload_param.buffer_size >= 1 (DeepSpeed's default: 100000000)" in msg
