@@ -52,14 +52,15 @@ def fixed_batches(p: dict, rank: int, ga: int, device) -> list[torch.Tensor]:
 
 def ds_config(entry: dict, p: dict) -> dict:
     """The one DeepSpeed config both fsdpzero and DeepSpeed get for a matrix entry
-    (keys: stage, dtype in bf16/fp16/fp32, ga, offload in none/opt/both/nvme, hpz, nvme_path)."""
+    (keys: stage, dtype in bf16/fp16/fp32, ga, offload in none/opt/both/nvme/optnvme, hpz, nvme_path)."""
     zero = {"stage": entry["stage"]}
     if entry.get("offload") in ("opt", "both"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": not CPU}
     if entry.get("offload") == "both":
         zero["offload_param"] = {"device": "cpu", "pin_memory": not CPU}
-    if entry.get("offload") == "nvme":
+    if entry.get("offload") in ("nvme", "optnvme"):
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": entry["nvme_path"]}
+    if entry.get("offload") == "nvme":
         zero["offload_param"] = {"device": "nvme", "nvme_path": entry["nvme_path"]}
     if entry.get("hpz"):
         zero["zero_hpz_partition_size"] = entry["hpz"]

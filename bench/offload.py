@@ -8,8 +8,12 @@ All configs in sequence, one table (each config is its own torchrun, so nothing 
     python bench/offload.py --all --nproc 2 --out out/offload
 Configs: fsdp_z2, fsdp_z3 (no offload); fsdp_z3_cpuoffload (CPUOffloadPolicy + CPU fused AdamW); ours_z2 (stage 2 +
 optimizer offload); ours_z3_both (stage 3 + optimizer and param offload); *_overlap (the CPU step overlaps the next
-forward); ds_z2_offload, ds_z3_offload_both (DeepSpeed, when importable). --layers/--hidden/--vocab/--seq/--micro shrink the model for a smoke run;
+forward); ours_z3_ratio_overlap / ds_z3_ratio (stage 3, offload_optimizer.ratio = FSDPZERO_BENCH_RATIO, default 0.5:
+the rest steps on the GPU); ds_z2_offload, ds_z3_offload_both (DeepSpeed, when importable). --layers/--hidden/--vocab/--seq/--micro shrink the model for a smoke run;
 FSDPZERO_BENCH_CPU=1 runs it on CPU/gloo (correctness of the script only).
+FSDPZERO_OFFLOAD_PROFILE=1: the ours_* configs also write the offload path's per-step timeline (rank 0, JSON lines,
+fields in fsdpzero/offload_timeline.py) next to their JSON as <config>.timeline.jsonl, and the row gets
+"timeline_median" (the median of each scalar field over the timed steps).
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from common import config_main, run_configs  # noqa: E402  (bench/ is the script's folder)
 CONFIGS = ["fsdp_z2", "fsdp_z3", "fsdp_z3_cpuoffload", "ours_z2", "ours_z2_overlap", "ours_z3_both",
-           "ours_z3_both_overlap", "ds_z2_offload", "ds_z3_offload_both"]
+           "ours_z3_both_overlap", "ours_z3_ratio_overlap", "ds_z2_offload", "ds_z3_offload_both", "ds_z3_ratio"]
+RATIO = float(os.environ.get("FSDPZERO_BENCH_RATIO", "0.5"))   # *_ratio*: offload_optimizer.ratio (stage 3)
 DEVICE = "cuda" if os.environ.get("FSDPZERO_BENCH_CPU") != "1" else "cpu"   # CPU: smoke runs only
 HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 CLIP = 1.0
@@ -61,6 +66,8 @@ def ds_config(args, name):
     both = "both" in name
     zero = {"stage": 3 if "z3" in name else 2, "overlap_comm": True, "contiguous_gradients": True,
             "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    if "ratio" in name:
+        zero["offload_optimizer"]["ratio"] = RATIO
     if both:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     return {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
@@ -134,6 +141,13 @@ def run_one(args):
         deepspeed.init_distributed(dist_backend="nccl")
     elif args.config.startswith("fsdp_"):
         dist.init_process_group("cuda:nccl,cpu:gloo" if DEVICE == "cuda" else "gloo")
+    timeline = None
+    if os.environ.get("FSDPZERO_OFFLOAD_PROFILE") == "1" and args.config.startswith("ours_"):
+        timeline = Path(args.json or f"out/offload/{args.config}.json").with_suffix(".timeline.jsonl")
+        timeline.parent.mkdir(parents=True, exist_ok=True)
+        if rank == 0:
+            timeline.unlink(missing_ok=True)
+        os.environ["FSDPZERO_OFFLOAD_PROFILE_FILE"] = str(timeline)
     t_setup = time.perf_counter()
     runner = {"ds": ds_runner, "fsdp": fsdp_runner, "ours": ours_runner}[args.config.split("_")[0]]
     step, finish = runner(args, args.config)
@@ -170,6 +184,9 @@ def run_one(args):
     peak = torch.tensor([result["peak_alloc_GiB"]], device=DEVICE)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     result["peak_alloc_GiB_max_over_ranks"] = peak.item()
+    if timeline is not None and rank == 0 and timeline.exists():
+        result["timeline_file"] = str(timeline)
+        result["timeline_median"] = timeline_median(timeline, args.warmup)
     if rank == 0:
         print(json.dumps(result))
         if args.json:
@@ -177,6 +194,24 @@ def run_one(args):
             Path(args.json).write_text(json.dumps(result, indent=2))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def timeline_median(path: Path, warmup: int) -> dict:
+    """Median over the timed steps of each scalar field of the timeline, plus per-chunk Adam/D2H/H2D medians."""
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    recs = [r for r in recs if r["step"] >= warmup] or recs
+    med = {k: statistics.median(r[k] for r in recs if k in r)
+           for k in recs[0] if isinstance(recs[0][k], (int, float))}
+    med["unit_wait_host"] = [statistics.median(r["unit_wait_host"][u] for r in recs)
+                             for u in range(len(recs[0]["unit_wait_host"]))]
+    if "unit_wait_gpu" in recs[0]:
+        med["unit_wait_gpu"] = [statistics.median(r["unit_wait_gpu"][u] for r in recs)
+                                for u in range(len(recs[0]["unit_wait_gpu"]))]
+    chunk_keys = ("numel", "d2h_gpu", "d2h_wait_host", "adam_host", "adam_gparam_s", "adam_start_host", "h2d_gpu",
+                  "h2d_end_gpu")
+    med["chunks"] = [{k: statistics.median(r["chunks"][i][k] for r in recs if k in r["chunks"][i])
+                      for k in chunk_keys if k in recs[0]["chunks"][i]} for i in range(len(recs[0]["chunks"]))]
+    return med
 
 
 def run_all(args):
@@ -191,6 +226,15 @@ def run_all(args):
               f"{r['step_s_mean_incl_tail']:.3f} | "
               f"{r['tokens_per_s_per_gpu']:,.0f} | {r['peak_alloc_GiB_max_over_ranks']:.2f} | "
               f"{r['host_rss_GiB']:.2f} | {r['loss_first']:.4f} -> {r['loss_last']:.4f} |")
+    for r in rows:
+        t = r.get("timeline_median")
+        if t:
+            keys = ("backward_end_host", "backward_end_gpu", "grad_norm_gpu", "factor_sync_host", "device_step_host",
+                    "step_return_host",
+                    "cpu_done_host", "adam_host_total", "adam_gparam_s", "d2h_wait_host_total", "step_threads")
+            print(f"{r['config']} timeline (median s): " + ", ".join(f"{k}={t[k]:.4g}" for k in keys if k in t)
+                  + f", unit_wait_host={sum(t['unit_wait_host']):.4g}"
+                  + (f", unit_wait_gpu={sum(t['unit_wait_gpu']):.4g}" if "unit_wait_gpu" in t else ""))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ One config:
     torchrun --standalone --nproc_per_node=2 bench/stage1.py --config ours_z1 --json out/stage1/ours_z1.json
 Configs: ours_z1 (overlap_comm off: every reduce-scatter after backward), ours_z1_overlap (reduce-scatters from
 backward hooks, default 5e8-element buckets), ours_z1_overlap_b1e8 (1e8-element buckets: more overlap),
-ours_z1_fp32reduce, ours_z2 (fsdpzero stage 2 = FSDP2 reshard_after_forward=False), ds_z1, ds_z2 (DeepSpeed,
+ours_z1_fp32reduce, ours_z1_legacy / ours_z1_overlap_legacy (the stage-1 speed-ups of fsdpzero.stage1_path.KNOBS
+off: plain greedy buckets, a separate clip-scaling pass), ours_z2 (fsdpzero stage 2 = FSDP2
+reshard_after_forward=False), ds_z1, ds_z2 (DeepSpeed,
 overlap_comm and contiguous_gradients on, as in device_anchors.md; skipped when deepspeed is not importable).
 --layers/--hidden/--vocab/--seq/--micro shrink the model; FSDPZERO_BENCH_CPU=1 runs on CPU/gloo (script check only).
 """
@@ -26,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from common import config_main, run_configs  # noqa: E402  (bench/ is the script's folder)
 CONFIGS = ["ours_z1", "ours_z1_overlap", "ours_z1_overlap_b1e8", "ours_z1_fp32reduce", "ours_z2", "ds_z1", "ds_z2",
-           "ours_z3", "ds_z3"]   # z3: the same setup at stage 3, for the stage-3 ratio against DeepSpeed
+           "ours_z3", "ds_z3", "ours_z1_legacy", "ours_z1_overlap_legacy"]   # z3: the same setup at stage 3, for the stage-3 ratio against DeepSpeed
 DEVICE = "cuda" if os.environ.get("FSDPZERO_BENCH_CPU") != "1" else "cpu"
 
 
@@ -85,6 +87,9 @@ def run_one(args):
             os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"   # DS 0.19.8 cannot parse "9.0a"
         import deepspeed
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    if args.config.endswith("_legacy"):
+        from fsdpzero.stage1_path import KNOBS
+        os.environ.update({env: "0" for env in KNOBS.values()})
     t_setup = time.perf_counter()
     engine = make_engine(args, args.config)
     setup_s = time.perf_counter() - t_setup

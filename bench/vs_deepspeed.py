@@ -5,6 +5,7 @@
     python bench/vs_deepspeed.py --summarize out/vs_ds                            # table + plots from JSON
     python bench/vs_deepspeed.py --matrix nvme --nvme-path /tmp/nv --preset 0.25b  # ZeRO-Infinity: opt + params
                                                                                   # on NVMe, state vs host RSS
+    --only z2_fp16_ga1 z3_bf16_ga4 ... picks matrix entries (to split a matrix over GPU pairs of one host)
 FSDPZERO_BENCH_CPU=1 uses gloo/CPU, the tiny preset and fp32 (DeepSpeed with DS_ACCELERATOR=cpu).
 """
 from __future__ import annotations
@@ -36,7 +37,8 @@ def matrix(kind: str, nvme_path: str | None, nproc: int) -> list[dict]:
     if kind == "nvme":
         if not nvme_path:
             raise SystemExit("--matrix nvme needs --nvme-path DIR (a directory on the disk to swap to)")
-        return [dict(entry(3, offload="nvme", impls=("fsdpzero", "deepspeed")), nvme_path=nvme_path)]
+        return [dict(entry(3, offload=o, impls=("fsdpzero", "deepspeed")), nvme_path=nvme_path)
+                for o in ("optnvme", "nvme")]       # optimizer states on NVMe; and the parameters too
     core = [entry(s) for s in (1, 2, 3)] + [entry(2, offload="opt", impls=("fsdpzero", "deepspeed"))]
     if kind == "core":
         return core
@@ -45,8 +47,9 @@ def matrix(kind: str, nvme_path: str | None, nproc: int) -> list[dict]:
              entry(3, offload="both", impls=("fsdpzero", "deepspeed", "plain_fsdp2"))]
     if nproc >= 2:
         full.append(entry(3, hpz=max(1, nproc // 2), impls=("fsdpzero", "deepspeed")))
-    if nvme_path:
-        full.append(dict(entry(3, offload="nvme", impls=("fsdpzero", "deepspeed")), nvme_path=nvme_path))
+    if nvme_path:   # ZeRO-Infinity: optimizer states on NVMe, and with them the parameters
+        full += [dict(entry(3, offload=o, impls=("fsdpzero", "deepspeed")), nvme_path=nvme_path)
+                 for o in ("optnvme", "nvme")]
     return full
 
 
@@ -56,7 +59,7 @@ def plain_step(model, e, p, device, batches):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-    if e["stage"] == 0 or e["dtype"] == "fp16" or e["hpz"] or e["offload"] in ("opt", "nvme"):
+    if e["stage"] == 0 or e["dtype"] == "fp16" or e["hpz"] or e["offload"] in ("opt", "nvme", "optnvme"):
         raise SystemExit(f"plain_fsdp2 has no equivalent of {e['name']}")   # driver skips such entries
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if e["dtype"] == "bf16"
@@ -184,12 +187,14 @@ def table(rows: list[dict]) -> str:
 
 
 def scaling_table(rows: list[dict]) -> str:
-    lines = ["| stage | impl | N | tok/s/GPU | efficiency vs N=1 |", "|---|---|---|---|---|"]
-    base = {(r["stage"], r["impl"]): r["tokens_per_s_per_gpu"] for r in rows if r["world_size"] == 1}
-    for r in sorted(rows, key=lambda r: (r["stage"], r["impl"], r["world_size"])):
-        b = base.get((r["stage"], r["impl"]))
-        eff = f"{r['tokens_per_s_per_gpu'] / b:.2f}" if b else "-"
-        lines.append(f"| {r['stage']} | {r['impl']} | {r['world_size']} | {r['tokens_per_s_per_gpu']:.0f} | {eff} |")
+    """Weak scaling (fixed tokens per GPU): tokens/s/GPU at N over N=1, for the configs that have an N=1 run."""
+    lines = ["| config | impl | N | step s | tok/s/GPU | efficiency vs N=1 |", "|---|---|---|---|---|---|"]
+    base = {(r["config"], r["impl"]): r["tokens_per_s_per_gpu"] for r in rows if r["world_size"] == 1}
+    for r in sorted(rows, key=lambda r: (r["config"], r["impl"], r["world_size"])):
+        b = base.get((r["config"], r["impl"]))
+        if b:
+            lines.append(f"| {r['config']} | {r['impl']} | {r['world_size']} | {r['step_s']:.4f} | "
+                         f"{r['tokens_per_s_per_gpu']:.0f} | {r['tokens_per_s_per_gpu'] / b:.2f} |")
     return "\n".join(lines)
 
 
@@ -200,15 +205,18 @@ def plots(rows: list[dict], out: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    cfgs = sorted({r["config"] for r in rows})
+    keys = sorted({(r["config"], r["world_size"]) for r in rows})
+    labels = [f"{c} x{w}" for c, w in keys]
+    impls = ("fsdpzero", "deepspeed", "plain_fsdp2")
     for key, label in (("tokens_per_s_per_gpu", "tokens/s/GPU"), ("peak_alloc_gib", "peak alloc GiB")):
-        fig, ax = plt.subplots(figsize=(max(6, len(cfgs)), 4))
-        for k, impl in enumerate(("fsdpzero", "deepspeed")):
-            vals = [next((r[key] for r in rows if r["config"] == c and r["impl"] == impl), 0) for c in cfgs]
-            ax.bar([i + 0.4 * k for i in range(len(cfgs))], vals, width=0.4, label=impl)
-        ax.set_xticks([i + 0.2 for i in range(len(cfgs))], cfgs, rotation=30, ha="right")
+        fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(keys)), 4))
+        for k, impl in enumerate(impls):
+            vals = [next((r[key] for r in rows if (r["config"], r["world_size"]) == ck and r["impl"] == impl), 0)
+                    for ck in keys]
+            ax.bar([i + 0.28 * k for i in range(len(keys))], vals, width=0.28, label=impl)
+        ax.set_xticks([i + 0.28 for i in range(len(keys))], labels, rotation=40, ha="right", fontsize=8)
         ax.set_ylabel(label)
-        ax.legend()
+        ax.legend(ncol=3, loc="lower center", bbox_to_anchor=(0.5, 1.0), fontsize=8, frameon=False)
         fig.tight_layout()
         fig.savefig(out / f"{key}.png", dpi=120)
         plt.close(fig)
@@ -233,6 +241,7 @@ def main() -> None:
     ap.add_argument("--out", default="out/vs_ds")
     ap.add_argument("--nvme-path", default=None)
     ap.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS)
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="run only these matrix entries (e.g. z2_fp16_ga1)")
     ap.add_argument("--preset", choices=sorted(common.PRESETS), default="tiny" if common.CPU else "0.9b")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -253,12 +262,13 @@ def main() -> None:
     has_ds = importlib.util.find_spec("deepspeed") is not None
     runs = ([(e, n) for n in args.scaling for e in (entry(2), entry(3))] if args.scaling
             else [(e, args.nproc) for e in matrix(args.matrix, args.nvme_path, args.nproc)])
+    runs = [(e, n) for e, n in runs if not args.only or e["name"] in args.only]
     for e, n in runs:
         for impl in e["impls"]:
             if impl not in args.impls or (impl == "deepspeed" and not has_ds):
                 continue
-            if impl == "plain_fsdp2" and (e["stage"] == 0 or e["dtype"] == "fp16" or e["hpz"]
-                                          or e["offload"] in ("opt", "nvme")):
+            if impl == "plain_fsdp2" and (e["stage"] in (0, 1) or e["dtype"] == "fp16" or e["hpz"]
+                                          or e["offload"] in ("opt", "nvme", "optnvme")):
                 continue   # FSDP2 has no such feature: no row rather than a mislabelled one
             launch(e, impl, n, args, out)
     summarize(out)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from fsdpzero.log import StepPrinter, Timers
+from fsdpzero.loss_scaler import DeferredVerdict
 from fsdpzero.optim import GradPath, clip_factor
 from fsdpzero.plan import Plan
 from fsdpzero.precision import autocast, checks_overflow
@@ -42,11 +43,13 @@ class Engine(nn.Module):
         self._step_applied = False
         self.timers = Timers(plan.batch.wall_clock_breakdown, device.type)
         self._printer = StepPrinter(plan.batch.steps_per_print, self.timers)
-        # bf16 overflow checks without a host sync: the optimizer skips on the device, the host learns the verdict
-        # one step later (see _settle). fp16 needs the verdict at once (the next loss scale depends on it).
-        self._defer_verdict = (checks_overflow(plan) and scaler is None and hasattr(path, "can_skip_on_device")
+        # Overflow checks without a host sync: the optimizer skips on the device, the fp16 scaler updates its scale
+        # there too, and the host learns the verdict one step later (see _settle).
+        self._defer_verdict = (checks_overflow(plan) and getattr(path, "can_skip_on_device", lambda: False)()
                                and (lr_scheduler is None or hasattr(lr_scheduler, "rewind"))
                                and os.environ.get("FSDPZERO_SYNC_OVERFLOW_CHECK") != "1")
+        if self._defer_verdict and scaler is not None:
+            scaler.on_device(device)
         self._verdict: DeferredVerdict | None = None
 
     # -- DeepSpeed accessors -----------------------------------------------------------------------------------
@@ -75,6 +78,7 @@ class Engine(nn.Module):
         return None if self._grad_norm is None else float(self._grad_norm)
 
     def get_loss_scale(self) -> float:
+        self._settle()
         return float(self.loss_scaler.loss_scale) if self.loss_scaler is not None else 1.0
 
     @property
@@ -84,13 +88,19 @@ class Engine(nn.Module):
 
     def _settle(self) -> None:
         """Account for a deferred overflow verdict: a skipped step is counted and the scheduler's optimistic step
-        undone, as if the skip had been known at once (DeepSpeed: no scheduler step on an overflow step)."""
+        undone, as if the skip had been known at once (DeepSpeed: no scheduler step on an overflow step); the fp16
+        scaler's host copy catches up with its device state (and raises the floor error, one step late)."""
         verdict, self._verdict = self._verdict, None
-        if verdict is not None and verdict.overflowed():
+        if verdict is None:
+            return
+        overflow = verdict.overflowed()
+        if overflow:
             self.skipped_steps += 1
             self._step_applied = False
             if self.lr_scheduler is not None:
                 self.lr_scheduler.rewind()
+        if self.loss_scaler is not None:
+            self.loss_scaler.settle(overflow)
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -109,7 +119,7 @@ class Engine(nn.Module):
         gas = self.gradient_accumulation_steps()
         scaled = loss / gas if gas > 1 else loss
         if self.loss_scaler is not None:
-            scaled = scaled * self.loss_scaler.loss_scale
+            scaled = self.loss_scaler.scale_loss(scaled)   # a device tensor when the scaler runs there
         scaled.backward(retain_graph=retain_graph)
         self.timers.stop("backward")
         return scaled
@@ -124,26 +134,32 @@ class Engine(nn.Module):
             if self._loss_sum is not None:
                 self._last_loss = self._loss_sum / self.gradient_accumulation_steps()
             self._loss_sum = None
-            if self._printer.due(self.global_steps):
-                self._settle()                   # the printed skip count and lr are final (it syncs anyway)
-            self._printer.maybe_print(step=self.global_steps, skipped=self.skipped_steps,
-                                      samples=self.global_samples, loss=self._last_loss, lr=self.get_lr(),
-                                      grad_norm=self._grad_norm, loss_scale=self.get_loss_scale())
+            if self._printer.due(self.global_steps):   # settles: the printed skip count, lr and scale are final
+                self._printer.maybe_print(step=self.global_steps, skipped=self.skipped_steps,
+                                          samples=self.global_samples, loss=self._last_loss, lr=self.get_lr(),
+                                          grad_norm=self._grad_norm, loss_scale=self.get_loss_scale())
         self.micro_steps += 1
         self._boundary_override = None
 
     def _boundary_step(self) -> None:
-        path, scale = self.grad_path, self.get_loss_scale()
+        path, scaler = self.grad_path, self.loss_scaler
         self._settle()
+        deferred = self._defer_verdict and path.can_skip_on_device()
+        # the scale this step's backward used: a device tensor for a deferred dynamic scaler, else a float
+        scale = 1.0 if scaler is None else scaler.live_scale if deferred else scaler.loss_scale
+        unscale = not (isinstance(scale, float) and scale == 1.0)
         path.finish_gradients()
         norm = path.grad_norm()                  # collective: the same value on every rank
-        if scale != 1.0:
+        if unscale:
             norm = norm / scale
         self._grad_norm = norm
-        if self._defer_verdict and path.can_skip_on_device():
+        if deferred:
             found_inf = (~torch.isfinite(norm)).float()
-            path.scale_grads_(clip_factor(norm, self.plan.batch.gradient_clipping))
+            factor = clip_factor(norm, self.plan.batch.gradient_clipping)
+            path.scale_grads_(factor / scale if unscale else factor)
             path.step(found_inf=found_inf)       # a no-op on the device where found_inf is 1
+            if scaler is not None:
+                scaler.update_on_device(found_inf)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()         # optimistic; _settle rewinds it if the step overflowed
             self._verdict = DeferredVerdict(found_inf)
@@ -158,7 +174,7 @@ class Engine(nn.Module):
             self.skipped_steps += 1       # DeepSpeed: no optimizer step, no scheduler step, global_steps advances
         else:
             factor = clip_factor(norm, self.plan.batch.gradient_clipping)
-            if scale != 1.0:
+            if unscale:
                 factor = factor / scale
             path.scale_grads_(factor)
             path.step()
@@ -176,8 +192,8 @@ class Engine(nn.Module):
 
     # -- state for checkpoints ---------------------------------------------------------------------------------
     def client_state(self) -> dict:
-        self._settle()
         """The engine's own counters plus the scheduler/scaler state (the checkpoint layer saves these)."""
+        self._settle()
         return {"global_steps": self.global_steps, "global_samples": self.global_samples,
                 "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps,
                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
@@ -192,6 +208,7 @@ class Engine(nn.Module):
                         load_module_only=False):
         """-> (path, client_state); (None, None) when there is nothing to load, as DeepSpeed."""
         from fsdpzero.engine_checkpoint import load_engine
+        self._settle()          # a pending verdict belongs to the state being replaced, not to the loaded one
         return load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
 
     def save_16bit_model(self, save_dir, save_filename="model.safetensors", exclude_frozen_parameters=False):
@@ -209,21 +226,3 @@ class Engine(nn.Module):
         if self.loss_scaler is not None and state.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
 
-
-class DeferredVerdict:
-    """A 0-dim overflow flag copied to the host without waiting: read it later, when the GPU is long past it."""
-
-    def __init__(self, found_inf: torch.Tensor):
-        self.event = None
-        if found_inf.is_cuda:
-            self.flag = torch.empty((), dtype=found_inf.dtype, pin_memory=True)
-            self.flag.copy_(found_inf, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.flag = found_inf
-
-    def overflowed(self) -> bool:
-        if self.event is not None:
-            self.event.synchronize()
-        return bool(self.flag)

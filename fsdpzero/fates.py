@@ -150,7 +150,7 @@ FATES: dict[str, tuple[str, str]] = {
     _OO + "pipeline_read": (A, "the NVMe swapper always overlaps reads"),
     _OO + "pipeline_write": (A, "the NVMe swapper always overlaps writes"),
     _OO + "fast_init": (N, "optimizer-state init speed-up only"),
-    _OO + "ratio": (M, "OffloadPlan.ratio: 1.0, everything on CPU"),
+    _OO + "ratio": (M, "OffloadPlan.ratio: 1.0, the whole optimizer step on CPU"),
     _OO + "super_offload": (N, "false"),
     _OO + "cpuadam_cores_perc": (A, "CPU Adam uses torch's intra-op threads"),
     # ---- NVMe I/O
@@ -262,7 +262,8 @@ WHEN = {
     _OP + "device": "cpu: CPUOffloadPolicy; nvme: fsdpzero.nvme_params swapper with offload_optimizer on, else "
                     "approximated (CPU memory)",
     _OO + "device": "cpu: ops cpuadam; nvme: ops aio swapper + cpuadam",
-    _OO + "ratio": "< 1: approximated (everything offloaded)",
+    _OO + "ratio": "< 1 (stage 3): that fraction of the elements steps on CPU, the rest on the GPU (fused torch "
+                   "Adam on device fp32 masters); with offload_param or nvme: unsupported",
     _OO + "super_offload": "true: approximated (regular CPU offload)",
     "optimizer.type": "Adam -> 'adamw' unless adam_w_mode false; OneBitAdam/ZeroOneAdam/OneBitLamb, Lion, "
                       "MuAdam/MuAdamW/MuSGD, Muon: unsupported",
@@ -323,7 +324,12 @@ def decide(path: str, value: Any, cfg: "DSConfig", env: "Env") -> tuple[str, str
         return "mapped", ("ops cpuadam: fp32 master + Adam state on CPU, grad shards copied D2H"
                           if value == "cpu" else "ops aio NVMe optimizer-state swapper + ops cpuadam")
     if path.endswith("offload_optimizer.ratio") and isinstance(value, (int, float)) and value < 1:
-        return "approximated", f"ratio {value}: the whole optimizer step runs on CPU (ratio 1.0)"
+        oo, op = z.offload_optimizer, z.offload_param
+        if (oo is not None and oo.device == "nvme") or (op is not None and op.device not in (None, "none")):
+            return "unsupported", (f"ratio {value} with offload_param or an nvme optimizer: partial offload "
+                                   "needs the params on the GPU (set ratio to 1.0)")
+        return "mapped", (f"ratio {value}: the CPU steps that fraction of each rank's elements (the last chunks in "
+                          "forward order), the GPU the rest with fused torch Adam on device fp32 masters")
     if path.endswith("offload_optimizer.super_offload") and on:
         return "approximated", "superchip offload: regular CPU offload"
     if path == "optimizer.type":

@@ -10,6 +10,13 @@ Dynamic rule, per optimizer step (iteration i counts every step, skipped or not)
   The counter is not refilled when the scale is cut. `last_overflow = i`.
 - clean: with `consecutive_hysteresis` the counter is refilled; when `i - last_overflow - 1` is a positive multiple
   of `loss_scale_window` the scale doubles and the counter is refilled.
+
+Without a host sync (`on_device`, chosen by the engine when the optimizer can skip on the device): the state also
+lives in 0-dim device tensors that `update_on_device(found_inf)` advances with the same rule in torch ops, so the
+next backward multiplies by a device scale and nothing waits for the verdict. The host attributes stay DeepSpeed's
+(checkpoints, `loss_scale`, logs) and catch up when the engine reads the verdict, one step later or on demand
+(`settle`). The floor error is raised then: one more step has run (and, the scale sitting at the floor, most likely
+been skipped too) before the run aborts.
 """
 from __future__ import annotations
 
@@ -43,9 +50,21 @@ class StaticLossScaler:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.cur_scale
 
+    @property
+    def live_scale(self) -> float:
+        return self.cur_scale
+
+    def on_device(self, device: torch.device) -> None:
+        pass
+
+    def update_on_device(self, found_inf: torch.Tensor) -> None:
+        pass
+
     def update(self, overflow: bool) -> None:
         if overflow and is_rank0():
             log.warning("fp16 overflow with static loss scale %s: step skipped", self.cur_scale)
+
+    settle = update
 
     def state_dict(self) -> dict[str, Any]:
         return {"cur_scale": self.cur_scale}
@@ -69,15 +88,66 @@ class DynamicLossScaler:
         self.cur_iter = 0
         self.last_overflow_iter = -1
         self.cur_hysteresis = hysteresis
+        self._dev: dict[str, torch.Tensor] | None = None   # the same state on the device (on_device), or None
 
     @property
     def loss_scale(self) -> float:
+        """The host's scale: exact after `settle`, one verdict behind the device's before it."""
         return self.cur_scale
 
+    @property
+    def live_scale(self) -> torch.Tensor | float:
+        """The scale the next backward uses: fp32 0-dim on the device with `on_device`, else the host float."""
+        return self._dev["scale32"] if self._dev is not None else self.cur_scale
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.cur_scale
+        return loss * self.live_scale
+
+    def on_device(self, device: torch.device) -> None:
+        """Keep the state in device tensors from now on, seeded from the host attributes."""
+        # fp64 scale: the same values as the host's Python float (min_loss_scale need not be a power of two)
+        scale = torch.tensor(self.cur_scale, dtype=torch.float64, device=device)
+        self._dev = {"scale": scale, "scale32": scale.float(),
+                     **{k: torch.tensor(getattr(self, k), dtype=torch.int64, device=device)
+                        for k in ("cur_iter", "last_overflow_iter", "cur_hysteresis")}}
+
+    def update_on_device(self, found_inf: torch.Tensor) -> None:
+        """`update` in torch ops from a 0-dim overflow flag (1.0 = overflow), without reading it on the host."""
+        d, where = self._dev, torch.where
+        overflow = found_inf.to(d["scale"].device) > 0
+        scale, it, last, hyst = d["scale"], d["cur_iter"], d["last_overflow_iter"], d["cur_hysteresis"]
+        full = torch.full_like(hyst, self.delayed_shift)
+        # overflow: halve (floored) once hysteresis is exhausted, else count it down
+        exhausted = (hyst == 1) | (self.delayed_shift == 1)
+        of_scale = where(exhausted, (scale / self.scale_factor).clamp(min=self.min_scale), scale)
+        of_hyst = where(exhausted, hyst, hyst - 1)
+        # clean: double every scale_window stable iterations, refilling the counter
+        stable = it - last - 1
+        grow = (stable > 0) & (stable % self.scale_window == 0)
+        ok_hyst = where(grow, full, full if self.consecutive_hysteresis else hyst)
+        ok_scale = where(grow, scale * self.scale_factor, scale)
+        new_scale = where(overflow, of_scale, ok_scale)
+        self._dev = {"scale": new_scale, "scale32": new_scale.float(), "cur_iter": it + 1,
+                     "last_overflow_iter": where(overflow, it, last), "cur_hysteresis": where(overflow, of_hyst, ok_hyst)}
+
+    def device_state(self) -> dict[str, float | int] | None:
+        """The device copy as host numbers (a sync; for tests and checks)."""
+        if self._dev is None:
+            return None
+        return {"cur_scale": self._dev["scale"].item(),
+                **{k: int(self._dev[k].item()) for k in ("cur_iter", "last_overflow_iter", "cur_hysteresis")}}
+
+    def settle(self, overflow: bool) -> None:
+        """The host catches up with a verdict the device already applied (LossScaleFloorError raised here)."""
+        self._update_host(overflow)
 
     def update(self, overflow: bool) -> None:
+        """DeepSpeed's `update_scale`: one optimizer step's verdict, known on the host at once."""
+        self._update_host(overflow)
+        if self._dev is not None:
+            self.on_device(self._dev["scale"].device)
+
+    def _update_host(self, overflow: bool) -> None:
         if overflow:
             if self.delayed_shift == 1 or self.cur_hysteresis == 1:
                 if self.cur_scale == self.min_scale:
@@ -114,6 +184,8 @@ class DynamicLossScaler:
         for k in self._STATE:
             setattr(self, k, state[k])
         self.cur_scale = float(self.cur_scale)
+        if self._dev is not None:
+            self.on_device(self._dev["scale"].device)
 
 
 def make_loss_scaler(plan: LossScalePlan | None) -> DynamicLossScaler | StaticLossScaler | None:
@@ -159,3 +231,22 @@ def found_inf(grads_or_norm: torch.Tensor | Iterable[torch.Tensor | None], proce
         flag = (flag if flag is not None else torch.zeros((), device=device)).to(device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
     return bool(flag.item()) if flag is not None else False
+
+
+class DeferredVerdict:
+    """A 0-dim overflow flag copied to the host without waiting: read it later, when the GPU is long past it."""
+
+    def __init__(self, found_inf: torch.Tensor):
+        self.event = None
+        if found_inf.is_cuda:
+            self.flag = torch.empty((), dtype=found_inf.dtype, pin_memory=True)
+            self.flag.copy_(found_inf, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.flag = found_inf
+
+    def overflowed(self) -> bool:
+        if self.event is not None:
+            self.event.synchronize()
+        return bool(self.flag)

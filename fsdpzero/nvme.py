@@ -286,6 +286,15 @@ class NVMeAdam(torch.optim.Optimizer):
             if "step" in st:
                 st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).clone()
 
+    def write_masters(self) -> None:
+        """Disk masters <- the low-precision params (the offload path's stand-ins), moments kept: new weights were
+        loaded without the optimizer state."""
+        def take(buf, g):
+            for s in g.slices:
+                if _local(s[0]).dtype != torch.float32:
+                    self._views(buf, s)["master"].copy_(_local(s[0]).reshape(-1)[s[2]:s[3]])
+        self._pipeline(self._groups, take)
+
     def close(self) -> None:
         """Finish I/O, close the swap file and remove the swap directory (errors of pending writes are moot)."""
         try:
@@ -367,6 +376,11 @@ class NVMeGradPath(OffloadGradPath):
             chunk.ready.set()
         if swapper is not None:
             swapper.step_end()
+
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        super().refresh_masters()              # stand-ins <- the model's shards
+        self.optimizer.write_masters()         # and on to the fp32 masters on disk
 
     def _order(self):
         params = [p for g in self.optimizer.param_groups for p in g["params"]]

@@ -6,11 +6,15 @@ fused CPU Adam of ops/cpu_adam.cpp, which reads the low-precision gradient and w
 the same pass. The device keeps only low-precision shards (`model.to(param_dtype)` after the masters are taken).
 
 One optimizer step, with params on an accelerator:
-    finish_gradients  D2H of every sharded grad on a side stream, one event per chunk (a chunk: one FSDP unit's
-                      params, <= sub_group_size and <= CHUNK elements; units in forward order, root first)
+    backward          as each FSDP unit's reduce-scatter is issued (its post-backward), D2H of its sharded grads on
+                      a side stream behind it, one event per chunk (a chunk: one FSDP unit's params,
+                      <= sub_group_size and <= CHUNK elements; units in forward order, root first). Stage-2 units
+                      have already freed their device shards after forward (the pinned out buffers hold them).
+    finish_gradients  D2H of whatever was not hooked
     grad_norm         from the device grads (global, collective) while the copies run
     scale_grads_      nothing is touched: 1/loss_scale and the clip coefficient are folded into the kernel's read
-    step              for each chunk: wait its D2H, CPU step into pinned low-precision buffers, queue the H2D on a
+    step              device-stepped chunks (offload_optimizer.ratio < 1) first, with torch's fused Adam; then for
+                      each CPU chunk: wait its D2H, CPU step into pinned low-precision buffers, queue the H2D on a
                       second side stream, so the copy of chunk k overlaps the step of chunk k+1
 Clipping and fp16 overflow: the norm is taken on the device from the reduced shards *before* any CPU step, so a
 skipped step (inf/nan) never touches the masters and clipping is exact; the cost is that the CPU step cannot start
@@ -35,7 +39,7 @@ import os
 import torch
 from torch import nn
 
-from fsdpzero.offload_path import CHUNK, _DTYPES, OffloadGradPath, _Entry, _local
+from fsdpzero.offload_path import CHUNK, _DTYPES, OffloadGradPath, _Entry, _local, chunk_layout
 from fsdpzero.optim import OptimizerFactory
 from fsdpzero.plan import Plan
 
@@ -110,6 +114,34 @@ def _nvme_stand_in(local, stage, on_accel, low, pin):
     return torch.empty(local.shape, dtype=final), None, None
 
 
+def device_stepped(units: list[list[tuple[str, int]]], chunk_size: int, ratio: float) -> set[str]:
+    """offload_optimizer.ratio < 1: the names whose optimizer step stays on the device. The CPU keeps the last
+    chunks in forward order, about `ratio` of the elements (a chunk goes to the CPU when its middle element falls in
+    that fraction): the next forward needs them last, so the CPU has the most time for them when it overlaps.
+    (DeepSpeed keeps the first int(ratio * n) sub-groups on the CPU; which ones does not change the result.)"""
+    if ratio >= 1.0:
+        return set()
+    chunks = chunk_layout(units, chunk_size)
+    numel = {n: k for unit in units for n, k in unit}
+    sizes = [sum(numel[n] for n in c) for c in chunks]
+    budget, seen, device = ratio * sum(sizes), 0, set()
+    for names, size in zip(reversed(chunks), reversed(sizes)):
+        if seen + size / 2 > budget:
+            device.update(names)
+        seen += size
+    return device
+
+
+def drop_shards_default(plan: Plan) -> bool:
+    """Free the device shards of stage-2 units between forward and the step (offload_fsdp.DroppableShards): on
+    with CUDA and no gradient accumulation (each extra micro-batch would copy them back H2D for its all-gather).
+    FSDPZERO_OFFLOAD_DROP_SHARDS=0 turns it off, =1 forces it on (also on CPU, for tests)."""
+    env = os.environ.get("FSDPZERO_OFFLOAD_DROP_SHARDS")
+    if env is not None:
+        return env == "1"
+    return torch.cuda.is_available() and plan.batch.gradient_accumulation_steps == 1
+
+
 def _param_swapper(model: nn.Module, plan: Plan, entries: list[_Entry]):
     """offload_param nvme: the CPU shards go to disk (fsdpzero.nvme_params). A stand-in NVMeAdam steps becomes
     a view of its shard's storage, so it is swapped with the shard instead of being a second copy in memory."""
@@ -139,6 +171,12 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
         raise NotImplementedError(f"offload_optimizer.device = {plan.offload.optimizer_device!r}: only \"cpu\" and "
                                   "\"nvme\" are handled here")
     nvme = plan.offload.optimizer_device == "nvme"   # masters and moments on disk: fsdpzero.nvme
+    ratio = float(plan.offload.ratio)
+    if ratio < 1.0 and (nvme or plan.offload.param_device != "none"):
+        raise NotImplementedError(
+            f"zero_optimization.offload_optimizer.ratio = {ratio} is supported with offload_optimizer.device = cpu "
+            f"and the params on the accelerator; got offload_optimizer.device = {plan.offload.optimizer_device!r}, "
+            f"offload_param.device = {plan.offload.param_device!r}. Set ratio to 1.0 or remove offload_param")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("offload: the model has no trainable parameters")
@@ -160,7 +198,14 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
     units = _units(model, [n for n, _ in named])
     order = {n: i for i, n in enumerate(n for _, ns in units for n in ns)}
     named.sort(key=lambda np_: order[np_[0]])                        # then step them in forward order
-    entries, master_of, initial = [], {}, {}
+    chunk = max(1, min(int(plan.offload.sub_group_size), CHUNK))
+    local_numel = {n: _local(p).numel() for n, p in named}
+    on_device = device_stepped([[(n, local_numel[n]) for n in ns] for _, ns in units], chunk, ratio)
+    if on_device and any(not g["bias_correction"] for g in hyper):
+        raise NotImplementedError("zero_optimization.offload_optimizer.ratio < 1 steps part of the model with "
+                                  "torch's Adam, which always applies bias correction; set "
+                                  "optimizer.params.bias_correction to true or ratio to 1.0")
+    entries, master_of, initial, device_states = [], {}, {}, {}
     with torch.no_grad():
         for name, p in named:
             local = _local(p)
@@ -168,6 +213,15 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
                 master, grad_buf, out_buf = _nvme_stand_in(local, stage, on_accel, low, pin)
                 initial[id(master)] = local
                 entries.append(_Entry(name, p, master, grad_buf, out_buf))
+                master_of[id(p)] = master
+                continue
+            if name in on_device:   # ratio < 1: an fp32 master and its states next to the param, stepped there
+                master = local.detach().to(torch.float32, copy=True)
+                optimizer_state = {"step": torch.zeros((), dtype=torch.float32, device=master.device
+                                                       if master.device.type == "cuda" else "cpu"),
+                                   "exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master)}
+                device_states[master] = optimizer_state
+                entries.append(_Entry(name, p, master, None, None, on_device=True))
                 master_of[id(p)] = master
                 continue
             if stage or local.dtype != torch.float32:   # a separate fp32 master, taken before any cast below
@@ -192,11 +246,16 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
             now = dict(model.named_parameters())
             for e in entries:
                 e.param = now[e.name]   # .to() may replace the Parameter objects
+        if not nvme:
+            for e in entries:           # the out buffer always holds the exact current shard (drop_shards)
+                if e.out_buf is not None:
+                    e.out_buf.copy_(_local(e.param))
     if not nvme:
         for g in hyper:
             g["params"] = [master_of[id(p)] for p in g["params"]]
         optimizer = CPUAdam(hyper)
-    chunk = max(1, min(int(plan.offload.sub_group_size), CHUNK))
+        for master, st in device_states.items():   # CPUAdam only holds them (state_dict, schedulers' groups)
+            optimizer.state[master] = st
     by_name = {e.name: e for e in entries}
     path_class = OffloadGradPath
     if nvme:
@@ -204,11 +263,14 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
     swap_params = plan.offload.param_device == "nvme" and plan.shard.stage == 3 and units[0][0] is not None
     overlap = (overlap_default() if overlap is None else overlap) and not swap_params   # one thread swaps
     path = path_class(model, optimizer, [(m, [by_name[n] for n in ns]) for m, ns in units], chunk,
-                      threads=threads, overlap=overlap)
+                      threads=threads, overlap=overlap,
+                      drop_shards=not nvme and drop_shards_default(plan),
+                      early_d2h=os.environ.get("FSDPZERO_OFFLOAD_EARLY_D2H", "1") == "1")
     if swap_params:
         path.param_swapper = _param_swapper(model, plan, entries)
     log.info("offload: %d params, %.1f M elements on this rank, %d chunks, %d CPU threads, staged=%s, pinned "
              "copy buffers=%s, "
-             "overlap=%s", len(entries), sum(e.master.numel() for e in entries) / 1e6, len(path.chunks), threads,
-             stage, pin, path.overlap)
+             "overlap=%s, device-stepped chunks=%d (ratio %s)", len(entries),
+             sum(e.master.numel() for e in entries) / 1e6, len(path.chunks), threads, stage, pin, path.overlap,
+             len(path.device_chunks), ratio)
     return path

@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from fsdpzero.optim import global_grad_norm
+from fsdpzero import offload_device, offload_fsdp
+from fsdpzero.offload_timeline import Timeline, profiling
 
 log = logging.getLogger("fsdpzero")
 
@@ -29,6 +31,23 @@ class _Entry:
     master: torch.Tensor           # fp32 CPU; the param's own local shard when it is fp32 and on the CPU
     grad_buf: torch.Tensor | None  # pinned CPU landing buffer for the grad (None: read the CPU grad directly)
     out_buf: torch.Tensor | None   # pinned CPU low-precision param written by the kernel, then copied H2D
+    on_device: bool = False        # offload_optimizer.ratio < 1: master and states live with the param and
+                                   # torch's Adam steps it there (fused on CUDA)
+
+
+def chunk_layout(units: list[list[tuple[str, int]]], chunk_size: int) -> list[list[str]]:
+    """Names per pipeline chunk: consecutive params of one unit, <= chunk_size elements unless one param is larger.
+    The builder uses it to decide which chunks stay on the device (ratio < 1) before the path exists."""
+    chunks: list[list[str]] = []
+    for unit in units:
+        size = 0
+        for i, (name, numel) in enumerate(unit):
+            if i == 0 or size + numel > chunk_size:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(name)
+            size += numel
+    return chunks
 
 
 @dataclass
@@ -53,11 +72,13 @@ class OffloadGradPath:
     its first parameters are updated while the CPU steps the rest."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, units: list[tuple[nn.Module | None,
-                 list[_Entry]]], chunk_size: int, *, threads: int, overlap: bool = False):
+                 list[_Entry]]], chunk_size: int, *, threads: int, overlap: bool = False,
+                 drop_shards: bool = False, early_d2h: bool = True):
         self.model = model
         self.optimizer = optimizer          # a CPUAdam over the masters: schedulers drive its param_groups
         self.entries = [e for _, es in units for e in es]
         self._by_master = {id(e.master): e for e in self.entries}
+        self._model_order = {n: i for i, (n, _) in enumerate(model.named_parameters())}
         self._factor = 1.0
         self._hyper: dict[int, dict] = {}   # per master: the group's hyperparameters when step() was called
         self.threads = threads
@@ -67,62 +88,164 @@ class OffloadGradPath:
         self.h2d = torch.cuda.Stream() if cuda else None
         self.chunks: list[_Chunk] = []
         unit_chunks = []
+        by_name = {e.name: e for e in self.entries}
         self._unit_of = {id(e.master): m for m, es in units for e in es}
         self.param_swapper = None           # offload_param nvme: fsdpzero.nvme_params.ParamSwapper (set by the builder)
         for unit, entries in units:
             first = len(self.chunks)
-            for e in entries:
-                if len(self.chunks) == first or self.chunks[-1].numel + e.master.numel() > chunk_size:
-                    self.chunks.append(_Chunk(unit=unit))
-                self.chunks[-1].entries.append(e)
-                self.chunks[-1].numel += e.master.numel()
+            for names in chunk_layout([[(e.name, e.master.numel()) for e in entries]], chunk_size):
+                es = [by_name[n] for n in names]
+                if len({e.on_device for e in es}) > 1:
+                    raise ValueError("offload: a pipeline chunk mixes device- and CPU-stepped params")
+                self.chunks.append(_Chunk(unit=unit, entries=es, numel=sum(e.master.numel() for e in es)))
             unit_chunks.append(self.chunks[first:])
+        self.cpu_chunks = [c for c in self.chunks if not c.entries[0].on_device]
+        self.device_chunks = [c for c in self.chunks if c.entries[0].on_device]
         # loading model weights (e.g. a module-only checkpoint) must reach the masters, or the next step would
         # write the old weights back; a following load_state_dict of the optimizer then restores exact fp32 masters
         model.register_load_state_dict_post_hook(lambda *_: self.refresh_masters())
         self.overlap = overlap and all(m is not None for m, _ in units)
+        self.tl = Timeline(threads, len(units)) if profiling() else None   # FSDPZERO_OFFLOAD_PROFILE=1
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
-        if self.overlap:
-            model.register_state_dict_pre_hook(lambda *_: self.wait())   # saving reads the updated weights
-            index = {id(m): i for i, (m, _) in enumerate(units)}
-            for i, (module, _) in enumerate(units):
-                # explicit forward prefetch (set_modules_to_forward_prefetch) unshards later units from this
-                # unit's pre-forward: their chunks must be ready too
-                ahead = [index[id(s._modules[0])] for s in getattr(module._get_fsdp_state(),
-                                                                   "_states_to_forward_prefetch", [])
-                         if id(s._modules[0]) in index]
+        self._index = {id(c): k for k, c in enumerate(self.cpu_chunks)}
+        self._sync = True
+        self._rec = None                    # the timeline record of the step being stepped (profiling only)
+        self._early: set[int] = set()       # chunks whose D2H was issued during this backward
+        self._dropped: dict[int, offload_fsdp.DroppableShards] = {}
+        model.register_state_dict_pre_hook(lambda *_: self.wait())   # saving reads the updated weights
+        index = {id(m): i for i, (m, _) in enumerate(units)}
+        aheads: dict[int, list[int]] = {}
+        for i, (module, entries) in enumerate(units):
+            if module is None:
+                continue
+            # explicit forward prefetch (set_modules_to_forward_prefetch) unshards later units from this
+            # unit's pre-forward: their chunks must be ready (and their shards present) too
+            state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+            ahead = [index[id(s._modules[0])] for s in getattr(state, "_states_to_forward_prefetch", [])
+                     if id(s._modules[0]) in index]
+            aheads[i] = ahead
+            mine = [c for c in unit_chunks[i] if not c.entries[0].on_device]
+            if self.staged and mine and early_d2h:   # D2H as soon as the unit's reduce-scatter is done
+                offload_fsdp.after_reduce(module, lambda event, cs=mine: self._d2h_unit(cs, event))
+            if drop_shards and self.staged and offload_fsdp.keeps_unsharded(module) and \
+                    all(e.out_buf is not None for e in entries):
+                self._dropped[i] = offload_fsdp.DroppableShards(module)
+                module.register_forward_hook(lambda mod, *_, i=i: self._drop(i, mod))
+            if self.overlap:
                 waits = [c for j in [i, *ahead] for c in unit_chunks[j]]
-                module.register_forward_pre_hook(self._make_wait_hook(module, waits), prepend=True)
+                module.register_forward_pre_hook(self._make_wait_hook(module, waits, i), prepend=True)
+        for i, (module, _) in enumerate(units):   # prepended after the wait hooks: they run before them
+            restore = [u for u in [i, *aheads.get(i, [])] if u in self._dropped]
+            if restore:
+                module.register_forward_pre_hook(lambda mod, *_, us=restore: self._restore(us, mod), prepend=True)
+        self._unit_entries = [entries for _, entries in units]
+        if self.tl is not None:   # prepended last: runs before any wait hook, so the waits count in the step
+            model.register_forward_pre_hook(lambda *_: self.tl.forward_start(), prepend=True)
 
-    def _make_wait_hook(self, module, chunks):
+    # -- device shards of stage-2 units: dropped after forward, back for the step (offload_fsdp.DroppableShards) -----
+    def _drop(self, unit: int, module: nn.Module) -> None:
+        if torch.is_grad_enabled() and module.training:   # a training forward: backward and a step follow
+            self._dropped[unit].drop()
+
+    def _restore(self, units: list[int], module: nn.Module | None) -> None:
+        """Shards that are still dropped (no step since, e.g. a skipped step or an eval forward) come back from
+        the out buffers, which hold exactly the current low-precision params."""
+        todo = [u for u in units if self._dropped[u].dropped and
+                (module is None or self._dropped[u].needs_all_gather())]
+        if not todo:
+            return
+        for u in todo:
+            self._dropped[u].allocate()
+        done = offload_fsdp.restore_from([e for u in todo for e in self._unit_entries[u]], self.h2d)
+        if done is not None:
+            for s in self._consumer_streams(module):
+                s.wait_event(done)
+
+    def _restore_all(self) -> None:
+        if self._dropped:
+            self._restore(list(self._dropped), None)
+
+    @staticmethod
+    def _consumer_streams(module):
+        """The compute stream and FSDP2's all-gather streams (the copy-in reads the shards on its own streams)."""
+        state = module._get_fsdp_state() if module is not None and hasattr(module, "_get_fsdp_state") else None
+        ctx = getattr(state, "_comm_ctx", None)
+        return [torch.cuda.current_stream()] + [getattr(ctx, n) for n in (
+            "all_gather_copy_in_stream", "all_gather_stream") if hasattr(ctx, n)]
+
+    def _d2h_unit(self, chunks: list[_Chunk], event) -> None:
+        """A unit's grads are reduced (post-backward): queue their D2H now, behind the reduce-scatter."""
+        if not self._sync:
+            return
+        for c in chunks:                    # an overlapped step of the last iteration reads these grad buffers
+            c.ready.wait()
+        rec = self.tl.cur if self.tl is not None else None
+        with _on(self.d2h):
+            if event is not None and self.d2h is not None:
+                self.d2h.wait_event(event)
+            for chunk in chunks:
+                self._d2h_chunk(chunk, rec)
+                self._early.add(id(chunk))
+
+    def _d2h_chunk(self, chunk: _Chunk, rec) -> None:
+        """(On the D2H stream) copy the chunk's sharded grads into their pinned buffers; record d2h_done."""
+        tl, k = self.tl, self._index[id(chunk)]
+        if rec is not None and self.d2h is not None:
+            tl.chunk(rec, k)["ev"]["d2h_start"] = torch.cuda.Event(enable_timing=True)
+            tl.chunk(rec, k)["ev"]["d2h_start"].record(self.d2h)
+        for e in chunk.entries:
+            if e.param.grad is not None:
+                e.grad_buf.copy_(_local(e.param.grad), non_blocking=True)
+        if self.d2h is not None:
+            chunk.d2h_done = torch.cuda.Event(enable_timing=rec is not None)
+            chunk.d2h_done.record(self.d2h)
+            if rec is not None:
+                tl.chunk(rec, k)["ev"]["d2h_end"] = chunk.d2h_done
+
+    def _make_wait_hook(self, module, chunks, unit):
         def wait_for_update(*_):
+            t0 = time.perf_counter()
             for c in chunks:
                 c.ready.wait()
+            host_wait = time.perf_counter() - t0
             if self._error is not None:
                 raise RuntimeError("fsdpzero offload: the CPU optimizer step failed") from self._error
             if self.h2d is not None:   # FSDP2's all-gather copy-in reads the shards on its own streams
-                ctx = getattr(module._get_fsdp_state(), "_comm_ctx", None)
-                streams = [torch.cuda.current_stream()] + [getattr(ctx, n) for n in (
-                    "all_gather_copy_in_stream", "all_gather_stream") if hasattr(ctx, n)]
+                streams = self._consumer_streams(module)
+                before = torch.cuda.Event(enable_timing=True) if self.tl is not None else None
+                if before is not None:
+                    before.record()
                 for c in chunks:
                     if c.h2d_done is not None:
                         for s in streams:
                             s.wait_event(c.h2d_done)
+                if before is not None:   # after - before: how long the compute stream stalls on the H2D
+                    after = torch.cuda.Event(enable_timing=True)
+                    after.record()
+                    self.tl.unit_wait(unit, host_wait, before, after)
+            elif self.tl is not None:
+                self.tl.unit_wait(unit, host_wait, None, None)
         return wait_for_update
 
     @torch.no_grad()
     def refresh_masters(self) -> None:
         """masters <- the model's (possibly low-precision) shards, e.g. after new weights were loaded."""
         self._join()
+        self._restore_all()
         for e in self.entries:
             local = _local(e.param)
             if e.master is not local:
                 e.master.copy_(local)
+            if e.out_buf is not None:   # the out buffer is the exact copy of the shard (DroppableShards)
+                e.out_buf.copy_(local)
 
     def wait(self) -> None:
         """Block until an overlapped CPU step has finished (before reading the weights outside a forward)."""
         self._join()
+        self._restore_all()
+        if self.tl is not None:
+            self.tl.flush()
 
     def _join(self) -> None:
         if self._worker is not None:
@@ -134,26 +257,41 @@ class OffloadGradPath:
 
     # -- GradPath -------------------------------------------------------------------------------------------------
     def set_sync(self, sync: bool) -> None:
+        self._sync = sync
         if hasattr(self.model, "set_requires_gradient_sync"):
             self.model.set_requires_gradient_sync(sync)
 
     def finish_gradients(self) -> None:
         self._join()                      # the previous step must be done with the grad buffers
+        tl = self.tl
+        rec = tl.cur if tl is not None else None
+        if tl is not None:
+            tl.flush()
+            tl.host(rec, "backward_end_host")
+            tl.gpu(rec, "backward_end")
         if not self.staged:
+            return
+        late = [c for c in self.cpu_chunks if id(c) not in self._early]   # not hooked (e.g. no FSDP unit)
+        self._early.clear()
+        if not late:
             return
         if self.d2h is not None:
             self.d2h.wait_stream(torch.cuda.current_stream())
-        for chunk in self.chunks:
-            with _on(self.d2h):
-                for e in chunk.entries:
-                    if e.param.grad is not None:
-                        e.grad_buf.copy_(_local(e.param.grad), non_blocking=True)
-                if self.d2h is not None:
-                    chunk.d2h_done = torch.cuda.Event()
-                    chunk.d2h_done.record(self.d2h)
+        with _on(self.d2h):
+            for chunk in late:
+                self._d2h_chunk(chunk, rec)
 
     def grad_norm(self) -> torch.Tensor:
-        return global_grad_norm(e.param for e in self.entries)
+        # in the model's parameter order, as FSDPGradPath: the same norm bits, so the same clip coefficient
+        params = [e.param for e in sorted(self.entries, key=lambda e: self._model_order[e.name])]
+        if self.tl is None:
+            return offload_device.grad_norm(params)
+        rec, t0 = self.tl.cur, time.perf_counter()
+        self.tl.gpu(rec, "norm_start")
+        norm = offload_device.grad_norm(params)
+        self.tl.gpu(rec, "norm_end")
+        self.tl.host(rec, "grad_norm_host", t0)
+        return norm
 
     def scale_grads_(self, factor) -> None:
         self._factor = self._factor * factor   # a float or 0-dim tensor; the kernel applies it as it reads grads
@@ -161,30 +299,55 @@ class OffloadGradPath:
     @torch.no_grad()
     def step(self) -> None:
         self._join()
+        rec = self.tl.stepped(max(1, self.threads - 1) if self.overlap else self.threads) if self.tl else None
+        t0 = time.perf_counter()
         factor, self._factor = float(self._factor), 1.0   # the CPU needs the value: one sync, after the norm
+        if rec is not None:
+            self.tl.host(rec, "factor_sync_host", t0)
         # what to step, read now: zero_grad() may drop the grads before an overlapped worker reaches them
         work = [(chunk, [(e, e.grad_buf if e.grad_buf is not None else _local(e.param.grad))
-                         for e in chunk.entries if e.param.grad is not None]) for chunk in self.chunks]
+                         for e in chunk.entries if e.param.grad is not None]) for chunk in self.cpu_chunks]
+        if self._dropped:   # the dropped shards get their storage back; the H2D below fills it
+            back = [u for u, d in self._dropped.items() if d.dropped]
+            for u in back:
+                self._dropped[u].allocate()
+            stale = [e for u in back for e in self._unit_entries[u] if e.param.grad is None]
+            if stale:       # no grad, no step: the current value comes back from the out buffer
+                offload_fsdp.restore_from(stale, self.h2d)
+            elif back and self.h2d is not None:
+                self.h2d.wait_stream(torch.cuda.current_stream())   # allocated on the compute stream
         # and the hyperparameters: the engine steps the LR scheduler right after step() returns
         self._hyper = {id(m): {k: v for k, v in g.items() if k != "params"}
                        for g in self.optimizer.param_groups for m in g["params"]}
+        if self.device_chunks:          # queued on the device first: it runs while the CPU steps its chunks
+            t0 = time.perf_counter()
+            offload_device.adam_step([e for c in self.device_chunks for e in c.entries], self._hyper,
+                                     self.optimizer.state, factor)
+            if rec is not None:
+                self.tl.host(rec, "device_step_host", t0)
         if not self.overlap:
+            self._rec = rec
             self._step_chunks(work, factor)
             if self.h2d is not None:         # the next forward's all-gathers read the updated shards
                 torch.cuda.current_stream().wait_stream(self.h2d)
+            if rec is not None:
+                self.tl.host(rec, "step_return_host")
             return
-        for chunk in self.chunks:
+        for chunk in self.cpu_chunks:
             chunk.ready.clear()
-        self._worker = threading.Thread(target=self._worker_main, args=(work, factor), daemon=True,
+        self._worker = threading.Thread(target=self._worker_main, args=(work, factor, rec), daemon=True,
                                         name="fsdpzero-offload-step")
         self._worker.start()
+        if rec is not None:
+            self.tl.host(rec, "step_return_host")
 
     @torch.no_grad()   # grad mode is per thread
-    def _worker_main(self, work, factor) -> None:
+    def _worker_main(self, work, factor, rec) -> None:
         try:
             if self.h2d is not None:   # a new thread starts on GPU 0, whatever this rank's device is
                 torch.cuda.set_device(self.h2d.device)
             torch.set_num_threads(max(1, self.threads - 1))   # OpenMP settings are per thread; leave one core
+            self._rec = rec
             self._step_chunks(work, factor)                     # to the thread that launches the forward
         except BaseException as e:
             self._error = e
@@ -209,26 +372,43 @@ class OffloadGradPath:
             self.param_swapper = None
 
     def _step_chunks(self, work, factor) -> None:
-        for chunk, items in work:
+        rec = self._rec
+        tl = self.tl if rec is not None else None
+        for k, (chunk, items) in enumerate(work):
             if items:
                 self._swap_in(chunk.unit)
+            t0 = time.perf_counter()
             if chunk.d2h_done is not None:
                 chunk.d2h_done.synchronize()
             if chunk.h2d_done is not None:       # last step's H2D must have read the out buffers we overwrite
                 chunk.h2d_done.synchronize()
+            if tl is not None:
+                t1 = time.perf_counter()
+                c = tl.chunk(rec, k)
+                c.update(numel=sum(e.master.numel() for e, _ in items), d2h_wait_host=t1 - t0,
+                         adam_start_host=t1 - rec["t0"])
             for e, grad in items:
                 out = e.out_buf
                 if out is None and e.master is not _local(e.param):
                     out = _local(e.param)      # CPU-resident low-precision shard: written in place
                 self.optimizer.step_param(e.master, grad, out=out, grad_scale=factor, hyper=self._hyper[id(e.master)])
+            if tl is not None:
+                c["adam_host"] = time.perf_counter() - t1
             if self.staged and items:
                 with _on(self.h2d):
+                    if tl is not None and self.h2d is not None:
+                        c["ev"]["h2d_start"] = torch.cuda.Event(enable_timing=True)
+                        c["ev"]["h2d_start"].record(self.h2d)
                     for e, _ in items:
                         _local(e.param).copy_(e.out_buf, non_blocking=True)
                     if self.h2d is not None:
-                        chunk.h2d_done = torch.cuda.Event()
+                        chunk.h2d_done = torch.cuda.Event(enable_timing=tl is not None)
                         chunk.h2d_done.record(self.h2d)
+                        if tl is not None:
+                            c["ev"]["h2d_end"] = chunk.h2d_done
             chunk.ready.set()
+        if tl is not None:
+            tl.host(rec, "cpu_done_host")
         if self.param_swapper is not None:
             self.param_swapper.step_end()
 
@@ -262,7 +442,7 @@ class OffloadGradPath:
         for name, saved in sd["state"].items():
             e = names[name]
             st = self.optimizer._state(e.master)
-            st["step"] = saved["step"].clone()
+            st["step"] = saved["step"].to(st["step"].device, torch.float32, copy=True)
             for k in ("exp_avg", "exp_avg_sq"):
                 st[k].copy_(_local(saved[k]).view(st[k].shape))
             if "master" in saved:   # absent in a non-offload checkpoint: the model weights just loaded are the masters

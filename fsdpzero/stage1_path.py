@@ -6,6 +6,7 @@ replicated, and the stage-1 optimizer reduce-scatters gradients at the boundary,
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable
 
 import torch
@@ -19,6 +20,17 @@ Stage1Optimizer = _stage1.Stage1Optimizer
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ELEMENTWISE = {"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta",
                 "AdamNoBiasCorrection", "CPUAdam", "DeepSpeedCPUAdam"}   # update of an element needs only that element
+
+
+# Speed-ups that are on by default; "0" turns one off (A/B runs: bench/stage1.py's *_legacy configs). All keep the
+# result within float rounding of the plain schedule (the stage-0 parity tests hold either way; see docs/stage1.md).
+KNOBS = {"ramp_buckets": "FSDPZERO_STAGE1_RAMP_BUCKETS",         # small first/last buckets: short exposed ends
+         "fold_grad_scale": "FSDPZERO_STAGE1_FOLD_GRAD_SCALE",   # clip/unscale factor inside the fused step
+         "pipeline_step": "FSDPZERO_STAGE1_PIPELINE_STEP"}       # fused Adam bucket by bucket, under the all-gather
+
+
+def knobs_from_env() -> dict[str, bool]:
+    return {key: os.environ.get(env, "1") != "0" for key, env in KNOBS.items()}
 
 
 class Stage1GradPath:
@@ -88,5 +100,9 @@ def build_grad_path(model: nn.Module, plan, make_optimizer: Callable, mesh=None)
         optimizer, {id(p): n for n, p in named}, process_group=mesh.get_group() if mesh is not None else None,
         param_dtype=dtype, reduce_dtype=_DTYPES[precision.reduce_dtype],
         reduce_bucket_size=shard.reduce_bucket_size, allgather_bucket_size=shard.allgather_bucket_size,
-        overlap_comm=bool(shard.overlap_comm), master_device="cpu" if offload.optimizer_device == "cpu" else None)
+        overlap_comm=bool(shard.overlap_comm), master_device="cpu" if offload.optimizer_device == "cpu" else None,
+        **knobs_from_env())
+    # weights loaded without the optimizer (load_module_only, load_optimizer_states=False) become the masters; a
+    # following optimizer load then restores the exact fp32 masters from the checkpoint
+    model.register_load_state_dict_post_hook(lambda *_: stage1.refresh_masters())
     return Stage1GradPath(stage1)

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from fsdpzero.plan import AioPlan   # pure dataclasses: the one place the `aio` defaults are written
+
 from .build import extensions_dir, load_op
 
 ALIGN = 4096                     # O_DIRECT alignment that satisfies 512-byte and 4 KiB logical blocks
@@ -44,15 +46,9 @@ def padded_nbytes(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-@dataclass(frozen=True)
-class AioConfig:
-    """DeepSpeed's `aio` section (same keys, same defaults)."""
-    block_size: int = 1_048_576
-    queue_depth: int = 8
-    intra_op_parallelism: int = 1
-    single_submit: bool = False
-    overlap_events: bool = True
-    use_gds: bool = False
+@dataclass(frozen=True, kw_only=True)
+class AioConfig(AioPlan):
+    """DeepSpeed's `aio` section: the plan's fields and defaults (fsdpzero.plan.AioPlan), validated for the op."""
 
     def __post_init__(self):
         if self.use_gds:

@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -93,10 +94,13 @@ FZ_AVX512 inline __m512 load_grad16(const void* g, int64_t i) {
   }
 }
 
+// The low-precision copy is written once and next read by the H2D DMA, not by this CPU: aligned streaming
+// stores skip the read-for-ownership of its cache lines (2 of ~30 bytes/param) and leave the cache to the states.
 template <DT O>
-FZ_AVX512 inline void store_out16(void* o, int64_t i, __m512 x) {
+FZ_AVX512 inline void store_out16(void* o, int64_t i, __m512 x, bool stream) {
   if constexpr (O == DT::F32) {
-    _mm512_storeu_ps(static_cast<float*>(o) + i, x);
+    if (stream) _mm512_stream_ps(static_cast<float*>(o) + i, x);
+    else _mm512_storeu_ps(static_cast<float*>(o) + i, x);
   } else {
     __m256i h;
     if constexpr (O == DT::BF16) {  // same rounding as c10::BFloat16: nearest even, NaN -> 0x7fc0
@@ -108,7 +112,8 @@ FZ_AVX512 inline void store_out16(void* o, int64_t i, __m512 x) {
     } else {
       h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(o) + i), h);
+    if (stream) _mm256_stream_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(o) + i), h);
+    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(o) + i), h);
   }
 }
 
@@ -118,6 +123,9 @@ FZ_AVX512 void adam_avx512(const Bufs& b, const Hyper& h, int64_t lo, int64_t hi
   const __m512 beta2 = _mm512_set1_ps(h.beta2), omb2 = _mm512_set1_ps(h.omb2);
   const __m512 neg_step = _mm512_set1_ps(-h.step_size), bc2s = _mm512_set1_ps(h.bc2_sqrt);
   const __m512 eps = _mm512_set1_ps(h.eps), gmul = _mm512_set1_ps(h.grad_mul);
+  const int64_t osize = O == DT::F32 ? 4 : 2;   // 16 lanes: 64 or 32 bytes, the streaming store's alignment
+  const bool stream =
+      b.out && reinterpret_cast<uintptr_t>(static_cast<char*>(b.out) + lo * osize) % (16 * osize) == 0;
   int64_t i = lo;
   for (; i + 16 <= hi; i += 16) {
     __m512 p = _mm512_loadu_ps(b.p + i);
@@ -132,8 +140,9 @@ FZ_AVX512 void adam_avx512(const Bufs& b, const Hyper& h, int64_t lo, int64_t hi
     _mm512_storeu_ps(b.p + i, p);
     _mm512_storeu_ps(b.m + i, m);
     _mm512_storeu_ps(b.v + i, v);
-    if (b.out) store_out16<O>(b.out, i, p);
+    if (b.out) store_out16<O>(b.out, i, p, stream);
   }
+  if (stream) _mm_sfence();   // streaming stores are weakly ordered: visible before another thread queues the H2D
   adam_scalar<G, O>(b, h, i, hi);
 }
 
@@ -149,9 +158,10 @@ FZ_AVX2 inline __m256 load_grad8(const void* g, int64_t i) {
 }
 
 template <DT O>
-FZ_AVX2 inline void store_out8(void* o, int64_t i, __m256 x) {
+FZ_AVX2 inline void store_out8(void* o, int64_t i, __m256 x, bool stream) {
   if constexpr (O == DT::F32) {
-    _mm256_storeu_ps(static_cast<float*>(o) + i, x);
+    if (stream) _mm256_stream_ps(static_cast<float*>(o) + i, x);
+    else _mm256_storeu_ps(static_cast<float*>(o) + i, x);
   } else {
     __m128i h;
     if constexpr (O == DT::BF16) {
@@ -165,7 +175,8 @@ FZ_AVX2 inline void store_out8(void* o, int64_t i, __m256 x) {
     } else {
       h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(o) + i), h);
+    if (stream) _mm_stream_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(o) + i), h);
+    else _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(o) + i), h);
   }
 }
 
@@ -175,6 +186,9 @@ FZ_AVX2 void adam_avx2(const Bufs& b, const Hyper& h, int64_t lo, int64_t hi) {
   const __m256 beta2 = _mm256_set1_ps(h.beta2), omb2 = _mm256_set1_ps(h.omb2);
   const __m256 neg_step = _mm256_set1_ps(-h.step_size), bc2s = _mm256_set1_ps(h.bc2_sqrt);
   const __m256 eps = _mm256_set1_ps(h.eps), gmul = _mm256_set1_ps(h.grad_mul);
+  const int64_t osize = O == DT::F32 ? 4 : 2;   // 8 lanes: 32 or 16 bytes
+  const bool stream =
+      b.out && reinterpret_cast<uintptr_t>(static_cast<char*>(b.out) + lo * osize) % (8 * osize) == 0;
   int64_t i = lo;
   for (; i + 8 <= hi; i += 8) {
     __m256 p = _mm256_loadu_ps(b.p + i);
@@ -189,9 +203,44 @@ FZ_AVX2 void adam_avx2(const Bufs& b, const Hyper& h, int64_t lo, int64_t hi) {
     _mm256_storeu_ps(b.p + i, p);
     _mm256_storeu_ps(b.m + i, m);
     _mm256_storeu_ps(b.v + i, v);
-    if (b.out) store_out8<O>(b.out, i, p);
+    if (b.out) store_out8<O>(b.out, i, p, stream);
   }
+  if (stream) _mm_sfence();
   adam_scalar<G, O>(b, h, i, hi);
+}
+template <DT G>
+FZ_AVX512 double sumsq_block_avx512(const void* g, int64_t lo, int64_t hi) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = lo;
+  for (; i + 16 <= hi; i += 16) {
+    __m512 x = load_grad16<G>(g, i);
+    acc = _mm512_fmadd_ps(x, x, acc);
+  }
+  float tail = 0.f;
+  for (; i < hi; ++i) {
+    float x = load_grad<G>(g, i);
+    tail = std::fma(x, x, tail);
+  }
+  return double(_mm512_reduce_add_ps(acc)) + double(tail);
+}
+
+template <DT G>
+FZ_AVX2 double sumsq_block_avx2(const void* g, int64_t lo, int64_t hi) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = lo;
+  for (; i + 8 <= hi; i += 8) {
+    __m256 x = load_grad8<G>(g, i);
+    acc = _mm256_fmadd_ps(x, x, acc);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  double sum = 0.0;
+  for (float x : lanes) sum += x;
+  for (; i < hi; ++i) {
+    float x = load_grad<G>(g, i);
+    sum += double(x) * x;
+  }
+  return sum;
 }
 #endif  // FZ_X86
 
@@ -296,6 +345,45 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
   });
 }
 
+// Sum of squares of a fp32/bf16/fp16 CPU tensor, accumulated in fp32 per 1024-element block and across blocks in
+// double, in block order: the same bits for any thread count. The offload path's grad norm of CPU-resident bf16
+// grads (offload_param): torch's foreach norm of bf16 returns a bf16 norm, and asking it for fp32 first converts the
+// whole tensor (5x the memory traffic); this reads the 2 bytes once.
+template <DT G>
+double sumsq_block(const void* g, int64_t lo, int64_t hi, int64_t isa) {
+  int64_t i = lo;
+  float acc = 0.f;
+#ifdef FZ_X86
+  if (isa == kAVX512) return sumsq_block_avx512<G>(g, lo, hi);
+  if (isa == kAVX2) return sumsq_block_avx2<G>(g, lo, hi);
+#endif
+  for (; i < hi; ++i) {
+    float x = load_grad<G>(g, i);
+    acc = std::fma(x, x, acc);
+  }
+  return acc;
+}
+
+double grad_sumsq(const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "fsdpzero::grad_sumsq: needs a contiguous CPU tensor");
+  const DT dt = to_dt(t.scalar_type(), "tensor");
+  const int64_t n = t.numel(), isa = best_isa();
+  constexpr int64_t kBlock = 1024;
+  const int64_t nblocks = (n + kBlock - 1) / kBlock;
+  std::vector<double> part(nblocks);
+  const void* g = t.data_ptr();
+  at::parallel_for(0, nblocks, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t lo = b * kBlock, hi = std::min(n, lo + kBlock);
+      part[b] = dt == DT::F32 ? sumsq_block<DT::F32>(g, lo, hi, isa)
+              : dt == DT::BF16 ? sumsq_block<DT::BF16>(g, lo, hi, isa) : sumsq_block<DT::F16>(g, lo, hi, isa);
+    }
+  });
+  double total = 0.0;
+  for (double x : part) total += x;
+  return total;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fsdpzero, m) {
@@ -303,6 +391,7 @@ TORCH_LIBRARY_FRAGMENT(fsdpzero, m) {
         "float lr, float beta1, float beta2, float eps, float weight_decay, int step, bool adamw, "
         "bool bias_correction, float grad_scale, int isa) -> ()");
   m.def("adam_best_isa() -> int", &best_isa);
+  m.def("grad_sumsq(Tensor t) -> float", &grad_sumsq);
 }
 
 TORCH_LIBRARY_IMPL(fsdpzero, CPU, m) { m.impl("adam_step", &adam_step); }

@@ -94,6 +94,15 @@ def adam_step_(param, grad, exp_avg, exp_avg_sq, out=None, *, lr, beta1, beta2, 
         torch.ops.fsdpzero.adam_step(param, grad, exp_avg, exp_avg_sq, out, **kw, isa=_ISA[impl])
 
 
+def grad_sumsq(t: torch.Tensor) -> float:
+    """Sum of squares of a CPU fp32/bf16/fp16 tensor, in fp32 per 1024-element block and in double across blocks
+    (the same result for any thread count); reference path: in double."""
+    t = t.contiguous()
+    if _built():
+        return torch.ops.fsdpzero.grad_sumsq(t)
+    return float(t.double().square().sum())
+
+
 def _local(t):
     """FSDP2 shards are DTensors: the kernel works on the local shard."""
     return t.to_local() if hasattr(t, "to_local") else t

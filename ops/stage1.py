@@ -8,7 +8,8 @@ gradients locally over the micro-steps. At the accumulation boundary:
   2. one all-reduce of the squared shard norms gives the global gradient norm, which drives clipping and (through
      inf/nan) an overflow verdict that every rank shares;
   3. the inner optimizer (any torch.optim optimizer, built by a factory over the flat fp32 master shards, one tensor
-     per dtype per param group) steps on this rank's shard only;
+     per dtype per param group) steps on this rank's shard only (a fused torch Adam/AdamW may step it bucket by
+     bucket, each bucket's all-gather starting while the next updates: ops/stage1_step.py);
   4. the updated shards are cast to the parameter dtype and all-gathered, in buckets of `allgather_bucket_size`.
 
 Traffic per optimizer step is one reduce-scatter plus one all-gather, about 2x the parameter bytes. DeepSpeed stage 1
@@ -32,8 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .stage1_layout import _FlatGroup, _named_groups, _pack, _Run, _runs, _Slot, _unpack
+from .stage1_layout import _FlatGroup, _named_groups, _pack, _Run, _runs, _Slot, _take_chunks, _unpack
 from .stage1_state import load_logical_state_dict, logical_state_dict
+from .stage1_step import BucketStep, pipelinable, takes_grad_scale
 
 __all__ = ["Stage1Optimizer"]
 
@@ -73,7 +75,8 @@ class Stage1Optimizer(torch.optim.Optimizer):
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  reduce_bucket_size: int = 500_000_000, allgather_bucket_size: int = 500_000_000,
                  overlap_comm: bool = False, max_grad_norm: float = 0.0, check_overflow: bool = True,
-                 reduce_op: str = "reduce_scatter", master_device: torch.device | str | None = None):
+                 reduce_op: str = "reduce_scatter", master_device: torch.device | str | None = None,
+                 ramp_buckets: bool = True, fold_grad_scale: bool = True, pipeline_step: bool = False):
         if reduce_op not in ("reduce_scatter", "all_reduce"):
             raise ValueError(f"reduce_op={reduce_op!r}: use 'reduce_scatter' (default) or 'all_reduce' (reference)")
         for key, value in (("reduce_bucket_size", reduce_bucket_size), ("allgather_bucket_size", allgather_bucket_size)):
@@ -89,6 +92,13 @@ class Stage1Optimizer(torch.optim.Optimizer):
         self.master_device = torch.device(master_device) if master_device is not None else None
         self.max_grad_norm, self.check_overflow = float(max_grad_norm or 0.0), check_overflow
         self.overlap_comm, self._sync = overlap_comm, False
+        # buckets ramp up from size/8 and down to size/8 at the ends (stage1_layout._runs): less exposed time
+        self.ramp_buckets = ramp_buckets
+        # scale_grads_ hands its factor to a fused Adam/AdamW/SGD step (its grad_scale input) instead of a pass of
+        # its own over the fp32 gradient shard
+        self.fold_grad_scale, self._grad_factor = fold_grad_scale, None
+        # fused Adam/AdamW: update the shard bucket by bucket, all-gathering each while the next updates
+        self.pipeline_step = pipeline_step
         self.last_grad_norm: torch.Tensor | None = None   # unscaled, pre-clip global norm at the last step()
         self.overflow = False                              # the last step() was skipped for inf/nan gradients
 
@@ -172,12 +182,18 @@ class Stage1Optimizer(torch.optim.Optimizer):
             offset += chunk
         self.comm_device = slots[0].param.device
         master = torch.zeros(offset, dtype=torch.float32, device=self.master_device or self.comm_device)
-        with torch.no_grad():
-            for s in slots:
-                start = self.rank * s.chunk
-                master[s.offset: s.offset + s.local].copy_(s.param.detach().view(-1)[start: start + s.local])
+        _take_chunks(master, slots, self.rank)
         return _FlatGroup(gi, slots[0].param.dtype, slots, master,
-                          _runs(slots, int(reduce_bucket), self.world), _runs(slots, int(gather_bucket), self.world))
+                          _runs(slots, int(reduce_bucket), self.world, self.ramp_buckets),
+                          _runs(slots, int(gather_bucket), self.world, self.ramp_buckets))
+
+    def refresh_masters(self) -> None:
+        """Masters <- this rank's chunk of the parameters as they are now: after weights were loaded into the model
+        without the optimizer state, or the next step would all-gather the old masters back over them (DeepSpeed
+        restores its fp32 partitions from the 16-bit weights the same way). The engine calls it from a
+        load_state_dict post-hook on the model."""
+        for fg in self.flat_groups:
+            _take_chunks(fg.master, fg.slots, self.rank)
 
     # ------------------------------------------------------------ gradient reduction
 
@@ -283,16 +299,39 @@ class Stage1Optimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def scale_grads_(self, factor: torch.Tensor | float) -> None:
-        """Shard gradients *= factor (unscale by the loss scale and clip, in one pass)."""
+        """Shard gradients *= factor (unscale by the loss scale and clip). With a fused torch optimizer the factor
+        goes to its step as grad_scale = 1/factor (the kernel divides the gradient it reads), which saves a read
+        and a write of the fp32 gradient shard; the .grad tensors then stay unscaled until update_params()."""
+        if not torch.is_tensor(factor) and factor == 1.0:
+            return
         grads = [fg.master.grad for fg in self.flat_groups]
         if torch.is_tensor(factor):
-            factor = factor.to(grads[0].device)
+            factor = factor.to(grads[0].device, torch.float32)
+        if self.fold_grad_scale and takes_grad_scale(self.optimizer):
+            self._grad_factor = factor if self._grad_factor is None else self._grad_factor * factor
+            return
         torch._foreach_mul_(grads, factor)
 
     @torch.no_grad()
     def update_params(self) -> None:
         """Step the inner optimizer on the shards, then all-gather the parameters in their own dtype."""
-        self.optimizer.step()
+        factor, self._grad_factor = self._grad_factor, None
+        device = self.flat_groups[0].master.device
+        grad_scale = None if factor is None else (1.0 / torch.as_tensor(factor, dtype=torch.float32)).to(device)
+        if self.pipeline_step and device == self.comm_device and pipelinable(self.optimizer, device):
+            bucket_step = BucketStep(self.optimizer, grad_scale)
+            self._gather_params(bucket_step)
+            bucket_step.finish()
+            self._free_grads()
+            return
+        if grad_scale is None:
+            self.optimizer.step()
+        else:
+            self.optimizer.grad_scale = grad_scale
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.grad_scale
         self._free_grads()
         self._gather_params()
 
@@ -321,12 +360,14 @@ class Stage1Optimizer(torch.optim.Optimizer):
         return loss
 
     def _free_grads(self) -> None:
+        self._grad_factor = None
         for fg in self.flat_groups:
             fg.master.grad = None
             for s in fg.slots:
                 s.param.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._grad_factor = None
         for _fg, _run, work, _buf, _recv in self._inflight:   # reductions started from hooks, now abandoned
             if work is not None:
                 work.wait()
@@ -342,12 +383,15 @@ class Stage1Optimizer(torch.optim.Optimizer):
                         s.param.grad.zero_()
 
     @torch.no_grad()
-    def _gather_params(self) -> None:
+    def _gather_params(self, update: Callable[[torch.Tensor, int, int], None] | None = None) -> None:
         """Cast the updated shard to the parameter dtype and all-gather it into the whole parameters, keeping at most
-        two buckets in flight (bounded temporary memory)."""
+        two buckets in flight (bounded temporary memory). `update(master, lo, hi)`, if given, first steps each
+        bucket's slice of the shard (ops/stage1_step.py)."""
         window: collections.deque = collections.deque()
         for fg in self.flat_groups:
             for run in fg.gather_runs:
+                if update is not None:
+                    update(fg.master, run.lo, run.hi)
                 if self.world == 1:
                     for s in run.slots:
                         s.param.view(-1).copy_(fg.master[s.offset: s.offset + s.numel])

@@ -41,12 +41,29 @@ class _FlatGroup:
     grad_cache: torch.Tensor | None = None   # pinned CPU master grad kept between steps (offload only)
 
 
-def _runs(slots: list[_Slot], bucket_elements: int, world: int) -> list[_Run]:
+RAMP = (8, 4, 2)   # ramped runs: the first and the last three hold at most bucket/8, /4, /2 elements
+
+
+def _runs(slots: list[_Slot], bucket_elements: int, world: int, ramp: bool = False) -> list[_Run]:
     """Cut slots into runs of at most `bucket_elements` (counted across all ranks, as DeepSpeed counts); a single
-    larger parameter makes a run of its own."""
+    larger parameter makes a run of its own. `ramp`: the runs grow from bucket/8 at the start and shrink to bucket/8
+    at the end. Runs move through a pipeline of two (pack or cast | collective | unpack or copy-out), whose exposed
+    time is the first run's copy-in and the last run's copy-out, and, for reductions launched as gradients arrive in
+    slot order, the last run's collective: small end runs keep those short, big middle runs keep messages large."""
+    if not ramp:
+        return _greedy(slots, [bucket_elements], world)
+    caps = [max(1, bucket_elements // d) for d in RAMP]
+    tail = _greedy(slots[len(slots) // 2:][::-1], caps, world)[:len(caps)]   # from the back half, smallest last
+    taken = sum(len(r.slots) for r in tail)
+    tail = [_Run(r.slots[::-1], r.slots[-1].offset, r.slots[0].offset + r.slots[0].chunk) for r in tail[::-1]]
+    return _greedy(slots[:len(slots) - taken], caps + [bucket_elements], world) + tail
+
+
+def _greedy(slots: list[_Slot], caps: list[int], world: int) -> list[_Run]:
+    """Runs of consecutive slots, run i holding at most caps[min(i, len(caps) - 1)] elements (at least one slot)."""
     runs, cur, size = [], [], 0
     for s in slots:
-        if cur and size + s.chunk * world > bucket_elements:
+        if cur and size + s.chunk * world > caps[min(len(runs), len(caps) - 1)]:
             runs.append(_Run(cur, cur[0].offset, cur[-1].offset + cur[-1].chunk))
             cur, size = [], 0
         cur.append(s)
@@ -77,6 +94,14 @@ def _unpack(flat: torch.Tensor, src: torch.Tensor) -> None:
     flat[: full * chunk].view(full, chunk).copy_(src[:full])
     if rem:
         flat[full * chunk:].copy_(src[full, :rem])
+
+
+@torch.no_grad()
+def _take_chunks(master: torch.Tensor, slots: list[_Slot], rank: int) -> None:
+    """master shard <- chunk `rank` of each slot's parameter (fp32 upcast)."""
+    for s in slots:
+        start = rank * s.chunk
+        master[s.offset: s.offset + s.local].copy_(s.param.detach().view(-1)[start: start + s.local])
 
 
 def _named_groups(params) -> list[dict[str, Any]]:

@@ -32,3 +32,12 @@ def _no_process_group_leaks():
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
         pytest.fail("this test left a torch.distributed process group initialised in the test process")
+
+
+@pytest.fixture
+def one_rank_nccl(tmp_path):
+    """A 1-rank cuda:nccl,cpu:gloo process group for the in-process GPU tests, destroyed after the test."""
+    import torch.distributed as dist
+    dist.init_process_group("cuda:nccl,cpu:gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -81,6 +81,55 @@ def test_exact_resume_through_engine(tmp_path, stage):
     assert all(torch.equal(params[k], ref_params[k]) for k in ref_params)
 
 
+# fp16 whose (scaled) grad norm overflows fp32 by itself at this scale, plus an inf injected into the step just
+# before the save: the save meets a pending device-side verdict (skip, scheduler rewind, scale cut still unsettled).
+OVERFLOWING = LossScalePlan(initial_scale_power=66, loss_scale_window=2, hysteresis=2)
+FP16_STEPS, FP16_HALF = 8, 4
+
+
+def _fp16_steps(engine, rank, world, first, last):
+    data, m, losses = batches(FP16_STEPS, 2, GLOBAL_MICRO), GLOBAL_MICRO // world, []
+    for i in range(first, last):
+        acc = torch.zeros(())
+        for j, micro in enumerate(data[i]):
+            x = micro[rank * m:(rank + 1) * m]
+            loss = engine(input_ids=x, labels=x).loss
+            if i == FP16_HALF - 1 and j == 0 and rank == 1:
+                loss = loss * float("inf")
+            engine.backward(loss)
+            engine.step()
+            acc += loss.detach().float()
+        losses.append(acc.item())
+    return losses
+
+
+def _fp16_resume(rank, world, save_dir, part):
+    import dataclasses
+    plan = dataclasses.replace(_plan(2, world), precision=dataclasses.replace(
+        _plan(2, world).precision, loss_scale=OVERFLOWING))
+    engine = wrap(build_model("gpt2", seed=0 if part != "second" else 99), plan)
+    assert engine._defer_verdict
+    if part == "second":
+        engine.load_checkpoint(save_dir)
+    losses = _fp16_steps(engine, rank, world, FP16_HALF if part == "second" else 0,
+                         FP16_HALF if part == "first" else FP16_STEPS)
+    if part == "first":
+        engine.save_checkpoint(save_dir)
+    state = engine.client_state()
+    return (losses, full_params(engine.module), engine.get_loss_scale(), engine.get_lr(), state["skipped_steps"],
+            state["lr_scheduler"], state["loss_scaler"])
+
+
+def test_fp16_resume_with_a_pending_overflow_verdict(tmp_path):
+    ref = run_distributed(_fp16_resume, 2, str(tmp_path), "straight", timeout=180)[0]
+    first = run_distributed(_fp16_resume, 2, str(tmp_path), "first", timeout=180)[0]
+    second = run_distributed(_fp16_resume, 2, str(tmp_path), "second", timeout=180)[0]
+    assert first[4] >= 3 and ref[4] > first[4]             # overflows before the save (the last one too) and after
+    assert first[0] + second[0] == ref[0]
+    assert second[2:] == ref[2:]                            # scale, lr, skipped_steps, scheduler and scaler state
+    assert all(torch.equal(second[1][k], ref[1][k]) for k in ref[1])
+
+
 @pytest.mark.parametrize("save_world,load_world", [(2, 1), (1, 2)])
 def test_resharded_resume_through_engine(tmp_path, save_world, load_world):
     ref_losses, ref_params, _, _ = run_distributed(_straight, 2, 3, timeout=180)[0]

@@ -40,6 +40,7 @@ def _plan(world):
 def _train(rank, world):
     plan = _plan(world)
     engine = wrap(build_model("llama"), plan)
+    assert engine._defer_verdict     # the default: scaler and skip on the device, the verdict settled when read
     oracle = None
     if ds_scaler is not None:
         ds_scaler.dist = types.SimpleNamespace(get_rank=lambda: 1)   # its logging asks DeepSpeed's comm for the rank

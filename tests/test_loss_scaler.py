@@ -1,5 +1,6 @@
-"""fsdpzero.loss_scaler vs hand-derived DeepSpeed sequences, vs DeepSpeed's DynamicLossScaler (`oracle`), and
-found_inf agreeing across 2 gloo ranks (plain tensors and DTensor shards)."""
+"""fsdpzero.loss_scaler vs hand-derived DeepSpeed sequences, vs DeepSpeed's DynamicLossScaler (`oracle`), its
+device copy (state in 0-dim tensors, advanced from a found_inf tensor) vs its host rule, and found_inf agreeing
+across 2 gloo ranks (plain tensors and DTensor shards)."""
 import os
 import random
 
@@ -69,6 +70,56 @@ def test_state_dict_round_trip():
     assert _run(a, seq) == _run(b, seq)
 
 
+def _device_twin(plan: LossScalePlan):
+    """A scaler run the engine's deferred way: the device copy advanced from found_inf, the host settled after."""
+    s = make_loss_scaler(plan)
+    s.on_device(torch.device("cpu"))
+    return s
+
+
+def _step_device(s, overflow: bool) -> None:
+    s.update_on_device(torch.tensor(float(overflow)))
+    assert s.live_scale.dtype == torch.float32 and s.live_scale.item() == float(s.device_state()["cur_scale"])
+    s.settle(overflow)                       # raises the floor error here, after the device already moved
+    assert s.device_state() == s.state_dict()
+
+
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_device_state_follows_host_rule(consecutive):
+    host = make_loss_scaler(LossScalePlan(initial_scale_power=4, loss_scale_window=2, hysteresis=2,
+                                          consecutive_hysteresis=consecutive))
+    dev = _device_twin(LossScalePlan(initial_scale_power=4, loss_scale_window=2, hysteresis=2,
+                                     consecutive_hysteresis=consecutive))
+    for o in OVERFLOWS + OVERFLOWS[::-1]:
+        host.update(bool(o))
+        _step_device(dev, bool(o))
+        assert dev.state_dict() == host.state_dict()
+    dev.update(True)                         # a synchronous update re-seeds the device copy
+    assert dev.device_state() == dev.state_dict()
+    fresh = _device_twin(LossScalePlan(initial_scale_power=4, loss_scale_window=2, hysteresis=2))
+    fresh.load_state_dict(host.state_dict())  # so does a checkpoint load
+    assert fresh.device_state() == host.state_dict()
+
+
+def test_device_floor_error_one_step_late():
+    dev = _device_twin(LossScalePlan(initial_scale_power=2, hysteresis=1, min_loss_scale=1))
+    _step_device(dev, True)
+    _step_device(dev, True)
+    assert dev.loss_scale == 1
+    dev.update_on_device(torch.tensor(1.0))  # overflow at the floor: the device keeps the floor, no error yet
+    assert dev.device_state()["cur_scale"] == 1
+    with pytest.raises(LossScaleFloorError, match="min_loss_scale"):
+        dev.settle(True)
+
+
+def test_static_scaler_device_hooks():
+    s = make_loss_scaler(LossScalePlan(loss_scale=1000.0))
+    s.on_device(torch.device("cpu"))
+    s.update_on_device(torch.tensor(1.0))
+    s.settle(True)
+    assert s.live_scale == s.loss_scale == 1000.0
+
+
 @pytest.mark.oracle
 def test_against_deepspeed_random_sequences(monkeypatch):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -81,6 +132,7 @@ def test_against_deepspeed_random_sequences(monkeypatch):
                              hysteresis=rng.randint(1, 4), consecutive_hysteresis=rng.random() < 0.5,
                              min_loss_scale=rng.choice([1, 2, 3, 0.25]))
         ours = make_loss_scaler(plan)
+        dev = _device_twin(plan) if trial % 6 == 0 else None   # the device rule too, on a sixth of the trials
         theirs = ds.DynamicLossScaler(init_scale=2 ** plan.initial_scale_power, scale_window=plan.loss_scale_window,
                                       min_scale=plan.min_loss_scale, delayed_shift=plan.hysteresis,
                                       consecutive_hysteresis=plan.consecutive_hysteresis)
@@ -92,9 +144,15 @@ def test_against_deepspeed_random_sequences(monkeypatch):
             except Exception:
                 with pytest.raises(LossScaleFloorError):
                     ours.update(o)
+                if dev is not None:
+                    with pytest.raises(LossScaleFloorError):
+                        _step_device(dev, o)
                 aborts += 1
                 break
             ours.update(o)
+            if dev is not None:
+                _step_device(dev, o)
+                assert dev.state_dict() == ours.state_dict()
             assert (ours.cur_scale, ours.cur_hysteresis, ours.last_overflow_iter, ours.cur_iter) == \
                 (theirs.cur_scale, theirs.cur_hysteresis, theirs.last_overflow_iter, theirs.cur_iter), (trial, i)
     assert aborts > 0   # the floor abort was exercised

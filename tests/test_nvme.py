@@ -382,7 +382,7 @@ def test_ds_config_nvme_equals_cpu_offload_end_to_end(tmp_path, stage):
 
 
 @pytest.mark.gpu
-def test_nvme_offload_on_gpu_equals_cpu_offload(tmp_path):
+def test_nvme_offload_on_gpu_equals_cpu_offload(tmp_path, one_rank_nccl):
     """1 GPU, bf16 shards on the device, staged D2H / CPU step / H2D: offload_optimizer nvme == cpu, bit for bit."""
     import dataclasses
     from torch.distributed.device_mesh import init_device_mesh
@@ -391,8 +391,6 @@ def test_nvme_offload_on_gpu_equals_cpu_offload(tmp_path):
     from fsdpzero.optim import clip_factor
     from fsdpzero.plan import PrecisionPlan
     from tests.test_offload import HYPER, Net
-    if not dist.is_initialized():
-        dist.init_process_group("cuda:nccl,cpu:gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     runs = []
     for device in ("cpu", "nvme"):
         torch.manual_seed(0)

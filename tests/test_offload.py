@@ -180,11 +180,9 @@ def test_non_adam_optimizer_is_refused_clearly():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("overlap", [False, True])
-def test_offload_on_gpu_matches_fsdp(overlap, tmp_path):
+def test_offload_on_gpu_matches_fsdp(overlap, one_rank_nccl):
     """1 GPU, bf16 shards on the device, staged D2H / CPU step / H2D on side streams (and the overlapped worker),
     vs plain FSDP2 + fused AdamW on the GPU."""
-    if not dist.is_initialized():
-        dist.init_process_group("cuda:nccl,cpu:gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
 
     def build(offloaded):
         torch.manual_seed(0)

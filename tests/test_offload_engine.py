@@ -16,21 +16,22 @@ from tests.multirank import run_distributed
 STEPS = 6
 
 
-def _plan(world, stage, gas, param_offload):
+def _plan(world, stage, gas, param_offload, ratio=1.0):
     plan = make_plan(stage=stage, gas=gas, world=world)
-    return dataclasses.replace(plan, offload=OffloadPlan(optimizer_device="cpu", sub_group_size=20_000,
+    return dataclasses.replace(plan, offload=OffloadPlan(optimizer_device="cpu", sub_group_size=20_000, ratio=ratio,
                                                          param_device="cpu" if param_offload else "none"))
 
 
-def _train(rank, world, stage, gas, param_offload, overlap):
+def _train(rank, world, stage, gas, param_offload, overlap, ratio=1.0):
     os.environ["FSDPZERO_OFFLOAD_OVERLAP"] = "1" if overlap else "0"
-    plan = _plan(world, stage, gas, param_offload)
+    plan = _plan(world, stage, gas, param_offload, ratio)
     data = batches(STEPS, gas, plan.batch.micro_batch_size * world)
     engine = wrap(build_model("llama"), plan)
     losses = engine_losses(engine, data, rank, world)
     params = full_params(engine.module)   # collective: every rank
     return {"losses": losses, "params": params if rank == 0 else None,
-            "path": type(engine.grad_path).__name__, "chunks": len(getattr(engine.grad_path, "chunks", ()))}
+            "path": type(engine.grad_path).__name__, "chunks": len(getattr(engine.grad_path, "chunks", ())),
+            "device_chunks": len(getattr(engine.grad_path, "device_chunks", ()))}
 
 
 def _groups(rank, world):
@@ -77,11 +78,13 @@ def test_engine_offload_keeps_param_groups():
         assert max((got[k] - ref[k]).abs().max().item() for k in ref) <= 1e-5
 
 
-@pytest.mark.parametrize("stage,gas,param_offload,overlap", [
-    (1, 2, False, False), (2, 1, False, True), (3, 2, True, False), (3, 1, False, True)])
-def test_engine_offload_matches_unsharded(stage, gas, param_offload, overlap):
+@pytest.mark.parametrize("stage,gas,param_offload,overlap,ratio", [
+    (1, 2, False, False, 1.0), (2, 1, False, True, 1.0), (3, 2, True, False, 1.0), (3, 1, False, True, 1.0),
+    (3, 2, False, True, 0.4)])
+def test_engine_offload_matches_unsharded(stage, gas, param_offload, overlap, ratio):
+    """ratio 0.4: stage 3 with part of the step on the (CPU stand-in) device, via the config path."""
     world = 2
-    results = run_distributed(_train, world, stage, gas, param_offload, overlap, timeout=240)
+    results = run_distributed(_train, world, stage, gas, param_offload, overlap, ratio, timeout=240)
     plan = _plan(world, stage, gas, param_offload)
     ref_losses, ref_params = reference_run("llama", batches(STEPS, gas, plan.batch.micro_batch_size * world),
                                            clip=1.0)
@@ -90,6 +93,7 @@ def test_engine_offload_matches_unsharded(stage, gas, param_offload, overlap):
             assert r["path"] == "Stage1GradPath"
         else:
             assert r["path"] == "OffloadGradPath" and r["chunks"] > 1
+            assert (r["device_chunks"] > 0) == (ratio < 1) and r["device_chunks"] < r["chunks"]
         diff = max(abs(a - b) for a, b in zip(r["losses"], ref_losses))
         assert diff <= 1e-5, f"loss trajectory differs by {diff:.3g}: {r['losses']} vs {ref_losses}"
     params = results[0]["params"]

@@ -1,7 +1,9 @@
 """Make the DeepSpeed checkpoint fixtures in tests/assets/deepspeed_ckpts/ with real DeepSpeed (0.19.8).
 
-Made on the CPU machine (DS_ACCELERATOR=cpu, gloo, 2 ranks), not on a GPU: DeepSpeed runs ZeRO 0-3 on CPU, and the
-checkpoint files it writes do not depend on the device. For every variant this script
+Two sets: deepspeed_ckpts/ made on the CPU machine (DS_ACCELERATOR=cpu, gloo, 2 ranks, stages 0-3) and
+deepspeed_ckpts_gpu/ made on 2 GPUs with NCCL (stages 1-3, `--gpu`), so the reader is proven on files written by
+DeepSpeed's GPU code paths too (FusedAdam-free: torch_adam, so both sets hold torch AdamW states). For every variant
+this script
 
   1. trains a tiny GPT-2 (tied wte/lm_head, a frozen wpe) for SAVE_STEP optimizer steps, gradient accumulation 2,
   2. saves a checkpoint (tag global_step{SAVE_STEP}),
@@ -10,12 +12,14 @@ checkpoint files it writes do not depend on the device. For every variant this s
 
 Run from the repository root (needs deepspeed from the [oracle] extra; this script is the only place that imports it):
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 tests/assets/make_ds_ckpts.py
+    torchrun --standalone --nproc_per_node=2 tests/assets/make_ds_ckpts.py --gpu      # on a 2-GPU machine
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -23,7 +27,8 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
-OUT = Path(__file__).parent / "deepspeed_ckpts"
+GPU = "--gpu" in sys.argv
+OUT = Path(__file__).parent / ("deepspeed_ckpts_gpu" if GPU else "deepspeed_ckpts")
 SAVE_STEP, CONT_STEPS, GA, MICRO, SEQ, WORLD = 3, 3, 2, 2, 16, 2
 VOCAB, HIDDEN, HEADS = 63, 15, 3  # odd sizes: parameters with odd numel exercise DeepSpeed's partition padding
 LR, WD = 1e-2, 0.01
@@ -31,6 +36,8 @@ LR, WD = 1e-2, 0.01
 VARIANTS = [("z0_fp32", 0, "fp32"), ("z0_bf16", 0, "bf16"), ("z0_fp16", 0, "fp16"), ("z1_fp32", 1, "fp32"), ("z2_fp32", 2, "fp32"), ("z3_fp32", 3, "fp32"),
             ("z1_bf16", 1, "bf16"), ("z2_bf16", 2, "bf16"), ("z3_bf16", 3, "bf16"),
             ("z1_fp16", 1, "fp16"), ("z2_fp16", 2, "fp16"), ("z3_fp16", 3, "fp16")]
+if GPU:
+    VARIANTS = [v for v in VARIANTS if v[1] > 0]
 
 
 def model_config() -> GPT2Config:
@@ -71,7 +78,7 @@ def ds_config(stage: int, precision: str) -> dict:
 def train_steps(engine, data: torch.Tensor, steps: range, rank: int) -> list[float]:
     losses = []
     for step in steps:
-        total = torch.zeros(())
+        total = torch.zeros((), device=data.device)
         for micro in range(GA):
             ids = data[step, micro, rank]
             loss = engine(input_ids=ids, labels=ids).loss
@@ -89,26 +96,33 @@ def main() -> None:
     from deepspeed.accelerator import get_accelerator
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    ds_comm_torch.build_shm_op = lambda: None  # skip a 40 s JIT build of a CPU all-reduce we do not need
-    # DeepSpeed's CPU accelerator allows fp16 only where oneDNN has fp16 kernels; the checkpoint format does not
-    # depend on that, and the tiny model trains fine in the slow fp16 path, so allow it for the fixtures.
-    type(get_accelerator()).is_fp16_supported = lambda self: True
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
+    if GPU:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        deepspeed.init_distributed(dist_backend="nccl")
+    else:
+        ds_comm_torch.build_shm_op = lambda: None  # skip a 40 s JIT build of a CPU all-reduce we do not need
+        # DeepSpeed's CPU accelerator allows fp16 only where oneDNN has fp16 kernels; the checkpoint format does
+        # not depend on that, and the tiny model trains fine in the slow fp16 path, so allow it for the fixtures.
+        type(get_accelerator()).is_fp16_supported = lambda self: True
+        torch.set_num_threads(1)
+        deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     assert dist.get_world_size() == WORLD
     data = make_data()
-    record = {"deepspeed": deepspeed.__version__, "torch": torch.__version__, "save_step": SAVE_STEP,
+    record = {"deepspeed": deepspeed.__version__, "torch": torch.__version__,
+              "device": torch.cuda.get_device_name() if GPU else "cpu", "save_step": SAVE_STEP,
               "cont_steps": CONT_STEPS, "grad_accum": GA, "lr": LR, "weight_decay": WD, "variants": {}}
     if rank == 0:
         if OUT.exists():
             shutil.rmtree(OUT)
         OUT.mkdir(parents=True)
-        save_file({"input_ids": data.contiguous()}, OUT / "data.safetensors")
+        save_file({"input_ids": data.contiguous()}, OUT / "data.safetensors")  # CPU tensor: before the move
         model_config().save_pretrained(OUT)  # config.json of the model all variants train
     dist.barrier()
+    if GPU:
+        data = data.cuda()
     for name, stage, precision in VARIANTS:
-        model = make_model()
+        model = make_model().to(data.device)
         cfg = ds_config(stage, precision)
         params = [p for p in model.parameters() if p.requires_grad]
         engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=cfg)
@@ -138,5 +152,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if not GPU:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     main()

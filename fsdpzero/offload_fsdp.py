@@ -1,0 +1,102 @@
+"""The two places where the offload path reaches into an FSDP2 unit (torch's private _fully_shard state, kept here
+so the rest of the path reads only public API):
+
+- after_reduce(module, fn): fn(event) after the unit's post-backward has issued its reduce-scatter; `event` (None
+  on CPU or when nothing was reduced) completes when the sharded grads hold their values. The offload path starts
+  each unit's D2H there, during backward, instead of all of them after backward.
+- DroppableShards: a unit that keeps its params unsharded from forward to the end of backward (stage 2,
+  reshard_after_forward=False) does not read its low-precision shards again before the next step, and the offload
+  path keeps an exact copy of every shard in its pinned out buffer. So the device storage of those shards is freed
+  after the unit's forward and allocated again when the step copies the new values in: 2 bytes/param of device
+  memory less during forward and backward (DeepSpeed's stage 2 has no sharded copy next to the full params either).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+def param_group(module: nn.Module):
+    state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+    return getattr(state, "_fsdp_param_group", None) if state is not None else None
+
+
+def after_reduce(module: nn.Module, fn: Callable[[object], None]) -> bool:
+    """Call fn(post-reduce event) after each post-backward of the unit that reduced its grads. False when the unit
+    has no FSDP param group to hook (or this torch lacks the internals: the D2H then runs after backward)."""
+    group = param_group(module)
+    if group is None or not all(hasattr(group, a) for a in ("post_backward", "reduce_grads", "_post_reduce_event")):
+        return False
+    original = group.post_backward
+    on_cuda = getattr(group, "device", torch.device("cpu")).type == "cuda"
+
+    def post_backward(*args, **kwargs):
+        out = original(*args, **kwargs)
+        event = getattr(group, "_post_reduce_event", None)
+        if group.reduce_grads and (event is not None or not on_cuda):   # no event: nothing was reduced
+            fn(event)
+        return out
+    group.post_backward = post_backward   # FSDP2 calls it through the instance (autograd node, final callback)
+    return True
+
+
+def keeps_unsharded(module: nn.Module) -> bool:
+    """True for a unit that does not reshard after forward (its shards are not read during backward)."""
+    group = param_group(module)
+    try:
+        return (group is not None and group.post_forward_mesh_info is None and len(group.fsdp_params) > 0
+                and all(isinstance(fp._sharded_param_data, torch.Tensor) and not fp.offload_to_cpu
+                        and fp.sharded_param._local_tensor.untyped_storage() is not None
+                        for fp in group.fsdp_params))
+    except AttributeError:   # another torch's internals: keep the shards
+        return False
+
+
+class DroppableShards:
+    """The padded shard storages of one FSDP unit, freed and allocated again (their views stay valid)."""
+
+    def __init__(self, module: nn.Module):
+        self.group = param_group(module)
+        self.shards = []   # (padded 1-D shard, its storage, bytes, valid elements), read at each drop
+        self.dropped = False
+
+    def needs_all_gather(self) -> bool:
+        return not self.group.is_unsharded
+
+    def drop(self) -> None:
+        if not self.dropped:   # FSDP2 may re-create a shard (lazy init, .to()): take the live ones each time
+            self.shards = [(fp._sharded_param_data, fp._sharded_param_data.untyped_storage(),
+                            fp._sharded_param_data.untyped_storage().nbytes(), fp.sharded_param._local_tensor.numel())
+                           for fp in self.group.fsdp_params]
+            for _, storage, _, _ in self.shards:
+                storage.resize_(0)
+            self.dropped = True
+
+    @torch.no_grad()
+    def allocate(self) -> None:
+        """Storage back (contents undefined but the padding, which is zeroed: the all-gather sends it)."""
+        if self.dropped:
+            for padded, storage, nbytes, valid in self.shards:
+                storage.resize_(nbytes)
+                if valid < padded.numel():
+                    padded[valid:].zero_()
+            self.dropped = False
+
+
+@torch.no_grad()   # runs in a forward pre-hook, with grad mode on
+def restore_from(entries, stream) -> torch.cuda.Event | None:
+    """Copy each entry's out buffer (the exact current low-precision shard) into its device shard on `stream`."""
+    ctx = torch.cuda.stream(stream) if stream is not None else None
+    if ctx is not None:
+        stream.wait_stream(torch.cuda.current_stream())   # the storage was just allocated on the current stream
+        with ctx:
+            for e in entries:
+                e.param.to_local().copy_(e.out_buf, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
+    for e in entries:
+        (e.param.to_local() if hasattr(e.param, "to_local") else e.param).copy_(e.out_buf)
+    return None
