@@ -259,7 +259,7 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
     by_name = {e.name: e for e in entries}
     path_class = OffloadGradPath
     if nvme:
-        from fsdpzero.nvme import NVMeGradPath as path_class
+        from fsdpzero.nvme_path import NVMeGradPath as path_class
     swap_params = plan.offload.param_device == "nvme" and plan.shard.stage == 3 and units[0][0] is not None
     overlap = (overlap_default() if overlap is None else overlap) and not swap_params   # one thread swaps
     path = path_class(model, optimizer, [(m, [by_name[n] for n in ns]) for m, ns in units], chunk,
