@@ -6,6 +6,7 @@
     python bench/vs_deepspeed.py --matrix nvme --nvme-path /tmp/nv --preset 0.25b  # ZeRO-Infinity: opt + params
                                                                                   # on NVMe, state vs host RSS
     --only z2_fp16_ga1 z3_bf16_ga4 ... picks matrix entries (to split a matrix over GPU pairs of one host)
+DeepSpeed's NVMe entries need its async_io op: without libaio-dev, first eval "$(sh bench/libaio_shim/build.sh DIR)".
 FSDPZERO_BENCH_CPU=1 uses gloo/CPU, the tiny preset and fp32 (DeepSpeed with DS_ACCELERATOR=cpu).
 """
 from __future__ import annotations
