@@ -188,6 +188,7 @@ class ParamSwapper:
         for r in u.reads:
             r.wait()
         u.reads = []
+        self._finish_writes(u)                  # an older write of the same range must not land after this one
         for s, n, off in zip(_storages(u), u.nbytes, u.offsets):
             if n:
                 u.writes.append(self._writer.pwrite(_bytes_view(s, n), self._file, off))
