@@ -48,9 +48,8 @@ def matrix(kind: str, nvme_path: str | None, nproc: int) -> list[dict]:
              entry(3, offload="both", impls=("fsdpzero", "deepspeed", "plain_fsdp2"))]
     if nproc >= 2:
         full.append(entry(3, hpz=max(1, nproc // 2), impls=("fsdpzero", "deepspeed")))
-    if nvme_path:   # ZeRO-Infinity: optimizer states on NVMe, and with them the parameters
-        full += [dict(entry(3, offload=o, impls=("fsdpzero", "deepspeed")), nvme_path=nvme_path)
-                 for o in ("optnvme", "nvme")]
+    if nvme_path:   # ZeRO-Infinity rows
+        full += matrix("nvme", nvme_path, nproc)
     return full
 
 
