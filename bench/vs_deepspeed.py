@@ -15,6 +15,7 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -150,10 +151,22 @@ def launch(e, impl, nproc, args, out: Path) -> dict | None:
     if common.CPU:
         env["DS_ACCELERATOR"] = "cpu"
     print(f"--- {e['name']} {impl} n={nproc}", flush=True)
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.run_timeout)
-    if res.returncode != 0 or not path.exists():
-        (out / f"{e['name']}__{impl}__n{nproc}.log").write_text(res.stdout + res.stderr)
-        print(f"    failed (rc {res.returncode}); log kept: {(res.stdout + res.stderr).strip().splitlines()[-1:]}")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        text, rc = proc.communicate(timeout=args.run_timeout)[0], proc.returncode
+    except subprocess.TimeoutExpired:
+        # SIGTERM: torchrun stops its workers (each in its own session) on the way out; SIGKILL would orphan them
+        # with their GPUs. SIGKILL only if it has not finished 60 s later.
+        proc.send_signal(signal.SIGTERM)
+        try:
+            text = proc.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            text = proc.communicate()[0]
+        text, rc = text + f"\ntimed out after {args.run_timeout} s", "timeout"
+    if rc != 0 or not path.exists():
+        (out / f"{e['name']}__{impl}__n{nproc}.log").write_text(text)
+        print(f"    failed (rc {rc}); log kept: {text.strip().splitlines()[-1:]}")
         return None
     return json.loads(path.read_text())
 
