@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 import fsdpzero.ops  # noqa: F401  registers fsdpzero_ops from a source checkout
-from fsdpzero.swapdir import MARKER, SWAP_ROOT, SwapDir, is_swap_dir, remove_stale_swap_dirs  # noqa: F401
+from fsdpzero.swapdir import MARKER, SWAP_ROOT, SwapDir, close_swap_io, is_swap_dir, remove_stale_swap_dirs  # noqa: F401
 from fsdpzero_ops.aio import ALIGN, AioConfig, AioHandle, aligned_empty
 from fsdpzero_ops.cpu_adam import adam_step_
 
@@ -301,19 +301,7 @@ class NVMeAdam(torch.optim.Optimizer):
             self._drain()
         except (OSError, AttributeError):
             pass
-        for name in ("_reader", "_writer"):
-            handle = getattr(self, name, None)
-            setattr(self, name, None)
-            if handle is not None:
-                try:
-                    handle.close()
-                except OSError:
-                    pass
-        if getattr(self, "_file", None) is not None:
-            self._file.close()
-            self._file = None
-        if hasattr(self, "swap_dir"):
-            self.swap_dir.close()
+        close_swap_io(self)
 
     def __del__(self):
         try:

@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 import fsdpzero.ops  # noqa: F401  registers fsdpzero_ops from a source checkout
-from fsdpzero.swapdir import SwapDir
+from fsdpzero.swapdir import SwapDir, close_swap_io
 from fsdpzero_ops.aio import ALIGN, AioConfig, AioHandle, padded_nbytes
 
 log = logging.getLogger("fsdpzero")
@@ -313,19 +313,7 @@ class ParamSwapper:
         for h in getattr(self, "_hooks", []):
             h.remove()
         self._hooks = []
-        for name in ("_reader", "_writer"):
-            handle = getattr(self, name, None)
-            setattr(self, name, None)
-            if handle is not None:
-                try:
-                    handle.close()
-                except OSError:
-                    pass
-        if getattr(self, "_file", None) is not None:
-            self._file.close()
-            self._file = None
-        if hasattr(self, "swap_dir"):
-            self.swap_dir.close()
+        close_swap_io(self)
 
 
 def fsdp_prefetch_depth(units: list[nn.Module]) -> int:

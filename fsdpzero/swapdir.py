@@ -137,3 +137,21 @@ def _remove_swap_dir(path: Path) -> None:
         path.parent.rmdir()               # the fsdpzero_swap folder too, once no rank uses it
     except OSError:
         pass
+
+
+def close_swap_io(owner) -> None:
+    """Close an owner's `_reader`/`_writer` aio handles, its `_file` and its `swap_dir` (each at most once; pending
+    write errors are moot at teardown). Shared by the NVMe optimizer and the parameter swapper."""
+    for name in ("_reader", "_writer"):
+        handle = getattr(owner, name, None)
+        setattr(owner, name, None)
+        if handle is not None:
+            try:
+                handle.close()
+            except OSError:
+                pass
+    if getattr(owner, "_file", None) is not None:
+        owner._file.close()
+        owner._file = None
+    if hasattr(owner, "swap_dir"):
+        owner.swap_dir.close()

@@ -388,9 +388,8 @@ def test_nvme_offload_on_gpu_equals_cpu_offload(tmp_path, one_rank_nccl):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from fsdpzero import offload
-    from fsdpzero.optim import clip_factor
     from fsdpzero.plan import PrecisionPlan
-    from tests.test_offload import HYPER, Net
+    from tests.test_offload import HYPER, Net, gpu_path_losses
     runs = []
     for device in ("cpu", "nvme"):
         torch.manual_seed(0)
@@ -404,18 +403,7 @@ def test_nvme_offload_on_gpu_equals_cpu_offload(tmp_path, one_rank_nccl):
                                                                optimizer_nvme_path=str(tmp_path)),
                                    precision=PrecisionPlan(param_dtype="bfloat16"))
         path = offload.build_grad_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER))
-        gen = torch.Generator(device="cuda").manual_seed(5)
-        losses = []
-        for _ in range(6):
-            x = torch.randn(32, 7, device="cuda", generator=gen)
-            y = torch.randn(32, 5, device="cuda", generator=gen)
-            loss = torch.nn.functional.mse_loss(model(x).float(), y)
-            loss.backward()
-            path.finish_gradients()
-            path.scale_grads_(clip_factor(path.grad_norm(), 1.0))
-            path.step()
-            path.zero_grad()
-            losses.append(loss.item())
+        losses = gpu_path_losses(model, path)
         torch.cuda.synchronize()
         runs.append((losses, {n: p.full_tensor().float().cpu() for n, p in model.named_parameters()}))
         if device == "nvme":

@@ -217,8 +217,7 @@ def test_param_nvme_on_gpu_equals_param_cpu(tmp_path, opt_device):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     from fsdpzero import offload
-    from fsdpzero.optim import clip_factor
-    from tests.test_offload import HYPER, Net
+    from tests.test_offload import HYPER, Net, gpu_path_losses
     if not dist.is_initialized():
         dist.init_process_group("cuda:nccl,cpu:gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     runs = []
@@ -233,20 +232,10 @@ def test_param_nvme_on_gpu_equals_param_cpu(tmp_path, opt_device):
         plan = _plan(opt_device, param_device, str(tmp_path), "bfloat16", param_buffer_count=3,
                      max_in_cpu=1_000_000)           # blocks ~394k elements, 4 of them: 2 fit, evictions happen
         path = offload.build_grad_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER))
-        gen = torch.Generator(device="cuda").manual_seed(5)
-        losses = []
-        for _ in range(6):
-            x = torch.randn(32, 7, device="cuda", generator=gen)
-            y = torch.randn(32, 5, device="cuda", generator=gen)
-            loss = torch.nn.functional.mse_loss(model(x).float(), y)
-            loss.backward()
-            path.finish_gradients()
-            path.scale_grads_(clip_factor(path.grad_norm(), 1.0))
-            path.step()
-            path.zero_grad()
-            losses.append(loss.item())
-            if param_device == "nvme":
-                assert any(not u.resident for u in path.param_swapper.units)
+
+        def some_unit_evicted():
+            assert param_device == "cpu" or any(not u.resident for u in path.param_swapper.units)
+        losses = gpu_path_losses(model, path, after_step=some_unit_evicted)
         torch.cuda.synchronize()
         path.close()
         runs.append((losses, {n: p.full_tensor().float().cpu() for n, p in model.named_parameters()}))

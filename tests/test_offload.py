@@ -178,6 +178,26 @@ def test_non_adam_optimizer_is_refused_clearly():
         offload._hyper_groups(torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1))
 
 
+def gpu_path_losses(model, path, steps: int = 6, after_step=None) -> list[float]:
+    """The GPU tests' loop: `steps` fixed random MSE batches through a gradient path with clip 1.0, as the engine
+    drives it; the per-step losses. after_step(): a check to run after each step."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(32, 7, device="cuda", generator=gen)
+        y = torch.randn(32, 5, device="cuda", generator=gen)
+        loss = nn.functional.mse_loss(model(x).float(), y)
+        loss.backward()
+        path.finish_gradients()
+        path.scale_grads_(clip_factor(path.grad_norm(), 1.0))
+        path.step()
+        path.zero_grad()
+        losses.append(loss.item())
+        if after_step is not None:
+            after_step()
+    return losses
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("overlap", [False, True])
 def test_offload_on_gpu_matches_fsdp(overlap, one_rank_nccl):
@@ -202,18 +222,7 @@ def test_offload_on_gpu_matches_fsdp(overlap, one_rank_nccl):
     runs = []
     for offloaded in (False, True):
         model, path = build(offloaded)
-        gen = torch.Generator(device="cuda").manual_seed(5)
-        losses = []
-        for _ in range(6):
-            x = torch.randn(32, 7, device="cuda", generator=gen)
-            y = torch.randn(32, 5, device="cuda", generator=gen)
-            loss = nn.functional.mse_loss(model(x).float(), y)
-            loss.backward()
-            path.finish_gradients()
-            path.scale_grads_(clip_factor(path.grad_norm(), 1.0))
-            path.step()
-            path.zero_grad()
-            losses.append(loss.item())
+        losses = gpu_path_losses(model, path)
         runs.append(losses)
         if offloaded:
             path.wait()

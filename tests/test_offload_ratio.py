@@ -92,9 +92,8 @@ def test_ratio_on_gpu_matches_fsdp(one_rank_nccl):
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.device_mesh import init_device_mesh
-    from fsdpzero.optim import clip_factor
     from fsdpzero.plan import PrecisionPlan
-    from tests.test_offload import Net
+    from tests.test_offload import Net, gpu_path_losses
     runs = []
     for offloaded in (False, True):
         torch.manual_seed(0)
@@ -112,17 +111,6 @@ def test_ratio_on_gpu_matches_fsdp(one_rank_nccl):
             assert all(e.master.is_cuda for c in path.device_chunks for e in c.entries)
         else:
             path = FSDPGradPath(model, torch.optim.AdamW(model.parameters(), **HYPER, fused=True))
-        gen = torch.Generator(device="cuda").manual_seed(5)
-        losses = []
-        for _ in range(6):
-            x = torch.randn(32, 7, device="cuda", generator=gen)
-            y = torch.randn(32, 5, device="cuda", generator=gen)
-            loss = torch.nn.functional.mse_loss(model(x).float(), y)
-            loss.backward()
-            path.finish_gradients()
-            path.scale_grads_(clip_factor(path.grad_norm(), 1.0))
-            path.step()
-            path.zero_grad()
-            losses.append(loss.item())
+        losses = gpu_path_losses(model, path)
         runs.append(losses)
     torch.testing.assert_close(torch.tensor(runs[1]), torch.tensor(runs[0]), rtol=2e-2, atol=1e-3)
