@@ -106,6 +106,7 @@ def ours_runner(args, name):
         engine.backward(loss)
         engine.step()
         return loss
+    step.grad_norm = engine.get_global_grad_norm   # clipping triggers when it is above CLIP
     return step, getattr(engine.grad_path, "wait", lambda: None)
 
 
@@ -120,6 +121,7 @@ def ds_runner(args, name):
         engine.backward(loss)
         engine.step()
         return loss
+    step.grad_norm = engine.get_global_grad_norm
     return step, lambda: None
 
 
@@ -159,7 +161,7 @@ def run_one(args):
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
+    times, losses, norms = [], [], []
     for i in range(args.warmup + args.steps):
         sync()
         t0 = time.perf_counter()
@@ -170,6 +172,8 @@ def run_one(args):
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
         losses.append(float(loss))
+        norm = getattr(step, "grad_norm", lambda: None)()
+        norms.append(None if norm is None else float(norm))
     finish()   # an overlapped CPU step ends after step() returns: count its tail in the mean
     sync()
     mean_incl_tail = (time.perf_counter() - t_loop) / args.steps
@@ -180,7 +184,8 @@ def run_one(args):
               "peak_alloc_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
               "peak_reserved_GiB": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
               "host_rss_GiB": psutil.Process().memory_info().rss / 2**30, "setup_s": setup_s,
-              "loss_first": losses[0], "loss_last": losses[-1], "losses": losses}
+              "loss_first": losses[0], "loss_last": losses[-1], "losses": losses,
+              "grad_norms": norms}
     peak = torch.tensor([result["peak_alloc_GiB"]], device=DEVICE)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     result["peak_alloc_GiB_max_over_ranks"] = peak.item()
