@@ -28,16 +28,21 @@ PRESETS = {
 LR, BETAS, EPS, WD, CLIP = 1e-4, (0.9, 0.999), 1e-8, 0.01, 1.0
 
 
-def build_model(p: dict, device: torch.device, dtype=torch.float32) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(p: dict):
+    from transformers import LlamaConfig
     cfg = LlamaConfig(hidden_size=p["hidden_size"], num_hidden_layers=p["num_hidden_layers"],
                       num_attention_heads=p["num_attention_heads"], num_key_value_heads=p["num_key_value_heads"],
                       intermediate_size=p["intermediate_size"], vocab_size=p["vocab_size"],
                       max_position_embeddings=p["seq"], tie_word_embeddings=False)
     cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def build_model(p: dict, device: torch.device, dtype=torch.float32) -> torch.nn.Module:
+    from transformers import LlamaForCausalLM
     torch.manual_seed(1234)   # same init on every rank and every implementation
     with device:
-        return LlamaForCausalLM(cfg).to(dtype)
+        return LlamaForCausalLM(llama_config(p)).to(dtype)
 
 
 def n_params(model) -> int:

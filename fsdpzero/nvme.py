@@ -19,6 +19,8 @@ removed on close/exit, cleaned after a kill; never a checkpoint). Checkpoints go
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 import fsdpzero.ops  # noqa: F401  registers fsdpzero_ops from a source checkout
@@ -27,6 +29,7 @@ from fsdpzero_ops.aio import ALIGN, AioConfig, AioHandle, aligned_empty
 from fsdpzero_ops.cpu_adam import adam_step_
 
 _ELEMS = ALIGN // 4                       # fp32 elements per alignment unit
+log = logging.getLogger("fsdpzero")
 
 
 # --------------------------------------------------------------------------------------------------- the optimizer
@@ -85,10 +88,22 @@ class NVMeAdam(torch.optim.Optimizer):
             size = max((g.numel for g in self._groups), default=0)
             self._buffers = [aligned_empty(size, torch.float32, pin=pin_memory)
                              for _ in range(min(buffer_count, len(self._groups)))]
+            self._warn_if_buffers_hold_the_state(int(sub_group_size))
             self._write_initial_states(initial or {})
         except BaseException:
             self.close()
             raise
+
+    def _warn_if_buffers_hold_the_state(self, sub_group_size: int) -> None:
+        """With few sub-groups (sub_group_size near this rank's share, DeepSpeed's default 1e9 included), the ring
+        buffers hold most of the state in memory: NVMe offload then saves little host memory."""
+        held = sum(b.numel() for b in self._buffers) * 4
+        if self.swap_bytes >= 1 << 26 and held >= self.swap_bytes / 2:
+            log.warning("offload_optimizer nvme: the %d swap buffers take %.2f GiB of host memory, %.0f%% of this "
+                        "rank's %.2f GiB of optimizer state on disk (zero_optimization.sub_group_size=%d): lower "
+                        "sub_group_size (each buffer holds 12 B x sub_group_size for bf16 params)",
+                        len(self._buffers), held / 2**30, 100 * held / self.swap_bytes, self.swap_bytes / 2**30,
+                        sub_group_size)
 
     # -- layout
     def _plan_sub_groups(self, limit: int) -> list[_SubGroup]:

@@ -19,9 +19,15 @@ When units come back:
 
 At most `buffer_count` units and `max_in_cpu` elements are resident (reads in flight count); the least recently
 used unit outside the current window is evicted first. Gradients stay in memory, as with offload_param cpu.
+
+Host memory really goes back when a unit is evicted: the shards are pageable, not pinned (torch's pinned allocator
+keeps freed blocks cached, rounded up to powers of two, so pinned shards would keep every unit resident), and
+after every MALLOC_TRIM_BYTES evicted glibc's malloc_trim returns the freed heap pages to the OS.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 from dataclasses import dataclass, field
 
@@ -34,6 +40,20 @@ from fsdpzero.swapdir import SwapDir, close_swap_io
 from fsdpzero_ops.aio import ALIGN, AioConfig, AioHandle, padded_nbytes
 
 log = logging.getLogger("fsdpzero")
+MALLOC_TRIM_BYTES = 64 << 20      # evicted bytes between two malloc_trim calls (one call: ~0.1-5 ms)
+
+
+def _load_malloc_trim():
+    """glibc's malloc_trim, or None (other C libraries): freed chunks in the middle of the heap otherwise stay in
+    the process's resident set, which then does not shrink when units are evicted."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_malloc_trim = _load_malloc_trim()
 
 
 @dataclass
@@ -72,17 +92,22 @@ def _shards(module: nn.Module) -> list:
 
 @torch.no_grad()
 def own_resizable_storages(units: list[nn.Module]) -> None:
-    """Give each shard a fresh storage that can be resized, pinned where it was: FSDP2 pins shards with
-    Tensor.pin_memory(), whose storages refuse resize_(). Both aliases FSDP2 keeps are re-pointed (the padded
-    _sharded_param_data and the DTensor's _local_tensor): call this before anything else holds a view."""
+    """Give each shard a fresh, pageable storage that can be resized: FSDP2 pins shards with Tensor.pin_memory(),
+    whose storages refuse resize_(); and a pinned storage freed by resize_(0) only goes back to torch's pinned
+    cache (rounded up to a power of two), never to the OS, so eviction would save nothing. FSDP2 then copies the
+    shards H2D from pageable memory. Both aliases FSDP2 keeps are re-pointed (the padded _sharded_param_data and
+    the DTensor's _local_tensor): call this before anything else holds a view."""
+    pinned = False
     for module in units:
         for fp in _shards(module):
             old = fp._sharded_param_data.untyped_storage()
-            fresh = torch.empty(old.nbytes(), dtype=torch.uint8,
-                                pin_memory=fp._sharded_param_data.is_pinned()).untyped_storage()
+            pinned = pinned or fp._sharded_param_data.is_pinned()
+            fresh = torch.empty(old.nbytes(), dtype=torch.uint8).untyped_storage()
             fresh.copy_(old)
             for t in (fp._sharded_param_data, fp.sharded_param._local_tensor):
                 t.set_(fresh, t.storage_offset(), t.size(), t.stride())
+    if pinned and hasattr(torch._C, "_host_emptyCache"):
+        torch._C._host_emptyCache()      # FSDP2's pinned originals, now unused, back to the OS
 
 
 class ParamSwapper:
@@ -122,6 +147,7 @@ class ParamSwapper:
         self.backward_order = [0] + self.forward_order[:0:-1] if root_first else self.forward_order[::-1]
         self._check_capacity(buffer_size)
         self._clock = 0
+        self._evicted_bytes = 0     # since the last malloc_trim
         self._in_step: list[int] = []
         self.peak = (0, 0)          # most units / shard elements resident during forward, backward and step
         self.swap_dir = SwapDir(nvme_path, rank, key="offload_param.nvme_path")
@@ -180,6 +206,10 @@ class ParamSwapper:
         for s in _storages(u):
             s.resize_(0)
         u.resident = False
+        self._evicted_bytes += sum(u.nbytes)
+        if self._evicted_bytes >= MALLOC_TRIM_BYTES and _malloc_trim is not None:
+            _malloc_trim(0)
+            self._evicted_bytes = 0
 
     def _write_back(self, u: _Unit) -> None:
         """Start writing a resident unit to its place in the swap file (FSDP2 keeps no other reference to it)."""

@@ -27,3 +27,39 @@ def test_vs_deepspeed_cpu_smoke(tmp_path):
     assert ours["losses"] == pytest.approx(plain["losses"], rel=1e-4)
     assert ours["losses"][-1] < ours["losses"][0]   # the optimizer steps really happen
     assert "| step s |" in (tmp_path / "summary.md").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_nvme_budget_cpu_smoke(tmp_path):
+    """bench/nvme_budget.py end to end on 2 gloo ranks (tiny Llama, optimizer and params on "NVMe" in tmp_path): a
+    row with the memory columns, the parameter count the state bytes come from equals the real model's, losses
+    fall, the swap files existed during the run and are gone after it; a budget below the process size is reported
+    as "over budget" without failing the script."""
+    import torch
+    sys.path.insert(0, str(ROOT / "bench"))
+    import common
+    import nvme_budget
+    from transformers import LlamaForCausalLM
+    p = common.PRESETS["tiny"]
+    with torch.device("meta"):
+        real = sum(t.numel() for t in LlamaForCausalLM(common.llama_config(p)).parameters())
+    assert nvme_budget.n_params(p) == real
+    full = nvme_budget.init_rows("model.layers.0.mlp.up_proj.weight", (10, 7), slice(0, 10), torch.float32)
+    part = nvme_budget.init_rows("model.layers.0.mlp.up_proj.weight", (10, 7), slice(3, 8), torch.float32)
+    assert torch.equal(full[3:8], part) and 0.015 < full.std() < 0.025   # any rank's rows are the same values
+
+    env = dict(os.environ, FSDPZERO_BENCH_CPU="1", OMP_NUM_THREADS="1")
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    cmd = [sys.executable, str(ROOT / "bench/nvme_budget.py"), "--nvme-path", str(swap), "--budget-gib", "0.05",
+           "--impls", "fsdpzero", "--variants", "nvme", "--steps", "2", "--warmup", "1", "--out", str(tmp_path)]
+    res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=110)
+    assert res.returncode == 0, res.stdout + res.stderr
+    r = json.loads((tmp_path / "nvme__fsdpzero.json").read_text())
+    assert r["status"] == "over budget" and r["max_vmhwm_gib"] > 0.05
+    assert r["opt_state_gib_per_rank"] == pytest.approx(12 * real / 2 / 2**30)
+    assert r["swap_disk_gib_total"] * 2**30 >= 12 * real     # optimizer states (+ params) were on disk
+    assert r["disk_left_after_run_gib"] == 0 and list(swap.iterdir()) == []
+    assert len(r["ranks"]) == 2 and all(k["mem"]["end"]["VmHWM"] >= k["mem"]["setup"]["VmRSS"] for k in r["ranks"])
+    assert len(r["losses"]) == 3 and r["losses"][-1] < r["losses"][0] and r["step_s"] > 0
+    assert "| nvme | fsdpzero | over budget |" in (tmp_path / "summary.md").read_text()

@@ -104,6 +104,17 @@ def test_from_plan_and_errors(tmp_path):
         NVMeAdam(_params(torch.float32), nvme_path=None)
 
 
+def test_warns_when_swap_buffers_hold_most_of_the_state(tmp_path, caplog):
+    """DeepSpeed's default sub_group_size (1e9) makes one sub-group per rank below 1e9 params: its one buffer is the
+    whole state, in memory. That is said once at construction; small sub-groups stay silent."""
+    p = torch.zeros(1 << 23, requires_grad=True)            # 64 MiB of moments on disk (fp32: its own master)
+    for size, warned in ((10**9, True), (1 << 19, False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="fsdpzero"):
+            NVMeAdam([p], nvme_path=tmp_path, sub_group_size=size).close()
+        assert any("lower sub_group_size" in r.getMessage() for r in caplog.records) == warned, size
+
+
 def test_missing_path_errors_before_anything(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"offload_optimizer.nvme_path' = '.*/nope': the directory does not "
                                                 r"exist; create it"):
