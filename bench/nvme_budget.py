@@ -3,7 +3,7 @@ moments, 12 B/param / world) is larger than the host memory budget trains with Z
 DeepSpeed on one ds_config, same disk, same run.
 
     eval "$(sh bench/libaio_shim/build.sh /tmp/libaio_shim)"       # DeepSpeed's async_io op without libaio-dev
-    python bench/nvme_budget.py --nvme-path /tmp/nvme_budget --budget-gib 9 --out out/nvme_budget
+    python bench/nvme_budget.py --nvme-path /tmp/nvme_budget --budget-gib 10 --out out/nvme_budget
 
 Variants (--variants): `nvme` = stage 3, offload_optimizer and offload_param on NVMe; `optnvme` = the optimizer only
 (parameters stay on the GPU). Neither implementation ever holds the full model in host memory: fsdpzero wraps a
@@ -36,9 +36,9 @@ import common  # noqa: E402  (first: its import time is the launch clock)
 import torch  # noqa: E402
 
 GIB = 2**30
-# ~2.4 B Llama: 12 B/param / 2 ranks = 13.2 GiB of optimizer state per rank; seq/micro small (the step is I/O bound)
-PRESETS = {"2.4b": dict(hidden_size=2560, num_hidden_layers=32, num_attention_heads=20, num_key_value_heads=4,
-                        intermediate_size=6912, vocab_size=32000, seq=512, micro=1),
+# 2.92 B Llama: 12 B/param / 2 ranks = 16.3 GiB of optimizer state per rank; seq/micro small (the step is disk bound)
+PRESETS = {"3b": dict(hidden_size=2560, num_hidden_layers=40, num_attention_heads=20, num_key_value_heads=4,
+                      intermediate_size=6912, vocab_size=32000, seq=512, micro=1),
            "tiny": common.PRESETS["tiny"]}
 AIO = {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
        "overlap_events": True}   # the aio section of conf/zero/stage3_offload_nvme.yaml (DeepSpeed's defaults)
@@ -180,7 +180,10 @@ def worker(args) -> None:
     device = torch.device("cpu") if common.CPU else torch.device("cuda", local)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        # torchrun sets OMP_NUM_THREADS=1: each implementation's CPU Adam gets this rank's share of the cores
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        major, minor = torch.cuda.get_device_capability()
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")   # DS 0.19.8 cannot parse "9.0a"
     mem = {"start": proc_status()}
     if args.impl == "deepspeed":
         import deepspeed
@@ -220,10 +223,12 @@ def worker(args) -> None:
         n = n_params(p)
         budget = args.budget_gib
         hwm = max(r["mem"]["end"]["VmHWM"] for r in ranks)
+        hwm_setup = max(r["mem"]["setup"]["VmHWM"] for r in ranks)
         state = 12 * n / world / GIB
         r = {"impl": args.impl, "variant": args.variant, "world_size": world, "n_params": n,
              "shape": p, "budget_gib": budget, "opt_state_gib_per_rank": state,
              "state_over_budget": state / budget, "max_vmhwm_gib": hwm,
+             "max_vmhwm_after_setup_gib": hwm_setup,
              "status": "ok" if hwm <= budget else "over budget",
              "swap_disk_gib_total": swap / GIB, "swap_disk_gib_per_rank": swap / world / GIB,
              "ranks": ranks, "ds_config": cfg, "steps": args.steps, "warmup": args.warmup,
@@ -286,9 +291,6 @@ def launch(impl: str, variant: str, args, out: Path) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     if common.CPU:
         env["DS_ACCELERATOR"] = "cpu"
-    elif impl == "deepspeed" and torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        env.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")   # DS 0.19.8 cannot parse "9.0a"
     child, how = (None, "VmHWM check per rank (--enforce check)")
     if args.enforce == "auto":
         child, why = make_cgroup(int((args.budget_gib * args.nproc + 0.5) * GIB), name)
@@ -296,9 +298,15 @@ def launch(impl: str, variant: str, args, out: Path) -> dict:
     procs = child / "cgroup.procs" if child else None
     print(f"--- {name}: budget {args.budget_gib} GiB/rank, {how}", flush=True)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True,
-                            preexec_fn=(lambda: procs.write_text("0")) if procs else None)
+    popen = dict(env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:   # the child moves itself into the cgroup before exec: torchrun and its workers inherit it
+        proc = subprocess.Popen(cmd, **popen, preexec_fn=(lambda: procs.write_text("0")) if procs else None)
+    except (OSError, subprocess.SubprocessError) as e:
+        if not procs:
+            raise
+        child.rmdir()
+        child, how = None, f"VmHWM check per rank (joining {child} failed: {e})"
+        proc = subprocess.Popen(cmd, **popen)
     try:
         text, rc = proc.communicate(timeout=args.run_timeout)[0], proc.returncode
     except subprocess.TimeoutExpired:   # as bench/vs_deepspeed.py: SIGTERM lets torchrun stop its workers
@@ -334,9 +342,9 @@ def launch(impl: str, variant: str, args, out: Path) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| variant | impl | status | opt state GiB/rank | budget GiB/rank | VmHWM GiB (max rank) | RSS setup / "
-             "end GiB (rank 0) | pinned GiB now / peak | swap on disk GiB/rank | step s | loss first -> last |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | impl | status | opt state GiB/rank | budget GiB/rank | VmHWM GiB after setup / end (max "
+             "rank) | RSS end GiB (rank 0) | pinned GiB held / peak (rank 0) | swap on disk GiB/rank | step s | "
+             "loss first -> last |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "step_s" not in r:
             err = r.get("error", "").strip().splitlines()[-1:] or [""]
@@ -347,7 +355,7 @@ def table(rows: list[dict]) -> str:
         pinned = (f"{pin['pinned_allocated_bytes_current_gib']:.2f} / {pin['pinned_allocated_bytes_peak_gib']:.2f}"
                   if "pinned_allocated_bytes_current_gib" in pin else "-")
         lines.append(f"| {r['variant']} | {r['impl']} | {r['status']} | {r['opt_state_gib_per_rank']:.2f} | "
-                     f"{r['budget_gib']} | {r['max_vmhwm_gib']:.2f} | {m0['setup']['VmRSS']:.2f} / "
+                     f"{r['budget_gib']} | {r['max_vmhwm_after_setup_gib']:.2f} / {r['max_vmhwm_gib']:.2f} | "
                      f"{m0['end']['VmRSS']:.2f} | {pinned} | {r['swap_disk_gib_per_rank']:.2f} | {r['step_s']:.3f} | "
                      f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} |")
     by = {(r["variant"], r["impl"]): r for r in rows}
@@ -361,11 +369,11 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--budget-gib", type=float, default=9.0, help="host memory budget per rank")
+    ap.add_argument("--budget-gib", type=float, default=10.0, help="host memory budget per rank")
     ap.add_argument("--nvme-path", required=False, help="a directory on the disk to swap to")
     ap.add_argument("--impls", nargs="+", default=["fsdpzero", "deepspeed"], choices=["fsdpzero", "deepspeed"])
     ap.add_argument("--variants", nargs="+", default=["nvme"], choices=["nvme", "optnvme"])
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny" if common.CPU else "2.4b")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny" if common.CPU else "3b")
     for name in ("layers", "hidden", "vocab", "seq", "micro"):
         ap.add_argument(f"--{name}", type=int, default=0, help="override the preset")
     ap.add_argument("--steps", type=int, default=3)

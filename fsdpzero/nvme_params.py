@@ -94,9 +94,11 @@ def _shards(module: nn.Module) -> list:
 def own_resizable_storages(units: list[nn.Module]) -> None:
     """Give each shard a fresh, pageable storage that can be resized: FSDP2 pins shards with Tensor.pin_memory(),
     whose storages refuse resize_(); and a pinned storage freed by resize_(0) only goes back to torch's pinned
-    cache (rounded up to a power of two), never to the OS, so eviction would save nothing. FSDP2 then copies the
-    shards H2D from pageable memory. Both aliases FSDP2 keeps are re-pointed (the padded _sharded_param_data and
-    the DTensor's _local_tensor): call this before anything else holds a view."""
+    cache (rounded up to a power of two), never to the OS, so eviction would save nothing. Both aliases FSDP2 keeps
+    are re-pointed (the padded _sharded_param_data and the DTensor's _local_tensor): call this before anything
+    else holds a view. FSDP2 is told the shards are unpinned (CPUOffloadPolicy(pin_memory=False) for them): its
+    load_state_dict hook would otherwise re-pin _local_tensor into a copy, splitting the two aliases, and its
+    gradient D2H then lands in exact-size pageable memory instead of power-of-two pinned blocks (synchronously)."""
     pinned = False
     for module in units:
         for fp in _shards(module):
@@ -106,6 +108,7 @@ def own_resizable_storages(units: list[nn.Module]) -> None:
             fresh.copy_(old)
             for t in (fp._sharded_param_data, fp.sharded_param._local_tensor):
                 t.set_(fresh, t.storage_offset(), t.size(), t.stride())
+            fp.pin_memory = False
     if pinned and hasattr(torch._C, "_host_emptyCache"):
         torch._C._host_emptyCache()      # FSDP2's pinned originals, now unused, back to the OS
 

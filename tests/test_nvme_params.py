@@ -215,7 +215,8 @@ def test_param_nvme_on_gpu_equals_param_cpu(tmp_path, opt_device):
     """1 GPU, bf16 compute, CPUOffloadPolicy(pin_memory=True): offload_param nvme == cpu, bit for bit, with units
     evicted between uses (FSDP2 copies the shards H2D from memory we resize and refill). The swapper moves FSDP2's
     pinned shards to pageable storages and empties torch's pinned cache: afterwards the pinned allocator holds less
-    than the shards (before, it held them twice: FSDP2's originals cached, plus pinned copies eviction never freed)."""
+    than the shards (before, it held them twice: FSDP2's originals cached, plus pinned copies eviction never freed),
+    and a load_state_dict keeps both of FSDP2's aliases of a shard on the one swapped storage."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     from fsdpzero import offload
@@ -239,6 +240,11 @@ def test_param_nvme_on_gpu_equals_param_cpu(tmp_path, opt_device):
             assert not any(fp._sharded_param_data.is_pinned() for u in units for fp in u.shards if u.resident)
             held = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
             assert held < sum(sum(u.nbytes) for u in units), held
+            model.load_state_dict(model.state_dict())   # FSDP2's post-load hook must not re-pin into a copy
+            for u in units:
+                for fp in u.shards:
+                    assert fp.sharded_param._local_tensor.untyped_storage()._cdata == \
+                        fp._sharded_param_data.untyped_storage()._cdata
 
         def some_unit_evicted():
             assert param_device == "cpu" or any(not u.resident for u in path.param_swapper.units)
