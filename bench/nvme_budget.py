@@ -254,12 +254,16 @@ def make_cgroup(limit: int, tag: str) -> tuple[Path | None, str]:
             (here / "cgroup.subtree_control").write_text("+memory")   # EBUSY while `here` holds processes
         child = here / f"fsdpzero_budget.{os.getpid()}.{tag}"
         child.mkdir()
+    except (OSError, StopIteration) as e:
+        return None, f"cgroup v2 not writable here ({e})"
+    try:
         (child / "memory.max").write_text(str(limit))
         if (child / "memory.swap.max").exists():
             (child / "memory.swap.max").write_text("0")
-        return child, f"cgroup v2 {child} memory.max={limit / GIB:.2f} GiB (all ranks + torchrun agent)"
-    except (OSError, StopIteration) as e:
-        return None, f"cgroup v2 not writable here ({e})"
+    except OSError as e:
+        child.rmdir()
+        return None, f"cgroup v2 memory.max not settable ({e})"
+    return child, f"cgroup v2 {child} memory.max={limit / GIB:.2f} GiB (all ranks + torchrun agent)"
 
 
 def cgroup_events(child: Path) -> dict:

@@ -298,3 +298,14 @@ def test_evicted_units_leave_the_resident_set(tmp_path):
     [(dropped, evicted)] = run_distributed(_evict_rss_run, 1, str(tmp_path), timeout=110)
     assert evicted > 64 << 20
     assert dropped >= evicted // 2, (dropped, evicted)
+
+
+def test_nvme_shards_are_created_pageable(tmp_path):
+    """offload_param nvme: FSDP2 must not pin the shards even with pin_memory true (pinned blocks never leave torch's
+    pinned cache, rounded up to powers of two: at setup they would add ~1.7x the shards to the host peak)."""
+    import dataclasses
+    from fsdpzero.sharding import offload_policy
+    for device, pinned in (("nvme", False), ("cpu", True)):
+        plan = _plan("nvme", device, str(tmp_path), "bfloat16")
+        plan = dataclasses.replace(plan, offload=dataclasses.replace(plan.offload, pin_memory=True))
+        assert offload_policy(plan, "cuda").pin_memory is pinned, device
