@@ -19,7 +19,7 @@ from fsdpzero.log import log_startup, setup_logging
 from fsdpzero.optim import check_optimizer, grad_path_kind, make_optimizer_factory, select_grad_path
 from fsdpzero.plan import Env, Plan
 from fsdpzero.precision import make_scaler, mp_policy, upcast_to_master
-from fsdpzero.sharding import build_mesh, is_meta, materialize, shard_model
+from fsdpzero.sharding import build_mesh, is_meta, materialize, shard_home, shard_model
 
 
 def launch_env(device_type: str | None = None) -> Env:
@@ -80,7 +80,7 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
     model, blocks = shard_model(model, plan, mesh, mp_policy(plan), device_type=info.device_type,
                                 block_classes=block_classes, block_predicate=block_predicate)
     if meta:
-        materialize(model, info.device, full_state_dict)
+        materialize(model, info.device, full_state_dict, param_device=shard_home(plan, info.device))
     factory = make_optimizer_factory(plan, optimizer, device_type=info.device_type, original_params=original,
                                      param_groups=groups)
     path = build_path(model, plan, factory, mesh)

@@ -155,13 +155,26 @@ def is_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
 
 
-def materialize(model: nn.Module, device: torch.device, full_state_dict: dict | None = None) -> None:
-    """After sharding a meta-device model: allocate its shards, rebuild non-persistent buffers (rotary inv_freq is
-    not in any state dict, and `to_empty` leaves garbage there silently), then load weights if given (rank 0's
-    full state dict, broadcast)."""
+def shard_home(plan: Plan, device: torch.device) -> torch.device:
+    """Where the parameter shards live: the CPU with offload_param (FSDP2's CPUOffloadPolicy refuses shards
+    materialised anywhere else), else the compute device."""
+    return torch.device("cpu") if plan.offload.param_device in ("cpu", "nvme") else torch.device(device)
+
+
+def materialize(model: nn.Module, device: torch.device, full_state_dict: dict | None = None,
+                param_device: torch.device | None = None) -> None:
+    """After sharding a meta-device model: allocate its shards (on param_device, default device; buffers always on
+    device), rebuild non-persistent buffers (rotary inv_freq is not in any state dict, and `to_empty` leaves
+    garbage there silently), then load weights if given (rank 0's full state dict, broadcast)."""
     stale = [(m, n) for m in model.modules() for n in getattr(m, "_non_persistent_buffers_set", ())
              if getattr(m, n, None) is not None and getattr(m, n).is_meta]
-    model.to_empty(device=device)
+    param_device = torch.device(param_device or device)
+    model.to_empty(device=param_device)
+    if param_device != torch.device(device):
+        for m in model.modules():
+            for n, b in m._buffers.items():
+                if b is not None:
+                    m._buffers[n] = b.to(device)
     for m in {id(m): m for m, _ in stale}.values():
         names = [n for mm, n in stale if mm is m]
         if not hasattr(m, "config"):

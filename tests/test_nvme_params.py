@@ -309,3 +309,14 @@ def test_nvme_shards_are_created_pageable(tmp_path):
         plan = _plan("nvme", device, str(tmp_path), "bfloat16")
         plan = dataclasses.replace(plan, offload=dataclasses.replace(plan.offload, pin_memory=True))
         assert offload_policy(plan, "cuda").pin_memory is pinned, device
+
+
+def test_meta_models_materialise_offloaded_shards_on_the_cpu(tmp_path):
+    """wrap() of a meta-device model with offload_param: FSDP2's CPUOffloadPolicy refuses shards materialised on
+    the GPU ("FSDP parameters should be materialized on CPU"), so the shards go to the CPU and only the buffers to
+    the compute device."""
+    from fsdpzero.sharding import shard_home
+    cuda = torch.device("cuda", 0)
+    for device, home in (("nvme", "cpu"), ("cpu", "cpu"), ("none", "cuda:0")):
+        plan = _plan("nvme", device, str(tmp_path), "bfloat16")
+        assert shard_home(plan, cuda) == torch.device(home), device
