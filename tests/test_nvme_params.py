@@ -25,9 +25,10 @@ def _plan(opt_device, param_device, nvme_path, dtype, **param_knobs):
 def _resident(model):
     """Elements of CPU shard storage actually allocated, per FSDP unit (module order)."""
     from fsdpzero.nvme_params import fsdp_units
+    from fsdpzero.offload_fsdp import param_groups
     out = []
     for m in fsdp_units(model):
-        fps = [fp for g in m._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params]
+        fps = [fp for g in param_groups(m) for fp in g.fsdp_params]
         out.append(sum(fp._sharded_param_data.untyped_storage().nbytes() // fp._sharded_param_data.element_size()
                        for fp in fps))
     return out
