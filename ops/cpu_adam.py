@@ -80,16 +80,24 @@ def reference_adam_step_(param, grad, exp_avg, exp_avg_sq, out=None, *, lr, beta
 
 
 def adam_step_(param, grad, exp_avg, exp_avg_sq, out=None, *, lr, beta1, beta2, eps, weight_decay, step,
-               adamw=True, bias_correction=True, grad_scale=1.0, impl=None):
+               adamw=True, bias_correction=True, grad_scale=1.0, impl=None, src=None):
     """One fused Adam(W) step in place on contiguous CPU tensors. param/exp_avg/exp_avg_sq: fp32; grad and out
     (optional, written with the updated param rounded to its dtype): fp32, bf16 or fp16, same number of elements.
-    grad_scale multiplies the gradient as it is read (fold 1/loss_scale and the clip coefficient in here)."""
+    grad_scale multiplies the gradient as it is read (fold 1/loss_scale and the clip coefficient in here).
+    src=(param_in, exp_avg_in, exp_avg_sq_in): read the master and states from there instead and leave them as they
+    are (out of place: param/exp_avg/exp_avg_sq only receive the result; the same bits as the in-place step)."""
     impl = _resolve(impl)
     kw = dict(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
               weight_decay=float(weight_decay), step=int(step), adamw=bool(adamw),
               bias_correction=bool(bias_correction), grad_scale=float(grad_scale))
     if impl == "reference":
+        if src is not None:
+            for dst, s in zip((param, exp_avg, exp_avg_sq), src):
+                dst.copy_(s)
         reference_adam_step_(param, grad, exp_avg, exp_avg_sq, out, **kw)
+    elif src is not None:
+        torch.ops.fsdpzero.adam_step_into(src[0], grad, src[1], src[2], param, exp_avg, exp_avg_sq, out, **kw,
+                                          isa=_ISA[impl])
     else:
         torch.ops.fsdpzero.adam_step(param, grad, exp_avg, exp_avg_sq, out, **kw, isa=_ISA[impl])
 
