@@ -73,7 +73,7 @@ class OffloadGradPath:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, units: list[tuple[nn.Module | None,
                  list[_Entry]]], chunk_size: int, *, threads: int, overlap: bool = False,
-                 drop_shards: bool = False, early_d2h: bool = True):
+                 drop_shards: bool = False, early_d2h: bool = True, speculate_max_norm: float | None = None):
         self.model = model
         self.optimizer = optimizer          # a CPUAdam over the masters: schedulers drive its param_groups
         self.entries = [e for _, es in units for e in es]
@@ -105,6 +105,13 @@ class OffloadGradPath:
         # write the old weights back; a following load_state_dict of the optimizer then restores exact fp32 masters
         model.register_load_state_dict_post_hook(lambda *_: self.refresh_masters())
         self.overlap = overlap and all(m is not None for m, _ in units)
+        # speculate_max_norm (gradient_clipping, 0 = off): step chunks during backward (fsdpzero.offload_speculate)
+        self.spec = None
+        if speculate_max_norm is not None and self.staged and self.cpu_chunks:
+            from fsdpzero.offload_speculate import Speculator
+            self.spec = Speculator([e for c in self.cpu_chunks for e in c.entries], optimizer,
+                                   max_norm=speculate_max_norm, threads=threads,
+                                   device=self.h2d.device if self.h2d is not None else None)
         self.tl = Timeline(threads, len(units)) if profiling() else None   # FSDPZERO_OFFLOAD_PROFILE=1
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -187,6 +194,8 @@ class OffloadGradPath:
             for chunk in chunks:
                 self._d2h_chunk(chunk, rec)
                 self._early.add(id(chunk))
+        if self.spec is not None:
+            self.spec.submit(chunks)
 
     def _d2h_chunk(self, chunk: _Chunk, rec) -> None:
         """(On the D2H stream) copy the chunk's sharded grads into their pinned buffers; record d2h_done."""
@@ -232,6 +241,7 @@ class OffloadGradPath:
     def refresh_masters(self) -> None:
         """masters <- the model's (possibly low-precision) shards, e.g. after new weights were loaded."""
         self._join()
+        self._discard_speculation()
         self._restore_all()
         for e in self.entries:
             local = _local(e.param)
@@ -273,13 +283,15 @@ class OffloadGradPath:
             return
         late = [c for c in self.cpu_chunks if id(c) not in self._early]   # not hooked (e.g. no FSDP unit)
         self._early.clear()
-        if not late:
-            return
-        if self.d2h is not None:
-            self.d2h.wait_stream(torch.cuda.current_stream())
-        with _on(self.d2h):
-            for chunk in late:
-                self._d2h_chunk(chunk, rec)
+        if late:
+            if self.d2h is not None:
+                self.d2h.wait_stream(torch.cuda.current_stream())
+            with _on(self.d2h):
+                for chunk in late:
+                    self._d2h_chunk(chunk, rec)
+        if self.spec is not None:
+            self.spec.submit(late)
+            self.spec.end_of_backward()
 
     def grad_norm(self) -> torch.Tensor:
         # in the model's parameter order, as FSDPGradPath: the same norm bits, so the same clip coefficient
@@ -302,6 +314,8 @@ class OffloadGradPath:
         rec = self.tl.stepped(max(1, self.threads - 1) if self.overlap else self.threads) if self.tl else None
         t0 = time.perf_counter()
         factor, self._factor = float(self._factor), 1.0   # the CPU needs the value: one sync, after the norm
+        if self.spec is not None and self.spec.active:
+            self.spec.claim(commit=factor == 1.0)           # factor 1.0: the speculative steps are this step
         if rec is not None:
             self.tl.host(rec, "factor_sync_host", t0)
         # what to step, read now: zero_grad() may drop the grads before an overlapped worker reaches them
@@ -367,6 +381,7 @@ class OffloadGradPath:
     def close(self) -> None:
         """Join an overlapped step; with offload_param nvme, bring every shard back and remove the swap files."""
         self._join()
+        self._discard_speculation()
         if self.param_swapper is not None:
             self.param_swapper.close()
             self.param_swapper = None
@@ -374,6 +389,7 @@ class OffloadGradPath:
     def _step_chunks(self, work, factor) -> None:
         rec = self._rec
         tl = self.tl if rec is not None else None
+        committed = self.spec.collect(self._hyper) if self.spec is not None else {}
         for k, (chunk, items) in enumerate(work):
             if items:
                 self._swap_in(chunk.unit)
@@ -387,7 +403,13 @@ class OffloadGradPath:
                 c = tl.chunk(rec, k)
                 c.update(numel=sum(e.master.numel() for e, _ in items), d2h_wait_host=t1 - t0,
                          adam_start_host=t1 - rec["t0"])
-            for e, grad in items:
+            if items and committed.get(id(chunk)) == frozenset(e.name for e, _ in items):
+                for e, _ in items:             # stepped during backward with this very factor (1.0)
+                    self.spec.commit(e)
+                items_to_step = []
+            else:
+                items_to_step = items
+            for e, grad in items_to_step:
                 out = e.out_buf
                 if out is None and e.master is not _local(e.param):
                     out = _local(e.param)      # CPU-resident low-precision shard: written in place
@@ -412,7 +434,12 @@ class OffloadGradPath:
         if self.param_swapper is not None:
             self.param_swapper.step_end()
 
+    def _discard_speculation(self) -> None:
+        if self.spec is not None:
+            self.spec.discard()
+
     def zero_grad(self) -> None:
+        self._discard_speculation()           # a skipped step: nothing claimed this backward's speculation
         if self.d2h is not None:              # grads may be freed only after their D2H has read them
             self.d2h.synchronize()
         for e in self.entries:
@@ -422,6 +449,7 @@ class OffloadGradPath:
         """Per parameter name: step, exp_avg, exp_avg_sq and the fp32 master, as DTensors placed like the param
         (CPU local shards) so DCP saves each rank's own shard; plus the param groups' hyperparameters."""
         self._join()
+        self._discard_speculation()
         self._params_resident()
         state = {}
         for e in self.entries:
@@ -437,6 +465,7 @@ class OffloadGradPath:
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
         self._join()
+        self._discard_speculation()
         self._params_resident(dirty=True)
         names = {e.name: e for e in self.entries}
         for name, saved in sd["state"].items():
