@@ -82,3 +82,51 @@ def test_partial_norm_stops_speculation_early():
         assert losses == ref_losses
         assert all(torch.equal(got[k], ref[k]) for k in ref)
         assert stats["stopped_early"] >= 6 and stats["entries_committed"] == 0
+
+
+@pytest.mark.gpu
+def test_speculation_on_gpu_is_bit_identical(one_rank_nccl):
+    """1 GPU, bf16 shards: grads land through the D2H stream and its events, the worker waits on them, and the
+    committed buffers go back H2D. Bit-identical to FSDPZERO_OFFLOAD_SPECULATE=0, with commits and drops."""
+    import dataclasses
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from fsdpzero.plan import PrecisionPlan
+    from tests.test_offload import Net
+
+    def run(speculate):
+        os.environ["FSDPZERO_OFFLOAD_SPECULATE"] = "1" if speculate else "0"
+        torch.manual_seed(0)
+        model = Net(d=256, n=4).cuda()
+        mesh = init_device_mesh("cuda", (1,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+        plan = dataclasses.replace(Plan(), offload=OffloadPlan(optimizer_device="cpu", sub_group_size=100_000),
+                                   precision=PrecisionPlan(param_dtype="bfloat16"),
+                                   batch=BatchPlan(gradient_clipping=NEVER))
+        path = offload.build_grad_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER), overlap=True)
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        losses = []
+        for clip, skip, _ in SCHEDULE:
+            x = torch.randn(32, 7, device="cuda", generator=gen)
+            y = torch.randn(32, 5, device="cuda", generator=gen)
+            loss = nn.functional.mse_loss(model(x).float(), y)
+            loss.backward()
+            path.finish_gradients()
+            path.scale_grads_(clip_factor(path.grad_norm(), clip))
+            if not skip:
+                path.step()
+            path.zero_grad()
+            losses.append(loss.item())
+        path.wait()
+        stats = dict(path.spec.stats) if path.spec is not None else {}
+        return losses, {n: p.full_tensor().float().cpu() for n, p in model.named_parameters()}, stats
+
+    (ref_losses, ref, _), (losses, got, stats) = run(False), run(True)
+    assert losses == ref_losses
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+    assert stats["entries_committed"] > 0 and stats["dropped"] >= 2
