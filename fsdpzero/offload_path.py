@@ -409,6 +409,8 @@ class OffloadGradPath:
                 items_to_step = []
             else:
                 items_to_step = items
+                if items and self.spec is not None and self.spec.last == "committed":
+                    self.spec.stats["chunks_missed"] += 1
             for e, grad in items_to_step:
                 out = e.out_buf
                 if out is None and e.master is not _local(e.param):

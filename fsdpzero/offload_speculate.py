@@ -84,7 +84,9 @@ class Speculator:
                                           torch.empty_like(e.master),
                                           torch.empty_like(e.out_buf, pin_memory=e.out_buf.is_pinned()))
                            for e in entries}
-        self.stats = {"committed": 0, "dropped": 0, "stopped_early": 0, "entries_committed": 0}
+        # steps committed / dropped / whose speculation stopped on the partial norm; entries committed; chunks that
+        # were stepped in place although the step committed (no speculative result for them, e.g. no grad then)
+        self.stats = {"committed": 0, "dropped": 0, "stopped_early": 0, "entries_committed": 0, "chunks_missed": 0}
         self.last = None             # this step's outcome: "committed", "dropped" or None (not speculated)
         self._reset()
 
@@ -111,8 +113,8 @@ class Speculator:
             self._queue = queue.SimpleQueue()
             self._thread = threading.Thread(target=self._main, daemon=True, name="fsdpzero-offload-speculate")
             self._thread.start()
-        for c in chunks:
-            self._queue.put(c)
+        for c in chunks:   # which entries have grads, read now: zero_grad() may drop them before the worker runs
+            self._queue.put((c, [e for e in c.entries if e.param.grad is not None]))
 
     def end_of_backward(self) -> None:
         if self._queue is not None:
@@ -126,12 +128,12 @@ class Speculator:
                 torch.cuda.set_device(self.device)
             torch.set_num_threads(max(1, self.threads - 1))   # one core stays with the thread running backward
             sumsq = 0.0
-            while (chunk := self._queue.get()) is not None:
+            while (job := self._queue.get()) is not None:
+                chunk, items = job
                 if self._cancel.is_set() or self._stopped:
                     continue
                 if chunk.d2h_done is not None:
                     chunk.d2h_done.synchronize()
-                items = [e for e in chunk.entries if e.param.grad is not None]
                 if self.bound is not None:
                     sumsq += sum(cpu_adam.grad_sumsq(e.grad_buf) for e in items)
                     if sumsq > self.bound * (1 + 1e-3):   # margin: this sum and the engine's round differently

@@ -4,6 +4,7 @@ the same run with FSDPZERO_OFFLOAD_SPECULATE=0 exactly (losses and final params)
 1.0), steps that clip (dropped), a skipped step (backward, no step), an lr changed between backward and step, the
 early stop on the partial norm, and the overlapped step. The counters prove each branch ran."""
 import os
+import time
 
 import pytest
 import torch
@@ -31,6 +32,10 @@ def _run(speculate, overlap, plan_clip):
     path = offload.build_grad_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER), stage=True,
                                    overlap=overlap)
     assert (path.spec is not None) == speculate
+    if speculate:   # a slow speculative worker: zero_grad() and the step come while it is still behind backward
+        step_param = path.optimizer.step_param
+        path.optimizer.step_param = lambda *a, **k: (k.get("into") is not None and time.sleep(0.01),
+                                                     step_param(*a, **k))
     gen = torch.Generator().manual_seed(300 + dist.get_rank())
     losses, outcomes = [], []
     for clip, skip, halve_lr in SCHEDULE:
@@ -43,12 +48,13 @@ def _run(speculate, overlap, plan_clip):
             for g in path.optimizer.param_groups:
                 g["lr"] = g["lr"] * 0.5
         path.scale_grads_(clip_factor(path.grad_norm(), clip))
+        missed = path.spec.stats["chunks_missed"] if speculate else 0
         if not skip:
             path.step()
         path.zero_grad()
         if speculate:
             path.wait()
-            outcomes.append(path.spec.last)
+            outcomes.append((path.spec.last, path.spec.stats["chunks_missed"] - missed))
         losses.append(loss.item())
     path.wait()
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
@@ -68,9 +74,11 @@ def test_speculation_commits_drops_and_changes_nothing(overlap):
                                                                                      timeout=180):
         assert losses == ref_losses
         assert all(torch.equal(got[k], ref[k]) for k in ref)
-        # committed where the factor was 1.0 and the lr unchanged; dropped when clipped or skipped
-        assert outcomes[0] == outcomes[2] == outcomes[4] == outcomes[7] == "committed"
-        assert outcomes[1] == outcomes[3] == outcomes[6] == "dropped"
+        # committed where the factor was 1.0, every chunk from its speculative result unless the lr changed;
+        # dropped when clipped or skipped
+        assert outcomes[0] == outcomes[2] == outcomes[4] == outcomes[7] == ("committed", 0), outcomes
+        assert outcomes[5][0] == "committed" and outcomes[5][1] > 0, outcomes
+        assert [outcomes[i][0] for i in (1, 3, 6)] == ["dropped"] * 3, outcomes
         assert stats["entries_committed"] > 0 and stats["stopped_early"] == 0
 
 
