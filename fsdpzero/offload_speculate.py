@@ -11,6 +11,8 @@ and at step():
   the step;
 - otherwise (clipped, skipped on overflow, a changed lr): the shadows are dropped and the path steps in place from
   the untouched live state, as without speculation.
+Once step() has the factor, the worker stops taking chunks; the ones it did not reach are stepped in place (the
+same computation) in forward order, after the committed ones.
 Early stop: this rank's partial sum of squared gradients is a lower bound of the global one. Once it passes
 gradient_clipping², the step will clip, and the rest of this backward is not speculated.
 
@@ -148,11 +150,19 @@ class Speculator:
             self._error = err
 
     # -- at the step ---------------------------------------------------------------------------------------------
+    def drain(self) -> None:
+        """Wait until every submitted chunk has been speculated (after end_of_backward; tests use it to make the
+        outcome independent of timing)."""
+        if self._thread is not None:
+            self._thread.join()
+
     def claim(self, commit: bool) -> None:
-        """(Main thread, in step()) the step will use this speculation: commit it if `commit`, else drop it."""
+        """(Main thread, in step()) the step will use this speculation: commit it if `commit`, else drop it.
+        Either way the worker takes no further chunk: once the factor is known, the step itself steps what is
+        left, in place and in forward order, so the next forward's first units are ready first (the worker
+        goes in the order the grads landed, the reverse)."""
         self._claimed, self._commit = True, commit
-        if not commit:
-            self._cancel.set()
+        self._cancel.set()
 
     def collect(self, hyper_now: dict[int, dict]) -> dict[int, frozenset]:
         """Wait for the worker; per chunk id, the names of the entries whose speculative step is to be committed

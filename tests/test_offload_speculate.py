@@ -24,7 +24,7 @@ SCHEDULE = [(NEVER, False, False), (ALWAYS, False, False), (NEVER, False, False)
             (NEVER, False, False), (NEVER, False, True), (ALWAYS, False, False), (NEVER, False, False)]
 
 
-def _run(speculate, overlap, plan_clip):
+def _run(speculate, overlap, plan_clip, drain=True):
     os.environ["FSDPZERO_OFFLOAD_SPECULATE"] = "1" if speculate else "0"
     model = _stage2_model()
     plan = Plan(offload=OffloadPlan(optimizer_device="cpu", sub_group_size=700),
@@ -44,17 +44,19 @@ def _run(speculate, overlap, plan_clip):
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         path.finish_gradients()
+        if speculate and drain:  # every chunk speculated before the step: the outcome does not depend on timing
+            path.spec.drain()
         if halve_lr:             # e.g. a hand-written lr rule between backward and step
             for g in path.optimizer.param_groups:
                 g["lr"] = g["lr"] * 0.5
         path.scale_grads_(clip_factor(path.grad_norm(), clip))
-        missed = path.spec.stats["chunks_missed"] if speculate else 0
+        before = path.spec.stats["entries_committed"] if speculate else 0
         if not skip:
             path.step()
         path.zero_grad()
         if speculate:
             path.wait()
-            outcomes.append((path.spec.last, path.spec.stats["chunks_missed"] - missed))
+            outcomes.append((path.spec.last, path.spec.stats["entries_committed"] - before))
         losses.append(loss.item())
     path.wait()
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
@@ -65,28 +67,30 @@ def _run(speculate, overlap, plan_clip):
 
 def _scenario(rank, world, overlap, plan_clip):
     torch.set_num_threads(2)
-    return _run(False, overlap, plan_clip), _run(True, overlap, plan_clip)
+    return _run(False, overlap, plan_clip), _run(True, overlap, plan_clip), _run(True, overlap, plan_clip, False)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["inline", "overlap"])
 def test_speculation_commits_drops_and_changes_nothing(overlap):
-    for (ref_losses, ref, _, _), (losses, got, outcomes, stats) in run_distributed(_scenario, 2, overlap, NEVER,
-                                                                                     timeout=180):
-        assert losses == ref_losses
-        assert all(torch.equal(got[k], ref[k]) for k in ref)
-        # committed where the factor was 1.0, every chunk from its speculative result unless the lr changed;
-        # dropped when clipped or skipped
-        assert outcomes[0] == outcomes[2] == outcomes[4] == outcomes[7] == ("committed", 0), outcomes
-        assert outcomes[5][0] == "committed" and outcomes[5][1] > 0, outcomes
-        assert [outcomes[i][0] for i in (1, 3, 6)] == ["dropped"] * 3, outcomes
+    for (ref_losses, ref, _, _), drained, timed in run_distributed(_scenario, 2, overlap, NEVER, timeout=180):
+        for losses, got, _, _ in (drained, timed):   # the worker's progress at step() changes nothing
+            assert losses == ref_losses
+            assert all(torch.equal(got[k], ref[k]) for k in ref)
+        outcomes, stats = drained[2], drained[3]
+        # drained: every entry is committed where the factor was 1.0 and the lr unchanged, none when the lr
+        # changed after backward (made with the old lr) or the step clipped or was skipped
+        entries = max(k for _, k in outcomes)
+        assert entries > 0 and [outcomes[i] for i in (0, 2, 4, 7)] == [("committed", entries)] * 4, outcomes
+        assert outcomes[5] == ("committed", 0), outcomes
+        assert [outcomes[i] for i in (1, 3, 6)] == [("dropped", 0)] * 3, outcomes
         assert stats["entries_committed"] > 0 and stats["stopped_early"] == 0
 
 
 def test_partial_norm_stops_speculation_early():
     """gradient_clipping far below this model's norms: this rank's partial sum of squares already proves the step
     will clip, so the worker stops stepping; the results are still those of the run without speculation."""
-    for (ref_losses, ref, _, _), (losses, got, outcomes, stats) in run_distributed(_scenario, 2, False, ALWAYS,
-                                                                                     timeout=180):
+    for (ref_losses, ref, _, _), (losses, got, outcomes, stats), _ in run_distributed(_scenario, 2, False, ALWAYS,
+                                                                                        timeout=180):
         assert losses == ref_losses
         assert all(torch.equal(got[k], ref[k]) for k in ref)
         assert stats["stopped_early"] >= 6 and stats["entries_committed"] == 0
