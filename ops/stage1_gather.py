@@ -6,13 +6,15 @@ out of the rank-major buffer into the whole parameters.
 
 `gather(defer=False)` does it all before returning, at most two buckets in flight (bounded temporary memory).
 `gather(defer=True)` (after `attach(model)`) launches every bucket, in the order the forward first uses their
-parameters, and returns. Each bucket's copy-out then waits for the first reader:
+parameters, and returns. Each bucket is then waited for by its first reader:
   - a forward pre-hook on every module that owns one of the parameters waits for the buckets of its own parameters
     only, so the first layers compute while the later buckets are still on the wire;
   - the root's state_dict / load_state_dict pre-hooks, the end of the root's forward (parameters it never used),
     the next gather, and `wait()` (saving, reading weights by hand) wait for all of them.
-The buffers of all buckets (the parameters' bytes once) live from the step until the forward consumes them. On NCCL
-a wait is a stream dependency, not a host sync; on gloo the collectives run on gloo's thread and a wait blocks.
+On CUDA each bucket is copied out on a side stream as soon as its collective is done, so the copy-outs too run
+under the next collectives and the forward, and a reader's stream only waits for an event (no host sync). On gloo
+the collectives run on gloo's thread, and a reader blocks on the bucket's Work, then copies it out. The buffers of
+all buckets (the parameters' bytes once) live from the step until the forward consumes them.
 
 torch.compile: the owner hooks do nothing inside a compiled graph (no graph break). A compiled root waits for all
 buckets at its entry (a call outside the graph). Compiled submodules found in the model at step time turn the
@@ -52,7 +54,10 @@ class ParamAllGather:
     def __init__(self, flat_groups: list[_FlatGroup], group, rank: int, world: int, device: torch.device):
         self.flat_groups, self.group, self.rank, self.world, self.device = flat_groups, group, rank, world, device
         self.model: nn.Module | None = None      # set by attach(): deferral is possible
-        self.in_flight: dict[_Run, tuple[_FlatGroup, torch.Tensor, object]] = {}   # launched, not copied out yet
+        # launched, not waited for: run -> (buffer, its Work (copy-out still to do) or, on CUDA, the copy stream's
+        # event after the copy-out)
+        self.in_flight: dict[_Run, tuple[torch.Tensor, object]] = {}
+        self._copy_stream = None
         self._first_use: dict[_Run, int] = {}   # run -> order of its first use in the forwards before the first step
         self._forward_order: list[tuple[_FlatGroup, _Run]] | None = None
         self._hooks: list = []
@@ -78,7 +83,7 @@ class ParamAllGather:
             buf[self.rank].copy_(fg.master[run.lo: run.hi])
             work = _all_gather(buf.view(-1), buf[self.rank], self.group, async_op=True)
             if defer:
-                self.in_flight[run] = (fg, buf, work)
+                self.in_flight[run] = (buf, self._copy_out_aside(run, buf, work))
                 continue
             window.append((run, buf, work))
             if len(window) > 1:
@@ -95,15 +100,31 @@ class ParamAllGather:
         for s in run.slots:
             _unpack(s.param.view(-1), buf[:, s.offset - run.lo: s.offset - run.lo + s.chunk])
 
+    def _copy_out_aside(self, run: _Run, buf: torch.Tensor, work):
+        """CUDA: copy out on a side stream as soon as the collective is done (under the next bucket's collective
+        and the forward), and return the event a reader's stream waits for. The side stream comes after the
+        collective, which came after everything queued before its launch (the backward's reads of the parameters).
+        Elsewhere: the Work, for the reader to wait on and copy out."""
+        if self.device.type != "cuda":
+            return work
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_out(run, buf, work)
+            buf.record_stream(self._copy_stream)   # freed by a reader on any stream: not reused before this copy
+            return self._copy_stream.record_event()
+
     @torch.no_grad()
     def wait(self, runs: list[_Run] | None = None) -> None:
         """Copy out the given in-flight buckets (all by default): the parameters then hold the last step's values."""
         if not self.in_flight:
             return
         for run in list(self.in_flight) if runs is None else runs:
-            entry = self.in_flight.pop(run, None)
-            if entry is not None:
-                self._copy_out(run, entry[1], entry[2])
+            buf, pending = self.in_flight.pop(run, (None, None))
+            if isinstance(pending, torch.cuda.Event):
+                torch.cuda.current_stream(self.device).wait_event(pending)   # then buf may be freed on this stream
+            elif pending is not None:
+                self._copy_out(run, buf, pending)
 
     def _ordered(self) -> list[tuple[_FlatGroup, _Run]]:
         """Buckets by the first use of their parameters in the eager forwards before the first deferred step; the
