@@ -44,8 +44,15 @@ def _wait_outside_graph(gather: "ParamAllGather") -> None:
 
 
 def _has_compiled_submodule(model: nn.Module) -> bool:
-    return any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
-               for m in model.modules())
+    """torch.compile(module) wrappers or module.compile() anywhere in the tree (checked every step: a plain walk,
+    about half the cost of model.modules())."""
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        if type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None:
+            return True
+        stack.extend(c for c in m._modules.values() if c is not None)
+    return False
 
 
 class ParamAllGather:
