@@ -66,7 +66,8 @@ class Stage1Optimizer(torch.optim.Optimizer):
     gradients: the model's `.grad` are freed afterwards. Call `set_gradient_sync(True)` before the backward of the
     last micro-step to let `overlap_comm` start reductions from backward hooks; without it all reductions run in
     `step()`. `step()` is reduce_gradients + grad_norm + scale_grads_ + update_params, which a training engine
-    may call one by one (see Stage1GradPath).
+    may call one by one (see Stage1GradPath). After `defer_allgather_to_forward(model)` the parameters receive the
+    step's values in the next forward (or state_dict(), or `wait_for_params()`), not inside step().
     """
 
     def __init__(self, params, optimizer_factory: OptimizerFactory, *, process_group: dist.ProcessGroup | None = None,

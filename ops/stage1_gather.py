@@ -165,12 +165,6 @@ class ParamAllGather:
                         model.register_state_dict_pre_hook(lambda *_: self.wait()),
                         model.register_load_state_dict_pre_hook(lambda *_: self.wait())]
 
-    def detach(self) -> None:
-        self.wait()
-        for h in self._hooks:
-            h.remove()
-        self._hooks, self.model = [], None
-
     def _before_owner_forward(self, runs: list[_Run]):
         def hook(_module, _args):
             if torch.compiler.is_compiling():   # traced: a no-op in the graph (the compiled root waited already)
