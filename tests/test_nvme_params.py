@@ -212,15 +212,13 @@ def test_bad_buffer_settings_are_clear_errors(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("opt_device", ["cpu", "nvme"])
-def test_param_nvme_on_gpu_equals_param_cpu(tmp_path, opt_device):
+def test_param_nvme_on_gpu_equals_param_cpu(tmp_path, opt_device, one_rank_nccl):
     """1 GPU, bf16 compute, pinned CPU shards (CPUOffloadPolicy(pin_memory=True)): offload_param nvme == cpu, bit
     for bit, with units evicted between uses (FSDP2 copies the shards H2D from memory we resize and refill)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     from fsdpzero import offload
     from tests.test_offload import HYPER, Net, gpu_path_losses
-    if not dist.is_initialized():
-        dist.init_process_group("cuda:nccl,cpu:gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     runs = []
     for param_device in ("cpu", "nvme"):
         torch.manual_seed(0)
