@@ -39,7 +39,8 @@ import os
 import torch
 from torch import nn
 
-from fsdpzero.offload_path import CHUNK, _DTYPES, OffloadGradPath, _Entry, _local, chunk_layout
+from fsdpzero.offload_chunks import CHUNK, _DTYPES, _Entry, _local, chunk_layout
+from fsdpzero.offload_path import OffloadGradPath
 from fsdpzero.optim import OptimizerFactory
 from fsdpzero.plan import Plan
 
