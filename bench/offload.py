@@ -8,7 +8,8 @@ All configs in sequence, one table (each config is its own torchrun, so nothing 
     python bench/offload.py --all --nproc 2 --out out/offload
 Configs: fsdp_z2, fsdp_z3 (no offload); fsdp_z3_cpuoffload (CPUOffloadPolicy + CPU fused AdamW); ours_z2 (stage 2 +
 optimizer offload); ours_z3_both (stage 3 + optimizer and param offload); *_overlap (the CPU step overlaps the next
-forward); ours_z3_ratio_overlap / ds_z3_ratio (stage 3, offload_optimizer.ratio = FSDPZERO_BENCH_RATIO, default 0.5:
+forward); *_nospec (FSDPZERO_OFFLOAD_SPECULATE=0: no speculative CPU step during backward); *_noclip
+(gradient_clipping 0, both implementations); ours_z3_ratio_overlap / ds_z3_ratio (stage 3, offload_optimizer.ratio = FSDPZERO_BENCH_RATIO, default 0.5:
 the rest steps on the GPU); ds_z2_offload, ds_z3_offload_both (DeepSpeed, when importable). --layers/--hidden/--vocab/--seq/--micro shrink the model for a smoke run;
 FSDPZERO_BENCH_CPU=1 runs it on CPU/gloo (correctness of the script only).
 FSDPZERO_OFFLOAD_PROFILE=1: the ours_* configs also write the offload path's per-step timeline (rank 0, JSON lines,
@@ -27,8 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from common import config_main, run_configs  # noqa: E402  (bench/ is the script's folder)
-CONFIGS = ["fsdp_z2", "fsdp_z3", "fsdp_z3_cpuoffload", "ours_z2", "ours_z2_overlap", "ours_z3_both",
-           "ours_z3_both_overlap", "ours_z3_ratio_overlap", "ds_z2_offload", "ds_z3_offload_both", "ds_z3_ratio"]
+CONFIGS = ["fsdp_z2", "fsdp_z3", "fsdp_z3_cpuoffload", "ours_z2", "ours_z2_overlap", "ours_z2_overlap_nospec",
+           "ours_z2_overlap_noclip", "ours_z3_both", "ours_z3_both_overlap", "ours_z3_ratio_overlap", "ds_z2_offload",
+           "ds_z2_offload_noclip", "ds_z3_offload_both", "ds_z3_ratio"]
 RATIO = float(os.environ.get("FSDPZERO_BENCH_RATIO", "0.5"))   # *_ratio*: offload_optimizer.ratio (stage 3)
 DEVICE = "cuda" if os.environ.get("FSDPZERO_BENCH_CPU") != "1" else "cpu"   # CPU: smoke runs only
 HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -71,7 +73,8 @@ def ds_config(args, name):
     if both:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     return {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
-            "bf16": {"enabled": True}, "gradient_clipping": CLIP, "zero_optimization": zero,
+            "bf16": {"enabled": True}, "gradient_clipping": 0.0 if "noclip" in name else CLIP,
+            "zero_optimization": zero,
             "optimizer": {"type": "AdamW", "params": {"lr": HYPER["lr"], "betas": list(HYPER["betas"]),
                                                       "eps": HYPER["eps"], "weight_decay": HYPER["weight_decay"]}}}
 
@@ -98,7 +101,8 @@ def fsdp_runner(args, name):
 def ours_runner(args, name):
     """fsdpzero: the DeepSpeed config through fsdpzero.wrap (engine + offload gradient path)."""
     import fsdpzero
-    os.environ["FSDPZERO_OFFLOAD_OVERLAP"] = "1" if name.endswith("overlap") else "0"
+    os.environ["FSDPZERO_OFFLOAD_OVERLAP"] = "1" if "_overlap" in name else "0"
+    os.environ["FSDPZERO_OFFLOAD_SPECULATE"] = "0" if "nospec" in name else "1"
     engine = fsdpzero.wrap(build_model(args), ds_config(args, name))
 
     def step(x):
@@ -107,6 +111,8 @@ def ours_runner(args, name):
         engine.step()
         return loss
     step.grad_norm = engine.get_global_grad_norm   # clipping triggers when it is above CLIP
+    spec = getattr(engine.grad_path, "spec", None)
+    step.spec_stats = (lambda: dict(spec.stats)) if spec is not None else None
     return step, getattr(engine.grad_path, "wait", lambda: None)
 
 
@@ -186,6 +192,15 @@ def run_one(args):
               "host_rss_GiB": psutil.Process().memory_info().rss / 2**30, "setup_s": setup_s,
               "loss_first": losses[0], "loss_last": losses[-1], "losses": losses,
               "grad_norms": norms}
+    if getattr(step, "spec_stats", None) is not None:
+        result["speculation"] = step.spec_stats()
+    clip = ds_config(args, args.config)["gradient_clipping"] if not args.config.startswith("fsdp") else CLIP
+    timed_norms = norms[args.warmup:]
+    if clip > 0 and all(n is not None for n in timed_norms):   # per-step times split by whether clipping triggered
+        for key, pick in (("step_s_clipped", lambda n: n + 1e-6 > clip), ("step_s_unclipped", lambda n: n + 1e-6 <= clip)):
+            sel = [t for t, n in zip(times, timed_norms) if pick(n)]
+            result[key] = statistics.median(sel) if sel else None
+            result[key.replace("step_s", "steps")] = len(sel)
     peak = torch.tensor([result["peak_alloc_GiB"]], device=DEVICE)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     result["peak_alloc_GiB_max_over_ranks"] = peak.item()
@@ -221,14 +236,17 @@ def timeline_median(path: Path, warmup: int) -> dict:
 
 def run_all(args):
     rows = run_configs(__file__, args, "offload.json")
-    print(f"\n| config | step s median (min-max) | mean incl. tail | tokens/s/GPU | peak alloc GiB (max rank) | host RSS r0 GiB | "
-          f"loss first -> last |\n|---|---|---|---|---|---|---|")
+    print("\n| config | step s median (min-max) | mean incl. tail | clipped / unclipped steps: median s (n) | "
+          "tokens/s/GPU | peak alloc GiB (max rank) | host RSS r0 GiB | "
+          "loss first -> last |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['config']} | {r['error']} | | | | | |")
+            print(f"| {r['config']} | {r['error']} | | | | | | |")
             continue
+        split = " / ".join(f"{r[k]:.3f} ({r[k.replace('step_s', 'steps')]})" if r.get(k) is not None else "-"
+                           for k in ("step_s_clipped", "step_s_unclipped"))
         print(f"| {r['config']} | {r['step_s']:.3f} ({r['step_min']:.3f}-{r['step_max']:.3f}) | "
-              f"{r['step_s_mean_incl_tail']:.3f} | "
+              f"{r['step_s_mean_incl_tail']:.3f} | {split} | "
               f"{r['tokens_per_s_per_gpu']:,.0f} | {r['peak_alloc_GiB_max_over_ranks']:.2f} | "
               f"{r['host_rss_GiB']:.2f} | {r['loss_first']:.4f} -> {r['loss_last']:.4f} |")
     for r in rows:

@@ -1,7 +1,12 @@
 """ZeRO stage 1 on GPUs: fsdpzero's stage 1 (ops/stage1.py through fsdpzero.wrap) against DeepSpeed stage 1 and
 fsdpzero's stage 2 (FSDP2), with the setup of shared/spec/device_anchors.md: 0.89 B Llama, bf16 compute with fp32
-masters, AdamW lr 1e-4 wd 0.01, clip 1.0, seq 2048 x micro-batch 4 per GPU, 3 warm-up + 10 timed steps, rank 0
-median; communication in bf16, DeepSpeed's default for bf16 (the *_fp32reduce config reduces in fp32).
+masters, AdamW lr 1e-4 wd 0.01, clip 1.0, seq 2048 x micro-batch 4 per GPU, 3 warm-up + 10 timed steps;
+communication in bf16, DeepSpeed's default for bf16 (the *_fp32reduce config reduces in fp32).
+
+Timing, the same for every config: the timed steps run as a training loop runs them, each reading its loss
+(loss.item() after engine.step(), as a loop that logs every step), the device synchronized once after the last;
+step_s is the mean (rank 0). Work a step leaves on the device (stage 1's all-gather, finished under the next
+forward) is therefore charged where it really costs time, not hidden by a synchronize after each step.
 
 All configs, each its own torchrun, one table (run on 2 GPUs):
     python bench/stage1.py --all --nproc 2 --out out/stage1
@@ -10,7 +15,8 @@ One config:
 Configs: ours_z1 (overlap_comm off: every reduce-scatter after backward), ours_z1_overlap (reduce-scatters from
 backward hooks, default 5e8-element buckets), ours_z1_overlap_b1e8 (1e8-element buckets: more overlap),
 ours_z1_fp32reduce, ours_z1_legacy / ours_z1_overlap_legacy (the stage-1 speed-ups of fsdpzero.stage1_path.KNOBS
-off: plain greedy buckets, a separate clip-scaling pass), ours_z2 (fsdpzero stage 2 = FSDP2
+off: plain greedy buckets, a separate clip-scaling pass, no pipelined step, the all-gather finished inside step()),
+ours_z1_fwdag_off (only FSDPZERO_STAGE1_FORWARD_ALLGATHER=0: the all-gather finished inside step()), ours_z2 (fsdpzero stage 2 = FSDP2
 reshard_after_forward=False), ds_z1, ds_z2 (DeepSpeed,
 overlap_comm and contiguous_gradients on, as in device_anchors.md; skipped when deepspeed is not importable).
 --layers/--hidden/--vocab/--seq/--micro shrink the model; FSDPZERO_BENCH_CPU=1 runs on CPU/gloo (script check only).
@@ -19,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from common import config_main, run_configs  # noqa: E402  (bench/ is the script's folder)
 CONFIGS = ["ours_z1", "ours_z1_overlap", "ours_z1_overlap_b1e8", "ours_z1_fp32reduce", "ours_z2", "ds_z1", "ds_z2",
-           "ours_z3", "ds_z3", "ours_z1_legacy", "ours_z1_overlap_legacy"]   # z3: the same setup at stage 3, for the stage-3 ratio against DeepSpeed
+           "ours_z3", "ds_z3", "ours_z1_legacy", "ours_z1_overlap_legacy", "ours_z1_fwdag_off"]   # z3: the same setup at stage 3, for the stage-3 ratio against DeepSpeed
 DEVICE = "cuda" if os.environ.get("FSDPZERO_BENCH_CPU") != "1" else "cpu"
 
 
@@ -90,6 +95,8 @@ def run_one(args):
     if args.config.endswith("_legacy"):
         from fsdpzero.stage1_path import KNOBS
         os.environ.update({env: "0" for env in KNOBS.values()})
+    if args.config.endswith("_fwdag_off"):
+        os.environ["FSDPZERO_STAGE1_FORWARD_ALLGATHER"] = "0"
     t_setup = time.perf_counter()
     engine = make_engine(args, args.config)
     setup_s = time.perf_counter() - t_setup
@@ -99,20 +106,24 @@ def run_one(args):
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
-    for i in range(args.warmup + args.steps):
-        sync()
-        t0 = time.perf_counter()
+    losses = []
+
+    def train_step():
         loss = engine(input_ids=x, labels=x).loss
         engine.backward(loss)
         engine.step()
-        sync()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
-    med = statistics.median(times)
-    result = {"config": args.config, "world": dist.get_world_size(), "step_s": med, "step_min": min(times),
-              "step_max": max(times), "tokens_per_s_per_gpu": args.micro * args.seq / med,
+        losses.append(loss.item())
+
+    for _ in range(args.warmup):
+        train_step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        train_step()
+    sync()
+    mean = (time.perf_counter() - t0) / args.steps
+    result = {"config": args.config, "world": dist.get_world_size(), "step_s": mean, "timing": "mean, one sync",
+              "tokens_per_s_per_gpu": args.micro * args.seq / mean,
               "peak_alloc_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
               "peak_reserved_GiB": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
               "host_rss_GiB": psutil.Process().memory_info().rss / 2**30, "setup_s": setup_s,
@@ -132,7 +143,7 @@ def run_all(args):
     rows = run_configs(__file__, args, "stage1.json")
     ok = {r["config"]: r for r in rows if "error" not in r}
     ds, z2 = ok.get("ds_z1"), ok.get("ours_z2")
-    print("\n| config | step s median (min-max) | tokens/s/GPU | vs DS z1 | peak alloc / reserved GiB (max rank) "
+    print("\n| config | step s (mean, one sync) | tokens/s/GPU | vs DS z1 | peak alloc / reserved GiB (max rank) "
           "| loss first -> last | max abs loss diff vs ours_z2 |\n|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
@@ -140,7 +151,7 @@ def run_all(args):
             continue
         vs = f"{r['tokens_per_s_per_gpu'] / ds['tokens_per_s_per_gpu']:.3f}x" if ds else "-"
         drift = f"{max(abs(a - b) for a, b in zip(r['losses'], z2['losses'])):.2e}" if z2 else "-"
-        print(f"| {r['config']} | {r['step_s']:.3f} ({r['step_min']:.3f}-{r['step_max']:.3f}) | "
+        print(f"| {r['config']} | {r['step_s']:.4f} | "
               f"{r['tokens_per_s_per_gpu']:,.0f} | {vs} | {r['peak_alloc_GiB_max_over_ranks']:.2f} / "
               f"{r['peak_reserved_GiB_max_over_ranks']:.2f} | {r['loss_first']:.4f} -> {r['loss_last']:.4f} | "
               f"{drift} |")

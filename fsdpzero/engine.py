@@ -190,6 +190,14 @@ class Engine(nn.Module):
     def zero_grad(self) -> None:
         self.grad_path.zero_grad()
 
+    def wait_for_params(self) -> None:
+        """Afterwards the model holds the last step's weights: a path may still be moving them after step() (a
+        stage-1 all-gather finished by the next forward, an overlapped CPU step). Saving calls it; so should any
+        code that reads the parameters directly instead of through a forward or state_dict()."""
+        wait = getattr(self.grad_path, "wait", None)
+        if wait is not None:
+            wait()
+
     # -- state for checkpoints ---------------------------------------------------------------------------------
     def client_state(self) -> dict:
         """The engine's own counters plus the scheduler/scaler state (the checkpoint layer saves these)."""
@@ -202,6 +210,7 @@ class Engine(nn.Module):
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, **options):
         """DeepSpeed's signature; options: keep_last, async_save (see fsdpzero.checkpoint)."""
         from fsdpzero.engine_checkpoint import save_engine
+        self.wait_for_params()
         return save_engine(self, save_dir, tag, client_state, save_latest, **options)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
@@ -214,6 +223,7 @@ class Engine(nn.Module):
     def save_16bit_model(self, save_dir, save_filename="model.safetensors", exclude_frozen_parameters=False):
         """Consolidated weights in the compute dtype for from_pretrained (see fsdpzero.export)."""
         from fsdpzero.export import save_16bit_model
+        self.wait_for_params()
         dtype = getattr(torch, self.plan.precision.param_dtype)
         return save_16bit_model(self.module, save_dir, dtype=None if dtype == torch.float32 else dtype,
                                 filename=save_filename, exclude_frozen_parameters=exclude_frozen_parameters)

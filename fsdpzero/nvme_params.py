@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 import fsdpzero.ops  # noqa: F401  registers fsdpzero_ops from a source checkout
+from fsdpzero.offload_fsdp import param_groups
 from fsdpzero.swapdir import SwapDir, close_swap_io
 from fsdpzero_ops.aio import ALIGN, AioConfig, AioHandle, padded_nbytes
 
@@ -87,7 +88,7 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
 
 
 def _shards(module: nn.Module) -> list:
-    return [fp for g in module._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params]
+    return [fp for g in param_groups(module) for fp in g.fsdp_params]
 
 
 @torch.no_grad()

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from fsdpzero.offload_path import OffloadGradPath, _like, _local, _on
+from fsdpzero.offload_chunks import _like, _local, _on
+from fsdpzero.offload_path import OffloadGradPath
 
 
 class NVMeGradPath(OffloadGradPath):

@@ -23,6 +23,18 @@ def param_group(module: nn.Module):
     return getattr(state, "_fsdp_param_group", None) if state is not None else None
 
 
+def param_groups(module: nn.Module) -> list:
+    """All FSDP param groups of a unit: torch >= 2.13 keeps a list (_fsdp_param_groups), 2.11/2.12 one group."""
+    state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+    if state is None:
+        return []
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return list(groups)
+
+
 def after_reduce(module: nn.Module, fn: Callable[[object], None]) -> bool:
     """Call fn(post-reduce event) after each post-backward of the unit that reduced its grads. False when the unit
     has no FSDP param group to hook (or this torch lacks the internals: the D2H then runs after backward)."""

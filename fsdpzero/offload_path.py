@@ -2,66 +2,19 @@
 chunk by the fused CPU Adam while copies run on side streams. How it is built from a plan: fsdpzero/offload.py."""
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from fsdpzero import offload_device, offload_fsdp
+from fsdpzero.offload_chunks import (_Chunk, _Entry, _local, _on, chunk_layout, load_offload_state_dict,
+                                     offload_state_dict)
 from fsdpzero.offload_timeline import Timeline, profiling
 
 log = logging.getLogger("fsdpzero")
-
-CHUNK = 1 << 24     # elements per pipeline chunk (64 MiB of fp32 master): small enough to overlap, large to thread
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-@dataclass
-class _Entry:
-    name: str
-    param: nn.Parameter            # the model's (sharded) parameter
-    master: torch.Tensor           # fp32 CPU; the param's own local shard when it is fp32 and on the CPU
-    grad_buf: torch.Tensor | None  # pinned CPU landing buffer for the grad (None: read the CPU grad directly)
-    out_buf: torch.Tensor | None   # pinned CPU low-precision param written by the kernel, then copied H2D
-    on_device: bool = False        # offload_optimizer.ratio < 1: master and states live with the param and
-                                   # torch's Adam steps it there (fused on CUDA)
-
-
-def chunk_layout(units: list[list[tuple[str, int]]], chunk_size: int) -> list[list[str]]:
-    """Names per pipeline chunk: consecutive params of one unit, <= chunk_size elements unless one param is larger.
-    The builder uses it to decide which chunks stay on the device (ratio < 1) before the path exists."""
-    chunks: list[list[str]] = []
-    for unit in units:
-        size = 0
-        for i, (name, numel) in enumerate(unit):
-            if i == 0 or size + numel > chunk_size:
-                chunks.append([])
-                size = 0
-            chunks[-1].append(name)
-            size += numel
-    return chunks
-
-
-@dataclass
-class _Chunk:
-    entries: list[_Entry] = field(default_factory=list)
-    numel: int = 0
-    d2h_done: object = None        # CUDA event: this chunk's grads have landed in their pinned buffers
-    h2d_done: object = None        # CUDA event: this chunk's updated params have been copied back
-    ready: threading.Event = field(default_factory=threading.Event)   # CPU side: stepped (and H2D queued)
-    unit: nn.Module | None = None  # the FSDP module whose shards these are
-
-    def __post_init__(self):
-        self.ready.set()
-
 
 class OffloadGradPath:
     """fsdpzero.optim.GradPath with fp32 masters and Adam states on the CPU (see the module docstring).
@@ -73,7 +26,7 @@ class OffloadGradPath:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, units: list[tuple[nn.Module | None,
                  list[_Entry]]], chunk_size: int, *, threads: int, overlap: bool = False,
-                 drop_shards: bool = False, early_d2h: bool = True):
+                 drop_shards: bool = False, early_d2h: bool = True, speculate_max_norm: float | None = None):
         self.model = model
         self.optimizer = optimizer          # a CPUAdam over the masters: schedulers drive its param_groups
         self.entries = [e for _, es in units for e in es]
@@ -105,6 +58,13 @@ class OffloadGradPath:
         # write the old weights back; a following load_state_dict of the optimizer then restores exact fp32 masters
         model.register_load_state_dict_post_hook(lambda *_: self.refresh_masters())
         self.overlap = overlap and all(m is not None for m, _ in units)
+        # speculate_max_norm (gradient_clipping, 0 = off): step chunks during backward (fsdpzero.offload_speculate)
+        self.spec = None
+        if speculate_max_norm is not None and self.staged and self.cpu_chunks:
+            from fsdpzero.offload_speculate import Speculator
+            self.spec = Speculator([e for c in self.cpu_chunks for e in c.entries], optimizer,
+                                   max_norm=speculate_max_norm, threads=threads,
+                                   device=self.h2d.device if self.h2d is not None else None)
         self.tl = Timeline(threads, len(units)) if profiling() else None   # FSDPZERO_OFFLOAD_PROFILE=1
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -187,6 +147,8 @@ class OffloadGradPath:
             for chunk in chunks:
                 self._d2h_chunk(chunk, rec)
                 self._early.add(id(chunk))
+        if self.spec is not None:
+            self.spec.submit(chunks)
 
     def _d2h_chunk(self, chunk: _Chunk, rec) -> None:
         """(On the D2H stream) copy the chunk's sharded grads into their pinned buffers; record d2h_done."""
@@ -232,6 +194,7 @@ class OffloadGradPath:
     def refresh_masters(self) -> None:
         """masters <- the model's (possibly low-precision) shards, e.g. after new weights were loaded."""
         self._join()
+        self._discard_speculation()
         self._restore_all()
         for e in self.entries:
             local = _local(e.param)
@@ -273,13 +236,15 @@ class OffloadGradPath:
             return
         late = [c for c in self.cpu_chunks if id(c) not in self._early]   # not hooked (e.g. no FSDP unit)
         self._early.clear()
-        if not late:
-            return
-        if self.d2h is not None:
-            self.d2h.wait_stream(torch.cuda.current_stream())
-        with _on(self.d2h):
-            for chunk in late:
-                self._d2h_chunk(chunk, rec)
+        if late:
+            if self.d2h is not None:
+                self.d2h.wait_stream(torch.cuda.current_stream())
+            with _on(self.d2h):
+                for chunk in late:
+                    self._d2h_chunk(chunk, rec)
+        if self.spec is not None:
+            self.spec.submit(late)
+            self.spec.end_of_backward()
 
     def grad_norm(self) -> torch.Tensor:
         # in the model's parameter order, as FSDPGradPath: the same norm bits, so the same clip coefficient
@@ -302,6 +267,8 @@ class OffloadGradPath:
         rec = self.tl.stepped(max(1, self.threads - 1) if self.overlap else self.threads) if self.tl else None
         t0 = time.perf_counter()
         factor, self._factor = float(self._factor), 1.0   # the CPU needs the value: one sync, after the norm
+        if self.spec is not None and self.spec.active:
+            self.spec.claim(commit=factor == 1.0)           # factor 1.0: the speculative steps are this step
         if rec is not None:
             self.tl.host(rec, "factor_sync_host", t0)
         # what to step, read now: zero_grad() may drop the grads before an overlapped worker reaches them
@@ -367,6 +334,7 @@ class OffloadGradPath:
     def close(self) -> None:
         """Join an overlapped step; with offload_param nvme, bring every shard back and remove the swap files."""
         self._join()
+        self._discard_speculation()
         if self.param_swapper is not None:
             self.param_swapper.close()
             self.param_swapper = None
@@ -374,6 +342,7 @@ class OffloadGradPath:
     def _step_chunks(self, work, factor) -> None:
         rec = self._rec
         tl = self.tl if rec is not None else None
+        committed = self.spec.collect(self._hyper) if self.spec is not None else {}
         for k, (chunk, items) in enumerate(work):
             if items:
                 self._swap_in(chunk.unit)
@@ -387,7 +356,15 @@ class OffloadGradPath:
                 c = tl.chunk(rec, k)
                 c.update(numel=sum(e.master.numel() for e, _ in items), d2h_wait_host=t1 - t0,
                          adam_start_host=t1 - rec["t0"])
-            for e, grad in items:
+            if items and committed.get(id(chunk)) == frozenset(e.name for e, _ in items):
+                for e, _ in items:             # stepped during backward with this very factor (1.0)
+                    self.spec.commit(e)
+                items_to_step = []
+            else:
+                items_to_step = items
+                if items and self.spec is not None and self.spec.last == "committed":
+                    self.spec.stats["chunks_missed"] += 1
+            for e, grad in items_to_step:
                 out = e.out_buf
                 if out is None and e.master is not _local(e.param):
                     out = _local(e.param)      # CPU-resident low-precision shard: written in place
@@ -412,7 +389,12 @@ class OffloadGradPath:
         if self.param_swapper is not None:
             self.param_swapper.step_end()
 
+    def _discard_speculation(self) -> None:
+        if self.spec is not None:
+            self.spec.discard()
+
     def zero_grad(self) -> None:
+        self._discard_speculation()           # a skipped step: nothing claimed this backward's speculation
         if self.d2h is not None:              # grads may be freed only after their D2H has read them
             self.d2h.synchronize()
         for e in self.entries:
@@ -422,45 +404,12 @@ class OffloadGradPath:
         """Per parameter name: step, exp_avg, exp_avg_sq and the fp32 master, as DTensors placed like the param
         (CPU local shards) so DCP saves each rank's own shard; plus the param groups' hyperparameters."""
         self._join()
+        self._discard_speculation()
         self._params_resident()
-        state = {}
-        for e in self.entries:
-            st = self.optimizer._state(e.master)   # created (zeros, step 0) before the first step: DCP loads
-            tensors = {k: st[k] for k in ("exp_avg", "exp_avg_sq")}  # into this dict in place
-            tensors["master"] = e.master
-            state[e.name] = {"step": st["step"],
-                             **{k: _like(e.param, v) for k, v in tensors.items()}}
-        groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": [self._by_master[id(m)].name for m in g["params"]]} for g in self.optimizer.param_groups]
-        return {"state": state, "param_groups": groups}
+        return offload_state_dict(self.entries, self.optimizer, self._by_master)
 
-    @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
         self._join()
+        self._discard_speculation()
         self._params_resident(dirty=True)
-        names = {e.name: e for e in self.entries}
-        for name, saved in sd["state"].items():
-            e = names[name]
-            st = self.optimizer._state(e.master)
-            st["step"] = saved["step"].to(st["step"].device, torch.float32, copy=True)
-            for k in ("exp_avg", "exp_avg_sq"):
-                st[k].copy_(_local(saved[k]).view(st[k].shape))
-            if "master" in saved:   # absent in a non-offload checkpoint: the model weights just loaded are the masters
-                e.master.copy_(_local(saved["master"]).view(e.master.shape))
-                _local(e.param).copy_(e.master.view(_local(e.param).shape))   # the device copy follows the master
-        for group, saved in zip(self.optimizer.param_groups, sd["param_groups"]):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-
-
-def _on(stream):
-    """torch.cuda.stream(stream), or nothing on CPU-only runs."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-def _like(param, local: torch.Tensor):
-    """`local` as a DTensor shard placed like `param` (a plain tensor when param is plain)."""
-    if not hasattr(param, "device_mesh"):
-        return local
-    from torch.distributed.tensor import DTensor
-    return DTensor.from_local(local.view(_local(param).shape), param.device_mesh, param.placements,
-                              shape=param.shape, stride=param.stride(), run_check=False)
+        load_offload_state_dict(self.entries, self.optimizer, sd)

@@ -26,7 +26,8 @@ _ELEMENTWISE = {"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam",
 # result within float rounding of the plain schedule (the stage-0 parity tests hold either way; see docs/stage1.md).
 KNOBS = {"ramp_buckets": "FSDPZERO_STAGE1_RAMP_BUCKETS",         # small first/last buckets: short exposed ends
          "fold_grad_scale": "FSDPZERO_STAGE1_FOLD_GRAD_SCALE",   # clip/unscale factor inside the fused step
-         "pipeline_step": "FSDPZERO_STAGE1_PIPELINE_STEP"}       # fused Adam bucket by bucket, under the all-gather
+         "pipeline_step": "FSDPZERO_STAGE1_PIPELINE_STEP",       # fused Adam bucket by bucket, under the all-gather
+         "forward_allgather": "FSDPZERO_STAGE1_FORWARD_ALLGATHER"}  # the all-gather finishes under the next forward
 
 
 def knobs_from_env() -> dict[str, bool]:
@@ -70,6 +71,10 @@ class Stage1GradPath:
     def zero_grad(self) -> None:
         self.stage1.zero_grad()
 
+    def wait(self) -> None:
+        """The model's parameters hold the last step's values (the all-gather may still be in flight after step())."""
+        self.stage1.wait_for_params()
+
     def state_dict(self) -> dict[str, Any]:
         return self.stage1.state_dict()
 
@@ -96,12 +101,16 @@ def build_grad_path(model: nn.Module, plan, make_optimizer: Callable, mesh=None)
             "per-tensor quantities (LAMB trust ratios, ...) are then taken over that flat shard and results differ "
             "from stage 0", type(optimizer).__name__)
     shard, precision, offload = plan.shard, plan.precision, plan.offload
+    knobs = knobs_from_env()
+    forward_allgather = knobs.pop("forward_allgather")
     stage1 = Stage1Optimizer.wrap(
         optimizer, {id(p): n for n, p in named}, process_group=mesh.get_group() if mesh is not None else None,
         param_dtype=dtype, reduce_dtype=_DTYPES[precision.reduce_dtype],
         reduce_bucket_size=shard.reduce_bucket_size, allgather_bucket_size=shard.allgather_bucket_size,
         overlap_comm=bool(shard.overlap_comm), master_device="cpu" if offload.optimizer_device == "cpu" else None,
-        **knobs_from_env())
+        **knobs)
+    if forward_allgather:   # the model's forward pre-hooks wait for their buckets; saving and loading wait for all
+        stage1.defer_allgather_to_forward(model)
     # weights loaded without the optimizer (load_module_only, load_optimizer_states=False) become the masters; a
     # following optimizer load then restores the exact fp32 masters from the checkpoint
     model.register_load_state_dict_post_hook(lambda *_: stage1.refresh_masters())

@@ -47,6 +47,12 @@ struct Bufs {
   float* m;
   float* v;
   void* out;  // nullptr: no low-precision copy
+  // Where the step reads the master and states: p/m/v themselves (in place), or another set (adam_step_into, the
+  // speculative step of the offload path, which must leave the live state untouched until it is committed).
+  const float* pi;
+  const float* mi;
+  const float* vi;
+  bool stream_state;  // out of place and aligned: write p/m/v with streaming stores (no read-for-ownership)
 };
 
 // ---------------------------------------------------------------- scalar (also the tail of the vector kernels)
@@ -67,12 +73,12 @@ inline void store_out(void* o, int64_t i, float x) {
 template <DT G, DT O>
 inline void adam_scalar(const Bufs& b, const Hyper& h, int64_t lo, int64_t hi) {
   for (int64_t i = lo; i < hi; ++i) {
-    float p = b.p[i];
+    float p = b.pi[i];
     float g = load_grad<G>(b.g, i) * h.grad_mul;
     g = std::fma(h.l2, p, g);
     p = p * h.keep;
-    float m = std::fma(h.w1, g - b.m[i], b.m[i]);
-    float v = std::fma(g * g, h.omb2, b.v[i] * h.beta2);
+    float m = std::fma(h.w1, g - b.mi[i], b.mi[i]);
+    float v = std::fma(g * g, h.omb2, b.vi[i] * h.beta2);
     float denom = std::sqrt(v) / h.bc2_sqrt + h.eps;
     p = std::fma(-h.step_size, m / denom, p);
     b.p[i] = p;
@@ -128,22 +134,28 @@ FZ_AVX512 void adam_avx512(const Bufs& b, const Hyper& h, int64_t lo, int64_t hi
       b.out && reinterpret_cast<uintptr_t>(static_cast<char*>(b.out) + lo * osize) % (16 * osize) == 0;
   int64_t i = lo;
   for (; i + 16 <= hi; i += 16) {
-    __m512 p = _mm512_loadu_ps(b.p + i);
+    __m512 p = _mm512_loadu_ps(b.pi + i);
     __m512 g = _mm512_mul_ps(load_grad16<G>(b.g, i), gmul);
     g = _mm512_fmadd_ps(l2, p, g);
     p = _mm512_mul_ps(p, keep);
-    __m512 m = _mm512_loadu_ps(b.m + i);
+    __m512 m = _mm512_loadu_ps(b.mi + i);
     m = _mm512_fmadd_ps(w1, _mm512_sub_ps(g, m), m);
-    __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(g, g), omb2, _mm512_mul_ps(_mm512_loadu_ps(b.v + i), beta2));
+    __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(g, g), omb2, _mm512_mul_ps(_mm512_loadu_ps(b.vi + i), beta2));
     __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2s), eps);
     p = _mm512_fmadd_ps(neg_step, _mm512_div_ps(m, denom), p);
-    _mm512_storeu_ps(b.p + i, p);
-    _mm512_storeu_ps(b.m + i, m);
-    _mm512_storeu_ps(b.v + i, v);
+    if (b.stream_state) {
+      _mm512_stream_ps(b.p + i, p);
+      _mm512_stream_ps(b.m + i, m);
+      _mm512_stream_ps(b.v + i, v);
+    } else {
+      _mm512_storeu_ps(b.p + i, p);
+      _mm512_storeu_ps(b.m + i, m);
+      _mm512_storeu_ps(b.v + i, v);
+    }
     if (b.out) store_out16<O>(b.out, i, p, stream);
   }
-  if (stream) _mm_sfence();   // streaming stores are weakly ordered: visible before another thread queues the H2D
-  adam_scalar<G, O>(b, h, i, hi);
+  if (stream || b.stream_state) _mm_sfence();   // streaming stores are weakly ordered: visible before another
+  adam_scalar<G, O>(b, h, i, hi);                // thread queues the H2D or commits the state
 }
 
 // ---------------------------------------------------------------- AVX2: 8 floats per vector
@@ -191,21 +203,27 @@ FZ_AVX2 void adam_avx2(const Bufs& b, const Hyper& h, int64_t lo, int64_t hi) {
       b.out && reinterpret_cast<uintptr_t>(static_cast<char*>(b.out) + lo * osize) % (8 * osize) == 0;
   int64_t i = lo;
   for (; i + 8 <= hi; i += 8) {
-    __m256 p = _mm256_loadu_ps(b.p + i);
+    __m256 p = _mm256_loadu_ps(b.pi + i);
     __m256 g = _mm256_mul_ps(load_grad8<G>(b.g, i), gmul);
     g = _mm256_fmadd_ps(l2, p, g);
     p = _mm256_mul_ps(p, keep);
-    __m256 m = _mm256_loadu_ps(b.m + i);
+    __m256 m = _mm256_loadu_ps(b.mi + i);
     m = _mm256_fmadd_ps(w1, _mm256_sub_ps(g, m), m);
-    __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(g, g), omb2, _mm256_mul_ps(_mm256_loadu_ps(b.v + i), beta2));
+    __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(g, g), omb2, _mm256_mul_ps(_mm256_loadu_ps(b.vi + i), beta2));
     __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2s), eps);
     p = _mm256_fmadd_ps(neg_step, _mm256_div_ps(m, denom), p);
-    _mm256_storeu_ps(b.p + i, p);
-    _mm256_storeu_ps(b.m + i, m);
-    _mm256_storeu_ps(b.v + i, v);
+    if (b.stream_state) {
+      _mm256_stream_ps(b.p + i, p);
+      _mm256_stream_ps(b.m + i, m);
+      _mm256_stream_ps(b.v + i, v);
+    } else {
+      _mm256_storeu_ps(b.p + i, p);
+      _mm256_storeu_ps(b.m + i, m);
+      _mm256_storeu_ps(b.v + i, v);
+    }
     if (b.out) store_out8<O>(b.out, i, p, stream);
   }
-  if (stream) _mm_sfence();
+  if (stream || b.stream_state) _mm_sfence();
   adam_scalar<G, O>(b, h, i, hi);
 }
 template <DT G>
@@ -292,10 +310,11 @@ void check_state(const at::Tensor& t, const char* what, int64_t n) {
   TORCH_CHECK(t.numel() == n, "fsdpzero::adam_step: ", what, " has ", t.numel(), " elements, param has ", n);
 }
 
-void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-               const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& out, double lr, double beta1,
-               double beta2, double eps, double weight_decay, int64_t step, bool adamw, bool bias_correction,
-               double grad_scale, int64_t isa) {
+void run_adam(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+              const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& out, const at::Tensor& param_in,
+              const at::Tensor& exp_avg_in, const at::Tensor& exp_avg_sq_in, double lr, double beta1,
+              double beta2, double eps, double weight_decay, int64_t step, bool adamw, bool bias_correction,
+              double grad_scale, int64_t isa) {
   const int64_t n = param.numel();
   check_state(param, "param", n);
   check_state(exp_avg, "exp_avg", n);
@@ -335,14 +354,46 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
     case DT::BF16: k = pick_out<DT::BF16>(odt, isa); break;
     default: k = pick_out<DT::F16>(odt, isa); break;
   }
-  const Bufs b{param.data_ptr<float>(), grad.data_ptr(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
-               out_ptr};
+  float* p = param.data_ptr<float>();
+  float* m = exp_avg.data_ptr<float>();
+  float* v = exp_avg_sq.data_ptr<float>();
+  const float* pi = param_in.data_ptr<float>();
+  const float* mi = exp_avg_in.data_ptr<float>();
+  const float* vi = exp_avg_sq_in.data_ptr<float>();
+  const bool in_place = p == pi && m == mi && v == vi;
+  TORCH_CHECK(in_place || (p != pi && m != mi && v != vi),
+              "fsdpzero::adam_step_into: the destination must not share storage with the source");
+  auto aligned = [](const float* x) { return reinterpret_cast<uintptr_t>(x) % 64 == 0; };
+  const Bufs b{p, grad.data_ptr(), m, v, out_ptr, pi, mi, vi,
+               !in_place && aligned(p) && aligned(m) && aligned(v)};
   // Work in blocks of 1024 elements (4 KiB of fp32, whole cache lines); tensors under 32K elements stay on one thread.
   constexpr int64_t kBlock = 1024;
   const int64_t nblocks = (n + kBlock - 1) / kBlock;
   at::parallel_for(0, nblocks, 32, [&](int64_t b0, int64_t b1) {
     k(b, h, b0 * kBlock, std::min(n, b1 * kBlock));
   });
+}
+
+void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+               const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& out, double lr, double beta1,
+               double beta2, double eps, double weight_decay, int64_t step, bool adamw, bool bias_correction,
+               double grad_scale, int64_t isa) {
+  run_adam(param, grad, exp_avg, exp_avg_sq, out, param, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay,
+           step, adamw, bias_correction, grad_scale, isa);
+}
+
+// The same step, reading the master and states from *_in and writing the results to param/exp_avg/exp_avg_sq.
+void adam_step_into(const at::Tensor& param_in, const at::Tensor& grad, const at::Tensor& exp_avg_in,
+                    const at::Tensor& exp_avg_sq_in, const at::Tensor& param, const at::Tensor& exp_avg,
+                    const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& out, double lr, double beta1,
+                    double beta2, double eps, double weight_decay, int64_t step, bool adamw, bool bias_correction,
+                    double grad_scale, int64_t isa) {
+  const int64_t n = param.numel();
+  check_state(param_in, "param_in", n);
+  check_state(exp_avg_in, "exp_avg_in", n);
+  check_state(exp_avg_sq_in, "exp_avg_sq_in", n);
+  run_adam(param, grad, exp_avg, exp_avg_sq, out, param_in, exp_avg_in, exp_avg_sq_in, lr, beta1, beta2, eps,
+           weight_decay, step, adamw, bias_correction, grad_scale, isa);
 }
 
 // Sum of squares of a fp32/bf16/fp16 CPU tensor, accumulated in fp32 per 1024-element block and across blocks in
@@ -390,8 +441,14 @@ TORCH_LIBRARY_FRAGMENT(fsdpzero, m) {
   m.def("adam_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor(d!)? out, "
         "float lr, float beta1, float beta2, float eps, float weight_decay, int step, bool adamw, "
         "bool bias_correction, float grad_scale, int isa) -> ()");
+  m.def("adam_step_into(Tensor param_in, Tensor grad, Tensor exp_avg_in, Tensor exp_avg_sq_in, Tensor(a!) param, "
+        "Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor(d!)? out, float lr, float beta1, float beta2, float eps, "
+        "float weight_decay, int step, bool adamw, bool bias_correction, float grad_scale, int isa) -> ()");
   m.def("adam_best_isa() -> int", &best_isa);
   m.def("grad_sumsq(Tensor t) -> float", &grad_sumsq);
 }
 
-TORCH_LIBRARY_IMPL(fsdpzero, CPU, m) { m.impl("adam_step", &adam_step); }
+TORCH_LIBRARY_IMPL(fsdpzero, CPU, m) {
+  m.impl("adam_step", &adam_step);
+  m.impl("adam_step_into", &adam_step_into);
+}

@@ -80,16 +80,24 @@ def reference_adam_step_(param, grad, exp_avg, exp_avg_sq, out=None, *, lr, beta
 
 
 def adam_step_(param, grad, exp_avg, exp_avg_sq, out=None, *, lr, beta1, beta2, eps, weight_decay, step,
-               adamw=True, bias_correction=True, grad_scale=1.0, impl=None):
+               adamw=True, bias_correction=True, grad_scale=1.0, impl=None, src=None):
     """One fused Adam(W) step in place on contiguous CPU tensors. param/exp_avg/exp_avg_sq: fp32; grad and out
     (optional, written with the updated param rounded to its dtype): fp32, bf16 or fp16, same number of elements.
-    grad_scale multiplies the gradient as it is read (fold 1/loss_scale and the clip coefficient in here)."""
+    grad_scale multiplies the gradient as it is read (fold 1/loss_scale and the clip coefficient in here).
+    src=(param_in, exp_avg_in, exp_avg_sq_in): read the master and states from there instead and leave them as they
+    are (out of place: param/exp_avg/exp_avg_sq only receive the result; the same bits as the in-place step)."""
     impl = _resolve(impl)
     kw = dict(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
               weight_decay=float(weight_decay), step=int(step), adamw=bool(adamw),
               bias_correction=bool(bias_correction), grad_scale=float(grad_scale))
     if impl == "reference":
+        if src is not None:
+            for dst, s in zip((param, exp_avg, exp_avg_sq), src):
+                dst.copy_(s)
         reference_adam_step_(param, grad, exp_avg, exp_avg_sq, out, **kw)
+    elif src is not None:
+        torch.ops.fsdpzero.adam_step_into(src[0], grad, src[1], src[2], param, exp_avg, exp_avg_sq, out, **kw,
+                                          isa=_ISA[impl])
     else:
         torch.ops.fsdpzero.adam_step(param, grad, exp_avg, exp_avg_sq, out, **kw, isa=_ISA[impl])
 
@@ -153,7 +161,7 @@ class CPUAdam(torch.optim.Optimizer):
                 state["master"] = local.float()
         return state
 
-    def _update(self, param, grad, out, group, grad_scale=1.0):
+    def _update(self, param, grad, out, group, grad_scale=1.0, into=None):
         state = self._state(param)
         for key in ("exp_avg", "exp_avg_sq", "master"):  # load_state_dict casts states to the param's dtype
             if key in state and state[key].dtype != torch.float32:
@@ -161,16 +169,22 @@ class CPUAdam(torch.optim.Optimizer):
         local = _local(param)
         master = state.get("master", local)
         if master is not local:  # low-precision param: it receives the rounded master
-            if out is not None:
-                raise ValueError("CPUAdam.step_param: out= is only for fp32 params; a low-precision param "
-                                 "receives the rounded master itself")
+            if out is not None or into is not None:
+                raise ValueError("CPUAdam.step_param: out= and into= are only for fp32 params; a low-precision "
+                                 "param receives the rounded master itself")
             out = local
-        state["step"] += 1
+        live = (master, state["exp_avg"], state["exp_avg_sq"])
+        if into is None:
+            state["step"] += 1
+            dst, src, step = live, None, int(state["step"].item())
+        else:                    # the step this optimizer would take next, written elsewhere; nothing here moves
+            dst, src, step = into, live, int(state["step"].item()) + 1
         beta1, beta2 = group["betas"]
-        adam_step_(master, _local(grad).contiguous(), state["exp_avg"], state["exp_avg_sq"], out,
+        adam_step_(dst[0], _local(grad).contiguous(), dst[1], dst[2], out,
                    lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                   step=int(state["step"].item()), adamw=group.get("decoupled_weight_decay", False),
-                   bias_correction=group.get("bias_correction", True), grad_scale=grad_scale, impl=self.impl)
+                   step=step, adamw=group.get("decoupled_weight_decay", False),
+                   bias_correction=group.get("bias_correction", True), grad_scale=grad_scale, impl=self.impl,
+                   src=src)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -185,13 +199,15 @@ class CPUAdam(torch.optim.Optimizer):
         return loss
 
     @torch.no_grad()
-    def step_param(self, param, grad, out=None, grad_scale=1.0, hyper=None):
+    def step_param(self, param, grad, out=None, grad_scale=1.0, hyper=None, into=None):
         """Step one of this optimizer's params with an explicit gradient (any of fp32/bf16/fp16, e.g. just copied
         from the GPU) and write the updated param, rounded, into `out` (e.g. a pinned bf16 buffer for the H2D copy).
         Uses the hyperparameters of the param's group, or `hyper` (a snapshot of them, for a step running while a
-        scheduler already moves the group on); grad_scale multiplies the gradient as it is read."""
+        scheduler already moves the group on); grad_scale multiplies the gradient as it is read.
+        into=(master, exp_avg, exp_avg_sq) (fp32 params only): write the updated master and moments there and
+        leave the param, its state and the step count as they are (a speculative step; the caller commits it)."""
         if hyper is not None:
-            self._update(param, grad, out, hyper, grad_scale)
+            self._update(param, grad, out, hyper, grad_scale, into)
             return
         group = self._group_of.get(id(param))
         if group is None or not any(g is group for g in self.param_groups):  # new groups after load_state_dict
@@ -199,7 +215,7 @@ class CPUAdam(torch.optim.Optimizer):
             group = self._group_of.get(id(param))
             if group is None:
                 raise ValueError("CPUAdam.step_param: this tensor is not one of the optimizer's params")
-        self._update(param, grad, out, group, grad_scale)
+        self._update(param, grad, out, group, grad_scale, into)
 
 
 class CPUAdamW(CPUAdam):

@@ -10,7 +10,9 @@ gradients locally over the micro-steps. At the accumulation boundary:
   3. the inner optimizer (any torch.optim optimizer, built by a factory over the flat fp32 master shards, one tensor
      per dtype per param group) steps on this rank's shard only (a fused torch Adam/AdamW may step it bucket by
      bucket, each bucket's all-gather starting while the next updates: ops/stage1_step.py);
-  4. the updated shards are cast to the parameter dtype and all-gathered, in buckets of `allgather_bucket_size`.
+  4. the updated shards are cast to the parameter dtype and all-gathered, in buckets of `allgather_bucket_size`
+     (ops/stage1_gather.py). After `defer_allgather_to_forward(model)` step() returns with them in flight, and each
+     module's forward waits only for the buckets of its own parameters.
 
 Traffic per optimizer step is one reduce-scatter plus one all-gather, about 2x the parameter bytes. DeepSpeed stage 1
 all-reduces each bucket and keeps a slice, then all-gathers: about 3x. `reduce_op="all_reduce"` is that design (the
@@ -33,8 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .stage1_layout import _FlatGroup, _named_groups, _pack, _Run, _runs, _Slot, _take_chunks, _unpack
-from .stage1_state import load_logical_state_dict, logical_state_dict
+from .stage1_gather import ParamAllGather
+from .stage1_layout import _FlatGroup, _named_groups, _pack, _Run, _runs, _Slot, _take_chunks
+from .stage1_state import load_logical_state_dict, logical_state_dict, shard_whole_state
 from .stage1_step import BucketStep, pipelinable, takes_grad_scale
 
 __all__ = ["Stage1Optimizer"]
@@ -46,11 +49,6 @@ OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
 def _reduce_scatter(out, inp, group, async_op):
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
-    return fn(out, inp, group=group, async_op=async_op)
-
-
-def _all_gather(out, inp, group, async_op):
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, inp, group=group, async_op=async_op)
 
 
@@ -68,7 +66,8 @@ class Stage1Optimizer(torch.optim.Optimizer):
     gradients: the model's `.grad` are freed afterwards. Call `set_gradient_sync(True)` before the backward of the
     last micro-step to let `overlap_comm` start reductions from backward hooks; without it all reductions run in
     `step()`. `step()` is reduce_gradients + grad_norm + scale_grads_ + update_params, which a training engine
-    may call one by one (see Stage1GradPath).
+    may call one by one (see Stage1GradPath). After `defer_allgather_to_forward(model)` the parameters receive the
+    step's values in the next forward (or state_dict(), or `wait_for_params()`), not inside step().
     """
 
     def __init__(self, params, optimizer_factory: OptimizerFactory, *, process_group: dist.ProcessGroup | None = None,
@@ -131,6 +130,8 @@ class Stage1Optimizer(torch.optim.Optimizer):
                        for fg in self.flat_groups for run in fg.reduce_runs for s in run.slots] if overlap_comm else []
         self._inflight: collections.deque = collections.deque()   # (flat group, run, work, buffer, receive)
         self._reset_pending()
+        self.param_gather = ParamAllGather(self.flat_groups, self.group, self.rank, self.world,
+                                           getattr(self, "comm_device", None))
         # torch.optim.Optimizer plumbing, so LR schedulers and hooks accept this object; the groups are the inner ones
         super().__init__([s.param for fg in self.flat_groups for s in fg.slots] or [torch.empty(0)], {})
         self.param_groups, self.state, self.defaults = (self.optimizer.param_groups, self.optimizer.state,
@@ -155,21 +156,7 @@ class Stage1Optimizer(torch.optim.Optimizer):
             return optimizer
 
         self = cls(groups, rebind, **kwargs)
-        for fg in self.flat_groups:
-            first = old_state.get(fg.slots[0].param)
-            if not first:
-                continue
-            new = {}
-            for key, value in first.items():
-                if torch.is_tensor(value) and value.shape == fg.slots[0].param.shape:
-                    new[key] = torch.zeros_like(fg.master)
-                    for s in fg.slots:
-                        start = self.rank * s.chunk
-                        piece = old_state[s.param][key].reshape(-1)[start: start + s.local]
-                        new[key][s.offset: s.offset + s.local].copy_(piece)
-                else:
-                    new[key] = value.clone() if torch.is_tensor(value) else value
-            optimizer.state[fg.master] = new
+        shard_whole_state(self, old_state)
         return self
 
     def _flat_group(self, gi, named, reduce_bucket, gather_bucket) -> _FlatGroup:
@@ -192,6 +179,7 @@ class Stage1Optimizer(torch.optim.Optimizer):
         without the optimizer state, or the next step would all-gather the old masters back over them (DeepSpeed
         restores its fp32 partitions from the 16-bit weights the same way). The engine calls it from a
         load_state_dict post-hook on the model."""
+        self.param_gather.wait()
         for fg in self.flat_groups:
             _take_chunks(fg.master, fg.slots, self.rank)
 
@@ -320,7 +308,7 @@ class Stage1Optimizer(torch.optim.Optimizer):
         grad_scale = None if factor is None else (1.0 / torch.as_tensor(factor, dtype=torch.float32)).to(device)
         if self.pipeline_step and device == self.comm_device and pipelinable(self.optimizer, device):
             bucket_step = BucketStep(self.optimizer, grad_scale)
-            self._gather_params(bucket_step)
+            self.param_gather.gather(bucket_step, defer=True)
             bucket_step.finish()
             self._free_grads()
             return
@@ -333,7 +321,7 @@ class Stage1Optimizer(torch.optim.Optimizer):
             finally:
                 del self.optimizer.grad_scale
         self._free_grads()
-        self._gather_params()
+        self.param_gather.gather(defer=True)
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: float = 1.0):
@@ -366,6 +354,18 @@ class Stage1Optimizer(torch.optim.Optimizer):
             for s in fg.slots:
                 s.param.grad = None
 
+    # ------------------------------------------------------------ the all-gather overlapped with the next forward
+
+    def defer_allgather_to_forward(self, model: nn.Module) -> None:
+        """From now on step() returns with the parameters' all-gather in flight; `model`'s modules wait, before
+        their forward, for the buckets holding their own parameters. Saving or loading the model's state_dict waits
+        for everything; so does `wait_for_params()`, which anything else reading the weights must call first."""
+        self.param_gather.attach(model)
+
+    def wait_for_params(self) -> None:
+        """The parameters hold the last step's values once this returns (on CUDA: for work queued after it)."""
+        self.param_gather.wait()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._grad_factor = None
         for _fg, _run, work, _buf, _recv in self._inflight:   # reductions started from hooks, now abandoned
@@ -382,34 +382,6 @@ class Stage1Optimizer(torch.optim.Optimizer):
                     else:
                         s.param.grad.zero_()
 
-    @torch.no_grad()
-    def _gather_params(self, update: Callable[[torch.Tensor, int, int], None] | None = None) -> None:
-        """Cast the updated shard to the parameter dtype and all-gather it into the whole parameters, keeping at most
-        two buckets in flight (bounded temporary memory). `update(master, lo, hi)`, if given, first steps each
-        bucket's slice of the shard (ops/stage1_step.py)."""
-        window: collections.deque = collections.deque()
-        for fg in self.flat_groups:
-            for run in fg.gather_runs:
-                if update is not None:
-                    update(fg.master, run.lo, run.hi)
-                if self.world == 1:
-                    for s in run.slots:
-                        s.param.view(-1).copy_(fg.master[s.offset: s.offset + s.numel])
-                    continue
-                buf = torch.empty(self.world, run.hi - run.lo, dtype=fg.dtype, device=self.comm_device)
-                buf[self.rank].copy_(fg.master[run.lo: run.hi])
-                window.append((run, buf, _all_gather(buf.view(-1), buf[self.rank], self.group, async_op=True)))
-                if len(window) > 1:
-                    self._unpack_gathered(*window.popleft())
-        while window:
-            self._unpack_gathered(*window.popleft())
-
-    @staticmethod
-    def _unpack_gathered(run: _Run, buf: torch.Tensor, work) -> None:
-        work.wait()
-        for s in run.slots:
-            _unpack(s.param.view(-1), buf[:, s.offset - run.lo: s.offset - run.lo + s.chunk])
-
     # ------------------------------------------------------------ checkpoint (ops/stage1_state.py)
 
     def state_dict(self) -> dict[str, Any]:
@@ -419,5 +391,6 @@ class Stage1Optimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Apply state_dict() output (possibly filled by DCP from another world size); re-gathers the params."""
+        self.param_gather.wait()
         load_logical_state_dict(self, state_dict)
-        self._gather_params()
+        self.param_gather.gather()

@@ -7,6 +7,8 @@ writes each rank's piece and reads whatever pieces another world size needs. Key
 layout (world size, bucket sizes, param-group split by dtype) may change between save and load.
 
     {"state": {name: {"master": DTensor, "exp_avg": DTensor, ..., "step": scalar}}, "param_groups": [...]}
+
+`shard_whole_state` cuts a state kept per whole parameter (an optimizer wrapped after construction) the same way.
 """
 from __future__ import annotations
 
@@ -43,6 +45,27 @@ def _elementwise(inner: dict, master: torch.Tensor) -> list[str]:
             raise NotImplementedError(f"optimizer state {key!r} of shape {tuple(getattr(value, 'shape', ()))} is not "
                                       "elementwise; Stage1Optimizer cannot shard it")
     return keys
+
+
+@torch.no_grad()
+def shard_whole_state(opt, whole: dict[torch.Tensor, dict[str, Any]]) -> None:
+    """Inner optimizer state <- this rank's chunks of a state kept per whole parameter (`whole`: param -> state),
+    e.g. what an optimizer built over the whole parameters created at construction (Adagrad's sums)."""
+    for fg in opt.flat_groups:
+        first = whole.get(fg.slots[0].param)
+        if not first:
+            continue
+        new = {}
+        for key, value in first.items():
+            if torch.is_tensor(value) and value.shape == fg.slots[0].param.shape:
+                new[key] = torch.zeros_like(fg.master)
+                for s in fg.slots:
+                    start = opt.rank * s.chunk
+                    piece = whole[s.param][key].reshape(-1)[start: start + s.local]
+                    new[key][s.offset: s.offset + s.local].copy_(piece)
+            else:
+                new[key] = value.clone() if torch.is_tensor(value) else value
+        opt.optimizer.state[fg.master] = new
 
 
 @torch.no_grad()

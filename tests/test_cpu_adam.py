@@ -230,3 +230,32 @@ def test_grad_sumsq_fp32_accurate_and_thread_independent(dtype):
         torch.set_num_threads(before)
     assert got[0] == got[1]
     assert abs(got[0] - exact) <= 1e-6 * exact
+
+
+@pytest.mark.parametrize("grad_dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("impl", ALL)
+def test_out_of_place_step_equals_in_place_and_leaves_source(impl, grad_dtype):
+    """src=(master, exp_avg, exp_avg_sq): the result lands in the destination with the in-place step's bits and the
+    source is untouched (the offload path's speculative step commits or drops it later). 40_001 elements: vector
+    body, streaming stores over several blocks and a scalar tail."""
+    _need(impl)
+    gen = torch.Generator().manual_seed(7)
+    for shape in SHAPES:
+        src = [torch.randn(shape, generator=gen), torch.randn(shape, generator=gen) * 0.1,
+               torch.rand(shape, generator=gen) * 0.01]
+        before = [t.clone() for t in src]
+        grad = (torch.randn(shape, generator=gen) * 0.1).to(grad_dtype)
+        kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05, step=3, grad_scale=0.7, impl=impl)
+        in_place = [t.clone() for t in src]
+        out_a = torch.empty(shape, dtype=torch.bfloat16)
+        cpu_adam.adam_step_(*in_place[:1], grad, *in_place[1:], out_a, **kw)
+        dst = [torch.full(shape, float("nan")) for _ in src]
+        out_b = torch.empty(shape, dtype=torch.bfloat16)
+        cpu_adam.adam_step_(dst[0], grad, dst[1], dst[2], out_b, src=tuple(src), **kw)
+        for a, b, s, s0 in zip(in_place, dst, src, before):
+            assert torch.equal(a, b), f"{shape}: out-of-place result differs from in-place"
+            assert torch.equal(s, s0), f"{shape}: the source was modified"
+        assert torch.equal(out_a, out_b)
+    if impl != "reference":
+        with pytest.raises(RuntimeError, match="must not share storage"):
+            cpu_adam.adam_step_(src[0], grad, dst[1], dst[2], src=tuple(src), **kw)

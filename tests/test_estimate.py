@@ -122,7 +122,8 @@ def test_estimate_within_15_percent_of_measured_gpu_memory(tmp_path):
     out = tmp_path / "estimate_vs_measured.json"
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
                         "bench/estimate_vs_measured.py", "--out", str(out)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=900, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                       text=True, timeout=900, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                           [str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])))
     assert p.returncode == 0, p.stderr[-3000:]
     for r in json.loads(out.read_text())["rows"]:
         assert abs(r["estimate"] - r["measured"]) <= 0.15 * r["measured"], r

@@ -25,9 +25,10 @@ def _plan(opt_device, param_device, nvme_path, dtype, **param_knobs):
 def _resident(model):
     """Elements of CPU shard storage actually allocated, per FSDP unit (module order)."""
     from fsdpzero.nvme_params import fsdp_units
+    from fsdpzero.offload_fsdp import param_groups
     out = []
     for m in fsdp_units(model):
-        fps = [fp for g in m._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params]
+        fps = [fp for g in param_groups(m) for fp in g.fsdp_params]
         out.append(sum(fp._sharded_param_data.untyped_storage().nbytes() // fp._sharded_param_data.element_size()
                        for fp in fps))
     return out
@@ -211,7 +212,7 @@ def test_bad_buffer_settings_are_clear_errors(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("opt_device", ["cpu", "nvme"])
-def test_param_nvme_on_gpu_equals_param_cpu(tmp_path, opt_device):
+def test_param_nvme_on_gpu_equals_param_cpu(tmp_path, opt_device, one_rank_nccl):
     """1 GPU, bf16 compute, CPUOffloadPolicy(pin_memory=True): offload_param nvme == cpu, bit for bit, with units
     evicted between uses (FSDP2 copies the shards H2D from memory we resize and refill). The swapper moves FSDP2's
     pinned shards to pageable storages and empties torch's pinned cache: afterwards the pinned allocator holds less
@@ -221,8 +222,6 @@ def test_param_nvme_on_gpu_equals_param_cpu(tmp_path, opt_device):
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     from fsdpzero import offload
     from tests.test_offload import HYPER, Net, gpu_path_losses
-    if not dist.is_initialized():
-        dist.init_process_group("cuda:nccl,cpu:gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     runs = []
     for param_device in ("cpu", "nvme"):
         torch.manual_seed(0)

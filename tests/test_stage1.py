@@ -219,6 +219,94 @@ def test_pipelined_step_is_bit_identical_on_gpu(cls):
     _same_training(r[False], r[True], rtol=0)
 
 
+# ---------------------------------------------------------------- the all-gather left in flight for the next forward
+
+def _deferred_run(rank, world, defer, compile_backend=None, eval_model=None, device="cpu"):
+    """GA 2, clipping, fused AdamW with the pipelined step, small all-gather buckets. What is recorded right after
+    each step() goes through a different reader: step 0 the model's state_dict (a checkpoint save), step 1 one
+    module's forward alone (only its buckets may be waited for), step 2 an eval forward of the whole model (then a
+    parameter it does not use), the others the next training forward. With `defer` the all-gather must still be in
+    flight when step() returns."""
+    model = make_model()
+    model.spare = nn.Linear(5, 1, bias=False)   # never called: no gradient, weight decay moves it, and only the
+    model.to(device)                            # end of the root's forward waits for it
+    opt = Stage1Optimizer(groups(model), fused_adamw, max_grad_norm=MAX_NORM, overlap_comm=True,
+                          reduce_bucket_size=300, allgather_bucket_size=120, pipeline_step=True)
+    fwd = torch.compile(model, backend=compile_backend) if compile_backend else model
+    if defer:
+        opt.defer_allgather_to_forward(model)
+    if eval_model == "compiled_block":
+        model.fc.compile(backend="aot_eager")
+    out = {"losses": [], "after_step": [], "in_flight": []}
+    for step in range(5):
+        total = 0.0
+        for micro in range(GAS):
+            opt.set_gradient_sync(micro == GAS - 1)
+            loss = fwd(*(t.to(device) for t in batch(step, micro, rank, world))) / GAS
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        out["losses"].append(total)
+        gather = opt.param_gather
+        runs = list(gather.in_flight)
+        out["in_flight"].append(len(runs))
+        if step == 0:
+            out["after_step"].append({k: v.clone() for k, v in model.state_dict().items()})
+        elif step == 1:
+            with torch.no_grad():
+                emb = model.emb(batch(9, 0, rank, world)[0].to(device)).clone()
+            mine = {run for run in runs if any(s.param is model.emb.weight for s in run.slots)}
+            out["after_step"].append({"emb_out": emb, "first_in_flight_is_emb": bool(runs) and runs[0] in mine,
+                                      "others_left": set(gather.in_flight) == set(runs) - mine})
+        elif step == 2:
+            with torch.no_grad():
+                eval_loss = fwd(*(t.to(device) for t in batch(9, 1, rank, world)))
+                out["after_step"].append({"eval_loss": eval_loss.clone(),
+                                          "spare": model.spare.weight.detach().clone()})
+            out["in_flight_after_forward"] = len(gather.in_flight)
+    out["params"] = {k: v.clone() for k, v in model.state_dict().items()}
+    return out
+
+
+def _deferred_rank(rank, world, compile_backend=None, eval_model=None, device="cpu"):
+    return {defer: _deferred_run(rank, world, defer, compile_backend, eval_model, device) for defer in (False, True)}
+
+
+def _check_deferred_is_bit_identical(results, deferred=True):
+    for r in results:
+        plain, deferred_run = r[False], r[True]
+        assert max(plain["in_flight"]) == 0
+        if deferred:     # otherwise the test would not cover the deferral
+            assert min(deferred_run["in_flight"]) > 1, deferred_run["in_flight"]
+            assert deferred_run["after_step"][1]["first_in_flight_is_emb"]
+            assert deferred_run["after_step"][1]["others_left"]
+            assert deferred_run["in_flight_after_forward"] == 0
+        else:
+            assert max(deferred_run["in_flight"]) == 0
+        assert deferred_run["losses"] == plain["losses"]
+        for got, want in zip(deferred_run["after_step"], plain["after_step"]):
+            for k in (k for k, v in want.items() if torch.is_tensor(v)):
+                assert torch.equal(got[k], want[k]), k
+        for k, v in plain["params"].items():
+            assert torch.equal(deferred_run["params"][k], v), k
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_allgather_finished_by_next_forward_is_bit_identical(world):
+    """The deferred all-gather against the one finished inside step(): the same losses and parameters bit for bit,
+    and every reader right after step() (state_dict, one module's forward, an eval forward) sees the new values.
+    Without the waits those readers see the previous step's parameters and the comparison fails."""
+    _check_deferred_is_bit_identical(run_distributed(_deferred_rank, world, timeout=120))
+
+
+def test_allgather_deferral_under_torch_compile():
+    """A compiled root waits for every bucket at its entry (outside the graph): still bit-identical. A compiled
+    submodule turns the deferral off (its owner hooks would run inside its graph): nothing left in flight."""
+    _check_deferred_is_bit_identical(run_distributed(_deferred_rank, 2, "aot_eager", timeout=240))
+    _check_deferred_is_bit_identical(run_distributed(_deferred_rank, 2, None, "compiled_block", timeout=240),
+                                     deferred=False)
+
+
 def test_ramped_buckets_cover_every_slot_once():
     """Ramped runs: consecutive, every slot once, each within the bucket; the first and last within bucket/8."""
     from fsdpzero.ops.stage1_layout import _runs, _Slot
@@ -593,6 +681,27 @@ def _nccl_rank(rank, world, path, out, fused=False):
         torch.save(diff, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
+
+
+def _nccl_deferred_rank(rank, world, path, out):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        result = _deferred_rank(rank, world, device="cuda")
+        torch.save(torch.utils._pytree.tree_map(lambda v: v.cpu() if torch.is_tensor(v) else v, result),
+                   f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_nccl_allgather_finished_by_next_forward_is_bit_identical(tmp_path):
+    """The deferred all-gather on NCCL (the waits are stream dependencies there, not host waits): bit-identical to
+    the all-gather finished inside step(), with every reader right after step() seeing the new weights."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    torch.multiprocessing.spawn(_nccl_deferred_rank, args=(2, str(tmp_path / "rv"), str(tmp_path / "out")), nprocs=2)
+    _check_deferred_is_bit_identical([torch.load(tmp_path / f"out.{rank}") for rank in range(2)])
 
 
 @pytest.mark.gpu

@@ -97,3 +97,33 @@ def test_stage1_engine_checkpoint_reshards(tmp_path, save_world, load_world):
     second, params = run_distributed(_second_half, load_world, 1, str(tmp_path), timeout=180)[0][:2]
     assert max(abs(a - b) for a, b in zip(second, ref_losses[HALF:])) <= 1e-6
     assert _max_diff(params, ref_params) <= 1e-5
+
+
+def _forward_allgather_rank(rank, world, enabled, save_dir):
+    """3 steps (gas 2, clip 1.0, fp32), save_checkpoint right after the last engine.step(), then a
+    fresh engine with other weights loads it. FSDPZERO_STAGE1_FORWARD_ALLGATHER is read when the engine is built."""
+    import os
+    os.environ["FSDPZERO_STAGE1_FORWARD_ALLGATHER"] = "1" if enabled else "0"
+    plan = make_plan(stage=1, gas=2, world=world)
+    data = batches(3, 2, plan.batch.micro_batch_size * world)
+    engine = wrap(build_model("llama"), plan)
+    losses = engine_losses(engine, data, rank, world)
+    in_flight = len(engine.grad_path.stage1.param_gather.in_flight)
+    engine.save_checkpoint(save_dir)
+    params = full_params(engine.module)
+    fresh = wrap(build_model("llama", seed=5), plan)
+    fresh.load_checkpoint(save_dir)
+    loaded = full_params(fresh.module)
+    return {"losses": losses, "params": params, "in_flight": in_flight, "loaded": loaded}
+
+
+def test_forward_allgather_switch_is_bit_identical_and_saving_waits(tmp_path):
+    """The engine default (the all-gather finished by the next forward) against FSDPZERO_STAGE1_FORWARD_ALLGATHER=0:
+    the same losses and weights bit for bit; a checkpoint saved right after step() holds the updated weights."""
+    on = run_distributed(_forward_allgather_rank, 2, True, str(tmp_path / "on"), timeout=300)
+    off = run_distributed(_forward_allgather_rank, 2, False, str(tmp_path / "off"), timeout=300)
+    assert on[0]["in_flight"] > 0 and off[0]["in_flight"] == 0   # the default really defers
+    assert on[0]["losses"] == off[0]["losses"]
+    assert _max_diff(on[0]["params"], off[0]["params"]) == 0.0 and _max_diff(on[1]["params"], on[0]["params"]) == 0
+    for r in on + off:   # what the checkpoint saved right after step() is the final weights of the plain run
+        assert _max_diff(r["loaded"], off[0]["params"]) == 0.0

@@ -1,0 +1,208 @@
+"""Speculative CPU Adam for the offload path: step each chunk while backward is still running, as soon as its
+gradients have landed on the host, and keep the result only when it is exactly the step the engine then asks for.
+
+Why it can be exact. The clip coefficient and the overflow verdict need the global gradient norm, which exists only
+after backward. But clipping leaves the gradients alone whenever norm + 1e-6 <= gradient_clipping: the factor is
+then exactly 1.0 (and without a loss scaler nothing else scales them), so a step taken with factor 1.0 before the
+norm was known is bit for bit the step the engine takes. Each chunk is therefore stepped *out of place*
+(`CPUAdam.step_param(into=...)`, the fused kernel reading the live fp32 master and moments and writing a shadow set),
+and at step():
+- factor == 1.0 and the same hyperparameters: commit, i.e. swap the live and shadow storages (no copy) and count
+  the step;
+- otherwise (clipped, skipped on overflow, a changed lr): the shadows are dropped and the path steps in place from
+  the untouched live state, as without speculation.
+Once step() has the factor, the worker stops taking chunks; the ones it did not reach are stepped in place (the
+same computation) in forward order, after the committed ones.
+Early stop: this rank's partial sum of squared gradients is a lower bound of the global one. Once it passes
+gradient_clipping², the step will clip, and the rest of this backward is not speculated.
+
+Cost: a second fp32 master and moments (12 bytes/param) and pinned low-precision buffer (2 bytes/param) in host
+memory. FSDPZERO_OFFLOAD_SPECULATE=0 turns it off; it is also off when the shadows would not fit comfortably in the
+host's available memory, with fp16 loss scaling (the factor is never 1.0) and with NVMe offload.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+
+import torch
+
+log = logging.getLogger("fsdpzero")
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get("FSDPZERO_OFFLOAD_SPECULATE", "1") != "0"
+
+
+def host_available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def shadow_bytes(entries) -> int:
+    return sum(e.master.numel() * 12 + e.out_buf.numel() * e.out_buf.element_size() for e in entries)
+
+
+def fits_in_host(entries, local_world: int) -> bool:
+    """Every local rank's shadows together within half of the host's available memory."""
+    need, avail = shadow_bytes(entries) * max(1, local_world), host_available_bytes()
+    if avail is not None and need > avail // 2:
+        log.info("offload: speculative CPU step off: its shadow buffers need %.1f GiB on this host, %.1f GiB is "
+                 "available", need / 2**30, avail / 2**30)
+        return False
+    return True
+
+
+@torch.no_grad()
+def _swap_storage(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Exchange the data of two same-shaped contiguous tensors without copying (both objects keep their identity,
+    so every holder of the live tensor sees the committed values)."""
+    sa, oa = a.untyped_storage(), a.storage_offset()
+    a.set_(b.untyped_storage(), b.storage_offset(), b.size(), b.stride())
+    b.set_(sa, oa, a.size(), a.stride())
+
+
+class Speculator:
+    """Shadow buffers and the worker thread of one OffloadGradPath (see the module docstring). The path calls:
+    submit(chunks) as chunks' D2H are queued during backward, end_of_backward(), then at step() claim(commit) on
+    the main thread and collect() where the chunks are stepped; discard() when no step follows (skipped step,
+    zero_grad, a checkpoint load)."""
+
+    def __init__(self, entries, optimizer, *, max_norm: float, threads: int, device=None):
+        self.optimizer = optimizer
+        self.bound = float(max_norm) ** 2 if max_norm > 0 else None
+        self.threads = threads
+        self.device = device
+        with torch.no_grad():
+            self.shadow = {id(e.master): (torch.empty_like(e.master), torch.empty_like(e.master),
+                                          torch.empty_like(e.master),
+                                          torch.empty_like(e.out_buf, pin_memory=e.out_buf.is_pinned()))
+                           for e in entries}
+        # steps committed / dropped / whose speculation stopped on the partial norm; entries committed; chunks that
+        # were stepped in place although the step committed (no speculative result for them, e.g. no grad then)
+        self.stats = {"committed": 0, "dropped": 0, "stopped_early": 0, "entries_committed": 0, "chunks_missed": 0}
+        self.last = None             # this step's outcome: "committed", "dropped" or None (not speculated)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._queue: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+        self._cancel = threading.Event()
+        self._claimed = False
+        self._commit = False
+        self._done: dict[int, tuple[frozenset, dict]] = {}   # chunk -> (entry names stepped, their hyperparameters)
+        self._hyper: dict[int, dict] = {}
+        self._error: BaseException | None = None
+        self._stopped = False
+
+    @property
+    def active(self) -> bool:
+        return self._thread is not None
+
+    # -- during backward -----------------------------------------------------------------------------------------
+    def submit(self, chunks) -> None:
+        if self._thread is None:      # the first unit of this backward: snapshot the groups (the scheduler has
+            self._hyper = {id(m): {k: v for k, v in g.items() if k != "params"}   # already moved to this step)
+                           for g in self.optimizer.param_groups for m in g["params"]}
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._main, daemon=True, name="fsdpzero-offload-speculate")
+            self._thread.start()
+        for c in chunks:   # which entries have grads, read now: zero_grad() may drop them before the worker runs
+            self._queue.put((c, [e for e in c.entries if e.param.grad is not None]))
+
+    def end_of_backward(self) -> None:
+        if self._queue is not None:
+            self._queue.put(None)
+
+    @torch.no_grad()   # grad mode is per thread
+    def _main(self) -> None:
+        from fsdpzero.ops import cpu_adam
+        try:
+            if self.device is not None:
+                torch.cuda.set_device(self.device)
+            torch.set_num_threads(max(1, self.threads - 1))   # one core stays with the thread running backward
+            sumsq = 0.0
+            while (job := self._queue.get()) is not None:
+                chunk, items = job
+                if self._cancel.is_set() or self._stopped:
+                    continue
+                if chunk.d2h_done is not None:
+                    chunk.d2h_done.synchronize()
+                if self.bound is not None:
+                    sumsq += sum(cpu_adam.grad_sumsq(e.grad_buf) for e in items)
+                    if sumsq > self.bound * (1 + 1e-3):   # margin: this sum and the engine's round differently
+                        self._stopped = True
+                        continue
+                for e in items:
+                    self.optimizer.step_param(e.master, e.grad_buf, out=self.shadow[id(e.master)][3],
+                                              hyper=self._hyper[id(e.master)], into=self.shadow[id(e.master)][:3])
+                self._done[id(chunk)] = (frozenset(e.name for e in items),
+                                         {id(e.master): self._hyper[id(e.master)] for e in items})
+        except BaseException as err:   # reported by collect(); the step then runs without speculation
+            self._error = err
+
+    # -- at the step ---------------------------------------------------------------------------------------------
+    def drain(self) -> None:
+        """Wait until every submitted chunk has been speculated (after end_of_backward; tests use it to make the
+        outcome independent of timing)."""
+        if self._thread is not None:
+            self._thread.join()
+
+    def claim(self, commit: bool) -> None:
+        """(Main thread, in step()) the step will use this speculation: commit it if `commit`, else drop it.
+        Either way the worker takes no further chunk: once the factor is known, the step itself steps what is
+        left, in place and in forward order, so the next forward's first units are ready first (the worker
+        goes in the order the grads landed, the reverse)."""
+        self._claimed, self._commit = True, commit
+        self._cancel.set()
+
+    def collect(self, hyper_now: dict[int, dict]) -> dict[int, frozenset]:
+        """Wait for the worker; per chunk id, the names of the entries whose speculative step is to be committed
+        (their hyperparameters unchanged since backward). Empty when dropped."""
+        if self._thread is None:
+            self.last = None
+            return {}
+        self.end_of_backward()   # normally queued already by finish_gradients; a second end marker is harmless
+        self._thread.join()
+        commit, done, err, stopped = self._commit and self._error is None, self._done, self._error, self._stopped
+        self._reset()
+        if err is not None:
+            log.warning("offload: the speculative CPU step failed (%r); stepping without it", err)
+        if stopped:
+            self.stats["stopped_early"] += 1
+        if not commit:
+            self.stats["dropped"] += 1
+            self.last = "dropped"
+            return {}
+        self.stats["committed"] += 1
+        self.last = "committed"
+        return {k: names for k, (names, hyper) in done.items()
+                if all(hyper_now.get(m) == h for m, h in hyper.items())}
+
+    @torch.no_grad()
+    def commit(self, entry) -> None:
+        """The entry's speculative step becomes its state: live <-> shadow (master, moments, out buffer)."""
+        state = self.optimizer._state(entry.master)
+        shadow = self.shadow[id(entry.master)]
+        for live, spec in zip((entry.master, state["exp_avg"], state["exp_avg_sq"], entry.out_buf), shadow):
+            _swap_storage(live, spec)
+        state["step"] += 1
+        self.stats["entries_committed"] += 1
+
+    def discard(self) -> None:
+        """No step will use this backward's speculation (skipped step, zero_grad, a load): stop and forget it."""
+        if self._thread is not None and not self._claimed:
+            self._cancel.set()
+            self.end_of_backward()
+            self._thread.join()
+            self._reset()
+            self.stats["dropped"] += 1
+            self.last = "dropped"
