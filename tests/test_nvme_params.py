@@ -222,8 +222,11 @@ def test_param_nvme_on_gpu_equals_param_cpu(tmp_path, opt_device, one_rank_nccl)
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     from fsdpzero import offload
     from tests.test_offload import HYPER, Net, gpu_path_losses
+    import gc
     runs = []
     for param_device in ("cpu", "nvme"):
+        gc.collect()   # the pinned memory of the previous run's model is gone: `base` counts only what others hold
+        base = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
         torch.manual_seed(0)
         model = Net(d=256, n=4).cuda()
         mesh = init_device_mesh("cuda", (1,))
@@ -237,8 +240,8 @@ def test_param_nvme_on_gpu_equals_param_cpu(tmp_path, opt_device, one_rank_nccl)
         if param_device == "nvme":
             units = path.param_swapper.units
             assert not any(fp._sharded_param_data.is_pinned() for u in units for fp in u.shards if u.resident)
-            held = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
-            assert held < sum(sum(u.nbytes) for u in units), held
+            held = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) - base
+            assert held < sum(sum(u.nbytes) for u in units), (held, base)
             model.load_state_dict(model.state_dict())   # FSDP2's post-load hook must not re-pin into a copy
             for u in units:
                 for fp in u.shards:
@@ -251,6 +254,7 @@ def test_param_nvme_on_gpu_equals_param_cpu(tmp_path, opt_device, one_rank_nccl)
         torch.cuda.synchronize()
         path.close()
         runs.append((losses, {n: p.full_tensor().float().cpu() for n, p in model.named_parameters()}))
+        del path, model, some_unit_evicted
     assert runs[0][0] == runs[1][0]
     for n, v in runs[0][1].items():
         assert torch.equal(v, runs[1][1][n]), n
