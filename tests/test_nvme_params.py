@@ -241,8 +241,15 @@ def test_param_nvme_on_gpu_equals_param_cpu(tmp_path, opt_device, one_rank_nccl)
             units = path.param_swapper.units
             assert not any(fp._sharded_param_data.is_pinned() for u in units for fp in u.shards if u.resident)
             held = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) - base
-            assert held < sum(sum(u.nbytes) for u in units), (held, base)
-            model.load_state_dict(model.state_dict())   # FSDP2's post-load hook must not re-pin into a copy
+            # with the optimizer on the CPU the fp32 masters are FSDP2's original shards, pinned here by the test's
+            # CPUOffloadPolicy and alive as masters (8.4 MB held for 3.2 MB of shards on H200): the pinned-bytes
+            # check holds only where nothing else pinned stays, i.e. with the optimizer on NVMe
+            if not any(e.master.is_pinned() for e in path.entries):
+                assert held < sum(sum(u.nbytes) for u in units), (held, base)
+        # FSDP2's post-load hook must not re-pin into a copy (checked below); the load also refreshes the masters
+        # from the bf16 shards, so both runs load, or their masters would differ
+        model.load_state_dict(model.state_dict())
+        if param_device == "nvme":
             for u in units:
                 for fp in u.shards:
                     assert fp.sharded_param._local_tensor.untyped_storage()._cdata == \
