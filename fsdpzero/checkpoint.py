@@ -9,9 +9,10 @@
         fsdpzero_complete.json        the manifest, written last: files and sizes
 
 Crash safety: ranks write into <save_dir>/.tmp-<tag>/, rank 0 fsyncs, writes the manifest, renames the directory to
-<tag>, and only then replaces `latest` (write a temp file, fsync, rename). A crash at any point leaves `latest`
-naming the previous complete checkpoint. Nothing is pickled: tensors go to DCP, everything else to JSON (DCP would
-pickle non-tensor values and read them back with weights_only=False).
+<tag>, and only then replaces `latest` (write a temp file, fsync, rename); fsdpzero.checkpoint_files does that part.
+A crash at any point leaves `latest` naming the previous complete checkpoint. Nothing is pickled: tensors go to DCP,
+everything else to JSON (DCP would pickle non-tensor values and read them back with weights_only=False).
+This module is the flow: the state split into DCP tensors and JSON, saved (sync or async), loaded and resharded.
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ import json
 import os
 import random
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,9 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-MANIFEST = "fsdpzero_complete.json"
-FORMAT = "fsdpzero-dcp-1"
+# MANIFEST, checkpoint_problems and resolve_tag are imported from here too (engine_checkpoint, convert, tests)
+from fsdpzero.checkpoint_files import MANIFEST, checkpoint_problems, crash_point, finalize_checkpoint, resolve_tag
+
 _SEP = "/"  # joins nested keys; FQNs contain dots, never slashes
 _pending: "PendingSave | None" = None
 _pending_registered = False
@@ -67,12 +68,6 @@ def _rank() -> int:
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _crash_point(name: str) -> None:
-    """Fault injection for the crash-safety tests: FSDPZERO_CKPT_CRASH_AT=<name> kills the process here."""
-    if os.environ.get("FSDPZERO_CKPT_CRASH_AT") == name:
-        os._exit(17)
 
 
 # ---- nested state <-> (flat tensors for DCP, JSON for the rest) -------------------------------------------------
@@ -142,83 +137,9 @@ def _set_rng_state(st: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state_all(cuda[:torch.cuda.device_count()])
 
 
-# ---- files -----------------------------------------------------------------------------------------------------
+# ---- save -----------------------------------------------------------------------------------------------------
 
 WRITER_THREADS = int(os.environ.get("FSDPZERO_CKPT_WRITER_THREADS", "4"))
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_path(path.parent)
-
-
-def checkpoint_problems(path: str | Path) -> list[str]:
-    """What makes <path> not a complete fsdpzero checkpoint (empty list: complete)."""
-    path = Path(path)
-    if not path.is_dir():
-        return [f"{path} does not exist"]
-    if not (path / MANIFEST).is_file():
-        return [f"{path / MANIFEST} is missing: the save did not finish"]
-    manifest = json.loads((path / MANIFEST).read_text())
-    problems = []
-    for name, size in manifest["files"].items():
-        f = path / name
-        if not f.is_file():
-            problems.append(f"{f} is missing")
-        elif f.stat().st_size != size:
-            problems.append(f"{f} has {f.stat().st_size} bytes, the manifest says {size}")
-    return problems
-
-
-def _finalize(save_dir: Path, tag: str, tmp: Path, save_latest: bool, keep_last: int | None, world: int) -> None:
-    """Rank 0, after every rank's files are written: manifest, fsync, rename, `latest`, rotation."""
-    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-    for name in files:
-        _fsync_path(tmp / name)
-    manifest = {"format": FORMAT, "tag": tag, "world_size": world, "saved_at_ns": time.time_ns(), "files": files}
-    _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
-    _crash_point("before_rename")
-    final = save_dir / tag
-    if final.exists():  # re-saving a tag: move the old one aside first, so a crash leaves one of the two
-        old = save_dir / f".old-{tag}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, final)
-    _fsync_path(save_dir)
-    _crash_point("before_latest")
-    if save_latest:
-        _write_atomic(save_dir / "latest", tag)
-    if keep_last:
-        _rotate(save_dir, keep_last, protect={tag, _read_latest(save_dir)})
-
-
-def _read_latest(save_dir: Path) -> str | None:
-    latest = save_dir / "latest"
-    return latest.read_text().strip() if latest.is_file() else None
-
-
-def _rotate(save_dir: Path, keep_last: int, protect: set) -> None:
-    done = [p for p in save_dir.iterdir() if p.is_dir() and (p / MANIFEST).is_file()]
-    done.sort(key=lambda p: json.loads((p / MANIFEST).read_text())["saved_at_ns"])
-    for p in done[:max(0, len(done) - keep_last)]:
-        if p.name not in protect:
-            shutil.rmtree(p)
 
 
 class PendingSave:
@@ -280,14 +201,14 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
         dist.barrier()
     if save_rng:
         save_file(_rng_state(), tmp / f"rng_{rank}.safetensors")
-    _crash_point("before_data")
+    crash_point("before_data")
     # several writer threads per rank (a file each): one thread left a ~1B-model save disk-latency bound
     writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=WRITER_THREADS)
 
     def finish() -> Path:
-        _crash_point("mid_write")
+        crash_point("mid_write")
         if rank == 0:
-            _finalize(save_dir, tag, tmp, save_latest, keep_last, world)
+            finalize_checkpoint(save_dir, tag, tmp, save_latest, keep_last, world)
         return save_dir / tag
 
     if async_save:
@@ -304,20 +225,6 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
     path = finish()
     if distributed:
         dist.barrier()
-    return path
-
-
-def resolve_tag(load_dir: str | Path, tag: str | None = None) -> Path:
-    load_dir = Path(load_dir)
-    if tag is None:
-        tag = _read_latest(load_dir)
-        if tag is None:
-            raise FileNotFoundError(f"{load_dir / 'latest'} does not exist: nothing saved there yet, or pass tag=... "
-                                    f"(complete checkpoints: {sorted(p.parent.name for p in load_dir.glob('*/' + MANIFEST))})")
-    path = load_dir / str(tag)
-    aside = load_dir / f".old-{tag}"  # a crash while re-saving this tag left the previous copy here
-    if not path.exists() and aside.is_dir() and not checkpoint_problems(aside):
-        return aside
     return path
 
 
