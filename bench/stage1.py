@@ -16,7 +16,7 @@ Configs: ours_z1 (overlap_comm off: every reduce-scatter after backward), ours_z
 backward hooks, default 5e8-element buckets), ours_z1_overlap_b1e8 (1e8-element buckets: more overlap),
 ours_z1_fp32reduce, ours_z1_legacy / ours_z1_overlap_legacy (the stage-1 speed-ups of fsdpzero.stage1_path.KNOBS
 off: plain greedy buckets, a separate clip-scaling pass, no pipelined step, the all-gather finished inside step()),
-ours_z1_fwdag_off (only FSDPZERO_STAGE1_FORWARD_ALLGATHER=0: the all-gather finished inside step()), ours_z2 (fsdpzero stage 2 = FSDP2
+ours_z1_fwdag (FSDPZERO_STAGE1_FORWARD_ALLGATHER=1, opt-in: the all-gather finishes under the next forward), ours_z2 (fsdpzero stage 2 = FSDP2
 reshard_after_forward=False), ds_z1, ds_z2 (DeepSpeed,
 overlap_comm and contiguous_gradients on, as in device_anchors.md; skipped when deepspeed is not importable).
 --layers/--hidden/--vocab/--seq/--micro shrink the model; FSDPZERO_BENCH_CPU=1 runs on CPU/gloo (script check only).
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from common import config_main, run_configs  # noqa: E402  (bench/ is the script's folder)
 CONFIGS = ["ours_z1", "ours_z1_overlap", "ours_z1_overlap_b1e8", "ours_z1_fp32reduce", "ours_z2", "ds_z1", "ds_z2",
-           "ours_z3", "ds_z3", "ours_z1_legacy", "ours_z1_overlap_legacy", "ours_z1_fwdag_off"]   # z3: the same setup at stage 3, for the stage-3 ratio against DeepSpeed
+           "ours_z3", "ds_z3", "ours_z1_legacy", "ours_z1_overlap_legacy", "ours_z1_fwdag"]   # z3: the same setup at stage 3, for the stage-3 ratio against DeepSpeed
 DEVICE = "cuda" if os.environ.get("FSDPZERO_BENCH_CPU") != "1" else "cpu"
 
 
@@ -95,8 +95,8 @@ def run_one(args):
     if args.config.endswith("_legacy"):
         from fsdpzero.stage1_path import KNOBS
         os.environ.update({env: "0" for env in KNOBS.values()})
-    if args.config.endswith("_fwdag_off"):
-        os.environ["FSDPZERO_STAGE1_FORWARD_ALLGATHER"] = "0"
+    if args.config.endswith("_fwdag"):
+        os.environ["FSDPZERO_STAGE1_FORWARD_ALLGATHER"] = "1"
     t_setup = time.perf_counter()
     engine = make_engine(args, args.config)
     setup_s = time.perf_counter() - t_setup

@@ -22,16 +22,20 @@ _ELEMENTWISE = {"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam",
                 "AdamNoBiasCorrection", "CPUAdam", "DeepSpeedCPUAdam"}   # update of an element needs only that element
 
 
-# Speed-ups that are on by default; "0" turns one off (A/B runs: bench/stage1.py's *_legacy configs). All keep the
-# result within float rounding of the plain schedule (the stage-0 parity tests hold either way; see docs/stage1.md).
+# Speed-ups; "0" turns one off, "1" on (A/B runs: bench/stage1.py's *_legacy configs). All keep the result within
+# float rounding of the plain schedule (the stage-0 parity tests hold either way; see docs/stage1.md).
 KNOBS = {"ramp_buckets": "FSDPZERO_STAGE1_RAMP_BUCKETS",         # small first/last buckets: short exposed ends
          "fold_grad_scale": "FSDPZERO_STAGE1_FOLD_GRAD_SCALE",   # clip/unscale factor inside the fused step
          "pipeline_step": "FSDPZERO_STAGE1_PIPELINE_STEP",       # fused Adam bucket by bucket, under the all-gather
          "forward_allgather": "FSDPZERO_STAGE1_FORWARD_ALLGATHER"}  # the all-gather finishes under the next forward
+# Off unless asked for: after step() returns, parameters read directly (p.norm(), model.weight.clone(), a
+# DeepSpeed-oracle comparison) would be stale until the next forward or wait_for_params(); DeepSpeed's stage 1
+# returns with them updated. Worth ~1% on 2x H200 (BENCHMARKS.md).
+OFF_BY_DEFAULT = {"forward_allgather"}
 
 
 def knobs_from_env() -> dict[str, bool]:
-    return {key: os.environ.get(env, "1") != "0" for key, env in KNOBS.items()}
+    return {key: os.environ.get(env, "0" if key in OFF_BY_DEFAULT else "1") != "0" for key, env in KNOBS.items()}
 
 
 class Stage1GradPath:

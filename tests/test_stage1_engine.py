@@ -118,11 +118,12 @@ def _forward_allgather_rank(rank, world, enabled, save_dir):
 
 
 def test_forward_allgather_switch_is_bit_identical_and_saving_waits(tmp_path):
-    """The engine default (the all-gather finished by the next forward) against FSDPZERO_STAGE1_FORWARD_ALLGATHER=0:
-    the same losses and weights bit for bit; a checkpoint saved right after step() holds the updated weights."""
+    """FSDPZERO_STAGE1_FORWARD_ALLGATHER=1 (the all-gather finished by the next forward) against the default (=0,
+    finished inside step()): the same losses and weights bit for bit; a checkpoint saved right after step() holds
+    the updated weights."""
     on = run_distributed(_forward_allgather_rank, 2, True, str(tmp_path / "on"), timeout=300)
     off = run_distributed(_forward_allgather_rank, 2, False, str(tmp_path / "off"), timeout=300)
-    assert on[0]["in_flight"] > 0 and off[0]["in_flight"] == 0   # the default really defers
+    assert on[0]["in_flight"] > 0 and off[0]["in_flight"] == 0   # the switch really defers
     assert on[0]["losses"] == off[0]["losses"]
     assert _max_diff(on[0]["params"], off[0]["params"]) == 0.0 and _max_diff(on[1]["params"], on[0]["params"]) == 0
     for r in on + off:   # what the checkpoint saved right after step() is the final weights of the plain run
