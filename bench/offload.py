@@ -8,7 +8,7 @@ All configs in sequence, one table (each config is its own torchrun, so nothing 
     python bench/offload.py --all --nproc 2 --out out/offload
 Configs: fsdp_z2, fsdp_z3 (no offload); fsdp_z3_cpuoffload (CPUOffloadPolicy + CPU fused AdamW); ours_z2 (stage 2 +
 optimizer offload); ours_z3_both (stage 3 + optimizer and param offload); *_overlap (the CPU step overlaps the next
-forward); *_nospec (FSDPZERO_OFFLOAD_SPECULATE=0: no speculative CPU step during backward); *_noclip
+forward); *_spec (FSDPZERO_OFFLOAD_SPECULATE=1: the speculative CPU step during backward); *_noclip
 (gradient_clipping 0, both implementations); ours_z3_ratio_overlap / ds_z3_ratio (stage 3, offload_optimizer.ratio = FSDPZERO_BENCH_RATIO, default 0.5:
 the rest steps on the GPU); ds_z2_offload, ds_z3_offload_both (DeepSpeed, when importable). --layers/--hidden/--vocab/--seq/--micro shrink the model for a smoke run;
 FSDPZERO_BENCH_CPU=1 runs it on CPU/gloo (correctness of the script only).
@@ -28,9 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from common import config_main, run_configs  # noqa: E402  (bench/ is the script's folder)
-CONFIGS = ["fsdp_z2", "fsdp_z3", "fsdp_z3_cpuoffload", "ours_z2", "ours_z2_overlap", "ours_z2_overlap_nospec",
-           "ours_z2_overlap_noclip", "ours_z3_both", "ours_z3_both_overlap", "ours_z3_ratio_overlap", "ds_z2_offload",
-           "ds_z2_offload_noclip", "ds_z3_offload_both", "ds_z3_ratio"]
+CONFIGS = ["fsdp_z2", "fsdp_z3", "fsdp_z3_cpuoffload", "ours_z2", "ours_z2_overlap", "ours_z2_overlap_spec",
+           "ours_z2_overlap_noclip", "ours_z2_overlap_noclip_spec", "ours_z3_both", "ours_z3_both_overlap",
+           "ours_z3_ratio_overlap", "ds_z2_offload", "ds_z2_offload_noclip", "ds_z3_offload_both", "ds_z3_ratio"]
 RATIO = float(os.environ.get("FSDPZERO_BENCH_RATIO", "0.5"))   # *_ratio*: offload_optimizer.ratio (stage 3)
 DEVICE = "cuda" if os.environ.get("FSDPZERO_BENCH_CPU") != "1" else "cpu"   # CPU: smoke runs only
 HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -102,7 +102,7 @@ def ours_runner(args, name):
     """fsdpzero: the DeepSpeed config through fsdpzero.wrap (engine + offload gradient path)."""
     import fsdpzero
     os.environ["FSDPZERO_OFFLOAD_OVERLAP"] = "1" if "_overlap" in name else "0"
-    os.environ["FSDPZERO_OFFLOAD_SPECULATE"] = "0" if "nospec" in name else "1"
+    os.environ["FSDPZERO_OFFLOAD_SPECULATE"] = "1" if name.endswith("_spec") else "0"
     engine = fsdpzero.wrap(build_model(args), ds_config(args, name))
 
     def step(x):

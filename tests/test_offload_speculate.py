@@ -1,6 +1,6 @@
 """The speculative CPU step of the offload path (fsdpzero/offload_speculate.py) on 2 gloo ranks, staged through
 buffers as on a GPU. Speculation may only change *when* the CPU works, never a bit of the result: every run equals
-the same run with FSDPZERO_OFFLOAD_SPECULATE=0 exactly (losses and final params), across steps that commit (factor
+the same run without it (FSDPZERO_OFFLOAD_SPECULATE=0, the default) exactly (losses and final params), across steps that commit (factor
 1.0), steps that clip (dropped), a skipped step (backward, no step), an lr changed between backward and step, the
 early stop on the partial norm, and the overlapped step. The counters prove each branch ran."""
 import os
@@ -66,7 +66,7 @@ def _run(speculate, overlap, plan_clip, drain=True):
 
 
 def _scenario(rank, world, overlap, plan_clip):
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)   # the worker threads add their own OpenMP teams: keep 2 ranks within 2 cores
     return _run(False, overlap, plan_clip), _run(True, overlap, plan_clip), _run(True, overlap, plan_clip, False)
 
 
