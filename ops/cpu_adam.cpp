@@ -123,6 +123,12 @@ FZ_AVX512 inline void store_out16(void* o, int64_t i, __m512 x, bool stream) {
   }
 }
 
+// fp32 master/moment store; streaming when the step writes another buffer than it read (adam_step_into)
+FZ_AVX512 inline void store_state16(float* d, __m512 x, bool stream) {
+  if (stream) _mm512_stream_ps(d, x);
+  else _mm512_storeu_ps(d, x);
+}
+
 template <DT G, DT O>
 FZ_AVX512 void adam_avx512(const Bufs& b, const Hyper& h, int64_t lo, int64_t hi) {
   const __m512 keep = _mm512_set1_ps(h.keep), l2 = _mm512_set1_ps(h.l2), w1 = _mm512_set1_ps(h.w1);
@@ -143,15 +149,9 @@ FZ_AVX512 void adam_avx512(const Bufs& b, const Hyper& h, int64_t lo, int64_t hi
     __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(g, g), omb2, _mm512_mul_ps(_mm512_loadu_ps(b.vi + i), beta2));
     __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2s), eps);
     p = _mm512_fmadd_ps(neg_step, _mm512_div_ps(m, denom), p);
-    if (b.stream_state) {
-      _mm512_stream_ps(b.p + i, p);
-      _mm512_stream_ps(b.m + i, m);
-      _mm512_stream_ps(b.v + i, v);
-    } else {
-      _mm512_storeu_ps(b.p + i, p);
-      _mm512_storeu_ps(b.m + i, m);
-      _mm512_storeu_ps(b.v + i, v);
-    }
+    store_state16(b.p + i, p, b.stream_state);
+    store_state16(b.m + i, m, b.stream_state);
+    store_state16(b.v + i, v, b.stream_state);
     if (b.out) store_out16<O>(b.out, i, p, stream);
   }
   if (stream || b.stream_state) _mm_sfence();   // streaming stores are weakly ordered: visible before another
@@ -192,6 +192,11 @@ FZ_AVX2 inline void store_out8(void* o, int64_t i, __m256 x, bool stream) {
   }
 }
 
+FZ_AVX2 inline void store_state8(float* d, __m256 x, bool stream) {
+  if (stream) _mm256_stream_ps(d, x);
+  else _mm256_storeu_ps(d, x);
+}
+
 template <DT G, DT O>
 FZ_AVX2 void adam_avx2(const Bufs& b, const Hyper& h, int64_t lo, int64_t hi) {
   const __m256 keep = _mm256_set1_ps(h.keep), l2 = _mm256_set1_ps(h.l2), w1 = _mm256_set1_ps(h.w1);
@@ -212,15 +217,9 @@ FZ_AVX2 void adam_avx2(const Bufs& b, const Hyper& h, int64_t lo, int64_t hi) {
     __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(g, g), omb2, _mm256_mul_ps(_mm256_loadu_ps(b.vi + i), beta2));
     __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2s), eps);
     p = _mm256_fmadd_ps(neg_step, _mm256_div_ps(m, denom), p);
-    if (b.stream_state) {
-      _mm256_stream_ps(b.p + i, p);
-      _mm256_stream_ps(b.m + i, m);
-      _mm256_stream_ps(b.v + i, v);
-    } else {
-      _mm256_storeu_ps(b.p + i, p);
-      _mm256_storeu_ps(b.m + i, m);
-      _mm256_storeu_ps(b.v + i, v);
-    }
+    store_state8(b.p + i, p, b.stream_state);
+    store_state8(b.m + i, m, b.stream_state);
+    store_state8(b.v + i, v, b.stream_state);
     if (b.out) store_out8<O>(b.out, i, p, stream);
   }
   if (stream || b.stream_state) _mm_sfence();
