@@ -171,6 +171,37 @@ def test_ds_config_param_nvme_end_to_end(tmp_path):
     assert not (tmp_path / nvme.SWAP_ROOT).exists()
 
 
+def _hpz_run(rank, world, param_device, hpz, nvme_path):
+    from fsdpzero.api import wrap
+    from tests.engine_cases import batches, build_model, engine_losses, full_params
+    offload_param = {"device": param_device}
+    if param_device == "nvme":
+        offload_param.update(nvme_path=nvme_path, buffer_count=2, buffer_size=40_000, max_in_cpu=60_000)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 5e-4, "weight_decay": 0.01}},
+           "zero_optimization": {"stage": 3, "offload_param": offload_param, "zero_hpz_partition_size": hpz,
+                                 "stage3_param_persistence_threshold": 0, "offload_optimizer": {"device": "cpu"}}}
+    engine = wrap(build_model("gpt2"), cfg)
+    losses = engine_losses(engine, batches(3, 1, 2 * world), rank, world)
+    swapped = engine.grad_path.param_swapper is not None and \
+        any(not u.resident for u in engine.grad_path.param_swapper.units)
+    return losses, full_params(engine.module), swapped
+
+
+@pytest.mark.slow
+def test_hpz_with_param_nvme_equals_param_cpu(tmp_path):
+    """ZeRO++ hpZ (zero_hpz_partition_size 2: FSDP2 keeps a 1/2 copy after forward) with offload_param nvme on 4 gloo
+    ranks: the same losses and params as offload_param cpu with hpZ, and as plain stage 3, bit for bit."""
+    plain = run_distributed(_hpz_run, 4, "cpu", 1, str(tmp_path), timeout=300)
+    cpu = run_distributed(_hpz_run, 4, "cpu", 2, str(tmp_path), timeout=300)
+    ours = run_distributed(_hpz_run, 4, "nvme", 2, str(tmp_path), timeout=300)
+    assert ours[0][2], "no unit was ever evicted: the test would not exercise the swapper"
+    for (l_plain, p_plain, _), (l_cpu, p_cpu, _), (l_nvme, p_nvme, _) in zip(plain, cpu, ours):
+        assert l_plain == l_cpu == l_nvme
+        for k, v in p_plain.items():
+            assert torch.equal(v, p_cpu[k]) and torch.equal(v, p_nvme[k]), k
+
+
 # ------------------------------------------------------------------------------------------ bad settings
 
 def _swapper_errors(rank, world, nvme_path):
