@@ -87,8 +87,8 @@ class Speculator:
                                           torch.empty_like(e.master),
                                           torch.empty_like(e.out_buf, pin_memory=e.out_buf.is_pinned()))
                            for e in entries}
-        # steps committed / dropped / whose speculation stopped on the partial norm; entries committed; chunks that
-        # were stepped in place although the step committed (no speculative result for them, e.g. no grad then)
+        # steps committed / dropped / whose speculation stopped on the partial norm; entries committed; chunks of
+        # committed steps that the worker had not reached when the factor came (stepped in place by the step)
         self.stats = {"committed": 0, "dropped": 0, "stopped_early": 0, "entries_committed": 0, "chunks_missed": 0}
         self.last = None             # this step's outcome: "committed", "dropped" or None (not speculated)
         self._reset()
