@@ -1,9 +1,11 @@
-"""The two places where the offload path reaches into an FSDP2 unit (torch's private _fully_shard state, kept here
+"""The places where the offload path reaches into an FSDP2 unit (torch's private _fully_shard state, kept here
 so the rest of the path reads only public API):
 
 - after_reduce(module, fn): fn(event) after the unit's post-backward has issued its reduce-scatter; `event` (None
   on CPU or when nothing was reduced) completes when the sharded grads hold their values. The offload path starts
   each unit's D2H there, during backward, instead of all of them after backward.
+- consumer_streams(module): the streams that read a unit's shards (compute and FSDP2's all-gather streams).
+- param_groups(module): the unit's FSDP param groups on any torch 2.11-2.14.
 - DroppableShards: a unit that keeps its params unsharded from forward to the end of backward (stage 2,
   reshard_after_forward=False) does not read its low-precision shards again before the next step, and the offload
   path keeps an exact copy of every shard in its pinned out buffer. So the device storage of those shards is freed
@@ -33,6 +35,15 @@ def param_groups(module: nn.Module) -> list:
         group = getattr(state, "_fsdp_param_group", None)
         groups = [group] if group is not None else []
     return list(groups)
+
+
+def consumer_streams(module: nn.Module | None) -> list:
+    """The compute stream and FSDP2's all-gather streams of the unit (its copy-in reads the shards on its own
+    streams): whatever fills a unit's shards must be waited for on all of them."""
+    state = module._get_fsdp_state() if module is not None and hasattr(module, "_get_fsdp_state") else None
+    ctx = getattr(state, "_comm_ctx", None)
+    return [torch.cuda.current_stream()] + [getattr(ctx, n) for n in (
+        "all_gather_copy_in_stream", "all_gather_stream") if hasattr(ctx, n)]
 
 
 def after_reduce(module: nn.Module, fn: Callable[[object], None]) -> bool:

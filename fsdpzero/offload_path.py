@@ -58,7 +58,8 @@ class OffloadGradPath:
         # write the old weights back; a following load_state_dict of the optimizer then restores exact fp32 masters
         model.register_load_state_dict_post_hook(lambda *_: self.refresh_masters())
         self.overlap = overlap and all(m is not None for m, _ in units)
-        # speculate_max_norm (gradient_clipping, 0 = off): step chunks during backward (fsdpzero.offload_speculate)
+        # speculate_max_norm (gradient_clipping; None: no speculation): step chunks during backward
+        # (fsdpzero.offload_speculate)
         self.spec = None
         if speculate_max_norm is not None and self.staged and self.cpu_chunks:
             from fsdpzero.offload_speculate import Speculator
@@ -119,20 +120,12 @@ class OffloadGradPath:
             self._dropped[u].allocate()
         done = offload_fsdp.restore_from([e for u in todo for e in self._unit_entries[u]], self.h2d)
         if done is not None:
-            for s in self._consumer_streams(module):
+            for s in offload_fsdp.consumer_streams(module):
                 s.wait_event(done)
 
     def _restore_all(self) -> None:
         if self._dropped:
             self._restore(list(self._dropped), None)
-
-    @staticmethod
-    def _consumer_streams(module):
-        """The compute stream and FSDP2's all-gather streams (the copy-in reads the shards on its own streams)."""
-        state = module._get_fsdp_state() if module is not None and hasattr(module, "_get_fsdp_state") else None
-        ctx = getattr(state, "_comm_ctx", None)
-        return [torch.cuda.current_stream()] + [getattr(ctx, n) for n in (
-            "all_gather_copy_in_stream", "all_gather_stream") if hasattr(ctx, n)]
 
     def _d2h_unit(self, chunks: list[_Chunk], event) -> None:
         """A unit's grads are reduced (post-backward): queue their D2H now, behind the reduce-scatter."""
@@ -174,7 +167,7 @@ class OffloadGradPath:
             if self._error is not None:
                 raise RuntimeError("fsdpzero offload: the CPU optimizer step failed") from self._error
             if self.h2d is not None:   # FSDP2's all-gather copy-in reads the shards on its own streams
-                streams = self._consumer_streams(module)
+                streams = offload_fsdp.consumer_streams(module)
                 before = torch.cuda.Event(enable_timing=True) if self.tl is not None else None
                 if before is not None:
                     before.record()
@@ -356,15 +349,10 @@ class OffloadGradPath:
                 c = tl.chunk(rec, k)
                 c.update(numel=sum(e.master.numel() for e, _ in items), d2h_wait_host=t1 - t0,
                          adam_start_host=t1 - rec["t0"])
-            if items and committed.get(id(chunk)) == frozenset(e.name for e, _ in items):
-                for e, _ in items:             # stepped during backward with this very factor (1.0)
-                    self.spec.commit(e)
-                items_to_step = []
-            else:
-                items_to_step = items
-                if items and self.spec is not None and self.spec.last == "committed":
-                    self.spec.stats["chunks_missed"] += 1
-            for e, grad in items_to_step:
+            speculated = bool(items) and committed.get(id(chunk)) == frozenset(e.name for e, _ in items)
+            for e, _ in items if speculated else ():
+                self.spec.commit(e)            # stepped during backward with this very factor (1.0)
+            for e, grad in () if speculated else items:
                 out = e.out_buf
                 if out is None and e.master is not _local(e.param):
                     out = _local(e.param)      # CPU-resident low-precision shard: written in place

@@ -87,9 +87,8 @@ class Speculator:
                                           torch.empty_like(e.master),
                                           torch.empty_like(e.out_buf, pin_memory=e.out_buf.is_pinned()))
                            for e in entries}
-        # steps committed / dropped / whose speculation stopped on the partial norm; entries committed; chunks of
-        # committed steps that the worker had not reached when the factor came (stepped in place by the step)
-        self.stats = {"committed": 0, "dropped": 0, "stopped_early": 0, "entries_committed": 0, "chunks_missed": 0}
+        # steps committed / dropped / whose speculation stopped on the partial norm; entries committed
+        self.stats = {"committed": 0, "dropped": 0, "stopped_early": 0, "entries_committed": 0}
         self.last = None             # this step's outcome: "committed", "dropped" or None (not speculated)
         self._reset()
 
@@ -110,6 +109,8 @@ class Speculator:
 
     # -- during backward -----------------------------------------------------------------------------------------
     def submit(self, chunks) -> None:
+        if not chunks:
+            return
         if self._thread is None:      # the first unit of this backward: snapshot the groups (the scheduler has
             self._hyper = {id(m): {k: v for k, v in g.items() if k != "params"}   # already moved to this step)
                            for g in self.optimizer.param_groups for m in g["params"]}
