@@ -267,25 +267,25 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
                       threads=threads, overlap=overlap,
                       drop_shards=not nvme and drop_shards_default(plan),
                       early_d2h=os.environ.get("FSDPZERO_OFFLOAD_EARLY_D2H", "1") == "1",
-                      **({} if nvme else {"speculate_max_norm": _speculate_max_norm(plan, entries, swap_params)}))
+                      speculate_max_norm=_speculate_max_norm(plan, entries, nvme or swap_params))
     if swap_params:
         path.param_swapper = _param_swapper(model, plan, entries)
     log.info("offload: %d params, %.1f M elements on this rank, %d chunks, %d CPU threads, staged=%s, pinned "
              "copy buffers=%s, "
              "overlap=%s, speculative step=%s, device-stepped chunks=%d (ratio %s)", len(entries),
              sum(e.master.numel() for e in entries) / 1e6, len(path.chunks), threads, stage, pin, path.overlap,
-             getattr(path, "spec", None) is not None, len(path.device_chunks), ratio)
+             path.spec is not None, len(path.device_chunks), ratio)
     return path
 
 
-def _speculate_max_norm(plan: Plan, entries, swap_params: bool) -> float | None:
+def _speculate_max_norm(plan: Plan, entries, nvme: bool) -> float | None:
     """gradient_clipping when the CPU step may run speculatively during backward (fsdpzero.offload_speculate),
-    else None: not with fp16 loss scaling (the grad factor is never 1.0), not with the param swapper (it owns the
-    shards' residency during the step), and only when the shadow buffers fit in host memory."""
+    else None: not with fp16 loss scaling (the grad factor is never 1.0), not with NVMe (the optimizer states and,
+    with offload_param nvme, the shards' residency belong to the swappers), and only when the shadow buffers fit in
+    host memory."""
     from fsdpzero import offload_speculate
     staged = [e for e in entries if e.grad_buf is not None and not e.on_device]
-    if not (offload_speculate.enabled_by_env() and staged and plan.precision.loss_scale is None
-            and not swap_params):
+    if not (offload_speculate.enabled_by_env() and staged and plan.precision.loss_scale is None and not nvme):
         return None
     if not offload_speculate.fits_in_host(staged, int(os.environ.get("LOCAL_WORLD_SIZE", 1))):
         return None
