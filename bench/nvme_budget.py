@@ -207,11 +207,20 @@ def worker(args) -> None:
     mem["setup"] = proc_status()
     pinned_setup = pinned_gib()
     batches = common.fixed_batches(p, rank, 1, device)
+    if rank == 0:   # progress lines: a run cut off by --run-timeout still says how far it got
+        print(f"[rank 0] setup done {time.perf_counter() - common.START:.1f} s after launch, "
+              f"VmHWM {mem['setup']['VmHWM']:.2f} GiB", flush=True)
+    done = [0]
 
     def step():
+        t0 = time.perf_counter()
         loss = engine(input_ids=batches[0], labels=batches[0]).loss
         engine.backward(loss)
         engine.step()
+        done[0] += 1
+        if rank == 0:
+            print(f"[rank 0] step {done[0]} done in {time.perf_counter() - t0:.1f} s, VmHWM "
+                  f"{proc_status()['VmHWM']:.2f} GiB", flush=True)
         return loss.detach()
     timing = common.timed_loop(step, args.warmup, args.steps, device)
     mem["end"] = proc_status()
