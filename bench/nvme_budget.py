@@ -68,7 +68,7 @@ def ds_config(args, p: dict, variant: str, nvme_path: str) -> dict:
     block = 2 * h * h + 2 * h * kv + 3 * h * p["intermediate_size"] + 2 * h
     zero = {"stage": 3, "sub_group_size": int(args.sub_group_size), "stage3_prefetch_bucket_size": block,
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "pin_memory": not common.CPU,
-                                  "buffer_count": 4, "pipeline_read": True, "pipeline_write": True}}
+                                  "buffer_count": 4, "pipeline_read": args.pipeline, "pipeline_write": args.pipeline}}
     if variant == "nvme":
         zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": not common.CPU,
                                  "buffer_count": 5, "buffer_size": int(args.param_buffer_size),
@@ -79,6 +79,14 @@ def ds_config(args, p: dict, variant: str, nvme_path: str) -> dict:
             "optimizer": {"type": "AdamW", "params": {"lr": common.LR, "betas": list(common.BETAS),
                                                       "eps": common.EPS, "weight_decay": common.WD}},
             "zero_optimization": zero}
+
+
+def merge(dst: dict, src: dict) -> None:
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            merge(dst[k], v)
+        else:
+            dst[k] = v
 
 
 # ---------------------------------------------------------------- deterministic weights, computable per row range
@@ -176,6 +184,8 @@ def worker(args) -> None:
     import torch.distributed as dist
     p = shape(args)
     cfg = ds_config(args, p, args.variant, args.run_dir)
+    if args.impl == "deepspeed" and args.ds_zero_override:   # what DeepSpeed needs to run at all (see --help)
+        merge(cfg["zero_optimization"], json.loads(args.ds_zero_override))
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cpu") if common.CPU else torch.device("cuda", local)
     if device.type == "cuda":
@@ -301,6 +311,8 @@ def launch(impl: str, variant: str, args, out: Path) -> dict:
     cmd += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
             ("preset", "layers", "hidden", "vocab", "seq", "micro", "steps", "warmup", "budget_gib",
              "sub_group_size", "param_buffer_size", "max_in_cpu")]
+    cmd += [] if args.pipeline else ["--no-pipeline"]
+    cmd += [f"--ds-zero-override={args.ds_zero_override}"] if args.ds_zero_override else []
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     if common.CPU:
         env["DS_ACCELERATOR"] = "cpu"
@@ -395,6 +407,12 @@ def main() -> None:
                     help="zero_optimization.sub_group_size: the NVMe optimizer's 4 buffers hold 4 x 12 B x this")
     ap.add_argument("--param-buffer-size", type=float, default=1e8, help="offload_param.buffer_size")
     ap.add_argument("--max-in-cpu", type=float, default=2e8, help="offload_param.max_in_cpu")
+    ap.add_argument("--no-pipeline", dest="pipeline", action="store_false",
+                    help="offload_optimizer.pipeline_read/_write false (DeepSpeed's default; fsdpzero always overlaps)")
+    ap.add_argument("--ds-zero-override", default="",
+                    help="JSON merged into DeepSpeed's zero_optimization only, e.g. a larger offload_param buffer pool: "
+                         "DeepSpeed 0.19.8 asserts 'Not enough swap in buffers' on step 2 with buffer_count 5 "
+                         "(deepspeedai/DeepSpeed#3062); recorded in the row")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--out", default="out/nvme_budget")
     ap.add_argument("--enforce", choices=["auto", "check"], default="auto",

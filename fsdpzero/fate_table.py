@@ -131,8 +131,10 @@ FATES: dict[str, tuple[str, str]] = {
     # ---- offload
     _OP + "device": (M, "OffloadPlan.param_device"),
     _OP + "nvme_path": (M, "OffloadPlan.param_nvme_path: the parameter swap file (fsdpzero.nvme_params)"),
-    _OP + "buffer_count": (M, "OffloadPlan.param_buffer_count: most FSDP units' shards in CPU memory at once"),
-    _OP + "buffer_size": (M, "OffloadPlan.param_buffer_size: elements of the largest FSDP unit's shard allowed"),
+    _OP + "buffer_count": (A, "OffloadPlan.param_buffer_count: counts FSDP units (a block's shards) in CPU memory "
+                              "at once, where DeepSpeed counts one buffer per parameter tensor"),
+    _OP + "buffer_size": (A, "OffloadPlan.param_buffer_size: bounds the largest FSDP unit's shard, where DeepSpeed "
+                             "bounds the largest parameter tensor's partition"),
     _OP + "max_in_cpu": (M, "OffloadPlan.max_in_cpu: most shard elements in CPU memory at once (swapper bound)"),
     _OP + "pin_memory": (M, "OffloadPlan.pin_memory: CPUOffloadPolicy(pin_memory=...) (not pinned without a GPU)"),
     _OO + "device": (M, "OffloadPlan.optimizer_device"),
