@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 # MANIFEST, checkpoint_problems and resolve_tag are imported from here too (engine_checkpoint, convert, tests)
 from fsdpzero.checkpoint_files import MANIFEST, checkpoint_problems, crash_point, finalize_checkpoint, resolve_tag
+from fsdpzero.checkpoint_stream import StreamingLoadPlanner, StreamingSavePlanner, materialize, streamed_state
 
 _SEP = "/"  # joins nested keys; FQNs contain dots, never slashes
 _pending: "PendingSave | None" = None
@@ -190,6 +191,10 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     tensors: dict[str, torch.Tensor] = {}
     rest = _split(_materialize(state), "state", tensors, "state")
+    streamed = {k: s for k, t in tensors.items() if (s := streamed_state(t)) is not None}   # NVMe states
+    if async_save:   # staged up front anyway: read them now
+        tensors.update({k: materialize(tensors[k]) for k in streamed})
+        streamed = {}
     client_json = json.dumps(_split(client_state or {}, "client", {}, "client_state"))  # no tensors allowed there
     if rank == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
@@ -221,11 +226,23 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
             _pending_registered = True
         _pending = PendingSave(future, finish)
         return _pending
-    dcp.save(tensors, storage_writer=writer, no_dist=not distributed)
+    planner = StreamingSavePlanner(streamed) if streamed else None
+    dcp.save(tensors, storage_writer=writer, planner=planner, no_dist=not distributed)
+    if planner is not None:
+        _log_streamed("saved", planner)
     path = finish()
     if distributed:
         dist.barrier()
     return path
+
+
+def _log_streamed(what: str, planner) -> None:
+    import logging
+    b = planner.bytes
+    if _rank() == 0:
+        logging.getLogger("fsdpzero").info("checkpoint: %s %.2f GiB of on-disk optimizer state streamed, at most "
+                                           "%.1f MiB of it in memory at once (rank 0)", what, b.total / 2**30,
+                                           b.peak / 2**20)
 
 
 # ---- loading across layouts ------------------------------------------------------------------------------------
@@ -253,7 +270,10 @@ def _copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
     cuts it (torch.chunk along each sharded dim, mesh dim by mesh dim), with no communication."""
     full = full.reshape(target.shape)
     if not hasattr(target, "to_local"):
-        target.copy_(full)
+        if streamed_state(target) is not None:
+            streamed_state(target).write(full.to(streamed_state(target).dtype).contiguous())
+        else:
+            target.copy_(full)
         return
     piece, coord = full, target.device_mesh.get_coordinate()
     for mesh_dim, placement in enumerate(target.placements):
@@ -263,11 +283,15 @@ def _copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
             piece = chunks[coord[mesh_dim]] if coord[mesh_dim] < len(chunks) else piece.narrow(dim, 0, 0)
         elif not placement.is_replicate():
             raise NotImplementedError(f"loading a checkpoint entry into a DTensor placed {target.placements}")
-    local = target.to_local()
+    s = streamed_state(target)
+    local = torch.empty(s.local_shape, device="meta") if s is not None else target.to_local()
     if piece.shape != local.shape:
         raise RuntimeError(f"checkpoint entry of shape {tuple(full.shape)}: this rank's piece is {tuple(piece.shape)}, "
                            f"its live shard {tuple(local.shape)}")
-    local.copy_(piece)
+    if s is not None:
+        s.write(piece.to(s.dtype).contiguous())
+    else:
+        local.copy_(piece)
 
 
 def load_checkpoint(load_dir: str | Path, tag: str | None = None, state: dict | None = None, *,
@@ -290,7 +314,12 @@ def load_checkpoint(load_dir: str | Path, tag: str | None = None, state: dict | 
     template: dict[str, torch.Tensor] = {}
     _split({k: live[k] for k in state}, "state", template, "state")
     relaid = _full_where_layout_differs(template, path)
-    dcp.load(template, checkpoint_id=path)
+    streamed = {k: s for k, t in template.items() if (s := streamed_state(t)) is not None}   # NVMe states
+    planner = StreamingLoadPlanner(streamed) if streamed else None
+    dcp.load(template, checkpoint_id=path, planner=planner)
+    if planner is not None:
+        planner.finish()
+        _log_streamed("loaded", planner)
     for key, target in relaid.items():
         _copy_full_into(target, template[key])
         template[key] = target

@@ -42,7 +42,9 @@ class EngineState(Stateful):
         sd = {"model": get_model_state_dict(self.engine.module)}
         if not self.with_optimizer:
             return sd
-        sd["optim"] = optim = self.engine.grad_path.state_dict()
+        path = self.engine.grad_path   # NVMe states stream through DCP instead of being read into memory here
+        sd["optim"] = optim = path.state_dict(streaming=True) if getattr(path, "streams_checkpoints", False) \
+            else path.state_dict()
         self._live_groups, self._crossed = optim.get("param_groups", []), None
         state = optim.get("state", {})
         live_masters = any("master" in entry for entry in state.values())

@@ -20,6 +20,7 @@ removed on close/exit, cleaned after a kill; never a checkpoint). Checkpoints go
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -78,6 +79,7 @@ class NVMeAdam(torch.optim.Optimizer):
         self.impl = impl
         self.before_update = None   # callback(param) before a slice is stepped (offload_param nvme swaps it in)
         self._ring_pos, self._writes, self._prefetched = 0, [], []    # the swap pipeline, across steps
+        self._io_lock = threading.Lock()       # DCP's writer threads read states concurrently
         self._groups = self._plan_sub_groups(int(sub_group_size))
         self.swap_bytes = sum(g.numel for g in self._groups) * 4
         self.swap_dir = SwapDir(nvme_path, rank)                       # may raise: before any state is written
@@ -275,6 +277,42 @@ class NVMeAdam(torch.optim.Optimizer):
             for p in filled:
                 for k in ("master", "exp_avg", "exp_avg_sq"):
                     self.state[p].pop(k, None)
+
+    # -- one parameter's state at a time (streamed checkpoints, fsdpzero.checkpoint_stream)
+    def _segment_io(self, p, key: str, fill=None) -> torch.Tensor | None:
+        """Read (fill None) or write (fill: p's local numel of fp32) p's `key` segments, slice by slice, through an
+        aligned bounce buffer; the pipeline is drained first, so no ring buffer holds an older copy."""
+        with self._io_lock:
+            self._drain()
+            out = torch.empty(_local(p).shape, dtype=torch.float32) if fill is None else None
+            for g in self._groups:
+                for sl in g.slices:
+                    if sl[0] is not p:
+                        continue
+                    _, _, start, stop, at = sl
+                    n, step = stop - start, _padded(stop - start)
+                    offset = g.file_offset + (at + _segments(p).index(key) * step) * 4
+                    bounce = aligned_empty(step, torch.float32)
+                    if fill is None:
+                        self._reader.pread(bounce, self._file, offset).wait()
+                        out.view(-1)[start:stop].copy_(bounce[:n])
+                    else:
+                        bounce[n:].zero_()
+                        bounce[:n].copy_(fill.reshape(-1)[start:stop])
+                        self._writer.pwrite(bounce, self._file, offset).wait()
+            return out
+
+    def read_state(self, p, key: str) -> torch.Tensor:
+        """p's fp32 `key` ("master", "exp_avg" or "exp_avg_sq"), a new tensor shaped like p's local shard."""
+        if key not in _segments(p):
+            return _local(p).detach().float().clone()         # an fp32 param is its own master
+        return self._segment_io(p, key)
+
+    def write_state(self, p, key: str, value: torch.Tensor) -> None:
+        if key not in _segments(p):
+            _local(p).copy_(value.view(_local(p).shape))
+        else:
+            self._segment_io(p, key, value.to(torch.float32))
 
     def load_state_dict(self, state_dict):
         """Loads hyperparameters and steps, and writes the moments (and masters) to the swap file, in fp32."""

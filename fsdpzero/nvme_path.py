@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from fsdpzero.checkpoint_stream import streamed, streamed_state
+from fsdpzero.nvme import _segments
 from fsdpzero.offload_chunks import _like, _local, _on
 from fsdpzero.offload_path import OffloadGradPath
 
@@ -42,25 +44,36 @@ class NVMeGradPath(OffloadGradPath):
     @torch.no_grad()
     def refresh_masters(self) -> None:
         super().refresh_masters()              # stand-ins <- the model's shards
-        self.optimizer.write_masters()         # and on to the fp32 masters on disk
+        if not self._streamed_masters:         # a streamed load already wrote the exact fp32 masters
+            self.optimizer.write_masters()     # and on to the fp32 masters on disk
 
     def _order(self):
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         by_stand_in = {id(e.master): e for e in self.entries}
         return params, [by_stand_in[id(p)] for p in params]
 
-    def state_dict(self) -> dict:
+    streams_checkpoints = True      # state_dict(streaming=True): fsdpzero.checkpoint reads it tensor by tensor
+    _streamed_masters = False       # a streamed load wrote the disk masters: refresh_masters must keep them
+
+    def state_dict(self, streaming: bool = False) -> dict:
+        """streaming: the on-disk states as fsdpzero.checkpoint_stream entries (meta tensors read or written one
+        at a time by DCP), not read into memory here."""
         self._join()
         self._params_resident()
-        saved = self.optimizer.state_dict()              # read back from disk, fp32
+        saved = None if streaming else self.optimizer.state_dict()      # read back from disk, fp32
         params, entries = self._order()
         state = {}
         for i, (p, e) in enumerate(zip(params, entries)):
-            st = saved["state"].get(i, {})
+            if streaming:
+                st = {"step": self.optimizer.state[p].get("step", torch.tensor(0.0))} if p in self.optimizer.state \
+                    else {}
+                st.update({k: self._streamed(p, e, k) for k in _segments(p)})
+            else:
+                st = saved["state"].get(i, {})
             tensors = {k: st[k] for k in ("exp_avg", "exp_avg_sq") if k in st}
             tensors["master"] = st.get("master", p)     # an fp32 stand-in is its own master
             state[e.name] = {"step": st.get("step", torch.tensor(0.0)),
-                             **{k: _like(e.param, v) for k, v in tensors.items()}}
+                             **{k: v if streamed_state(v) else _like(e.param, v) for k, v in tensors.items()}}
         groups, at = [], 0
         for g in self.optimizer.param_groups:
             groups.append({**{k: v for k, v in g.items() if k != "params"},
@@ -68,10 +81,49 @@ class NVMeGradPath(OffloadGradPath):
             at += len(g["params"])
         return {"state": state, "param_groups": groups}
 
+    def _streamed(self, p, e, key: str):
+        opt = self.optimizer
+
+        def write(value: torch.Tensor) -> None:
+            opt.write_state(p, key, value)
+            if key == "master":
+                self._master_loaded(e, value)
+        return streamed(e.param, _local(p).shape, torch.float32, lambda: opt.read_state(p, key), write)
+
+    @torch.no_grad()
+    def _master_loaded(self, e, master: torch.Tensor) -> None:
+        self._params_resident(dirty=True)
+        self._streamed_masters = True
+        _local(e.param).copy_(master.view(_local(e.param).shape))   # the device copy follows the master
+
+    @torch.no_grad()
+    def _load_streamed(self, sd: dict) -> None:
+        """The states came in through DCP already (written to disk entry by entry); what is left: steps, the
+        hyperparameters, and any real tensor handed in instead (a master crossed over from model weights)."""
+        params, entries = self._order()
+        for p, e in zip(params, entries):
+            saved = sd["state"].get(e.name)
+            if saved is None:
+                continue
+            self.optimizer.state[p]["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).clone()
+            for k in _segments(p):
+                v = saved.get(k)
+                if v is None or _local(v).is_meta:           # streamed: on disk already
+                    continue
+                v = _local(v).float().reshape(_local(p).shape)
+                self.optimizer.write_state(p, k, v)
+                if k == "master":
+                    self._master_loaded(e, v)
+        for g, s in zip(self.optimizer.param_groups, sd["param_groups"]):
+            g.update({k: v for k, v in s.items() if k != "params"})
+        self._streamed_masters = False
+
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
         self._join()
         self._params_resident(dirty=True)
+        if any(_local(t).is_meta for st in sd["state"].values() for t in st.values() if isinstance(t, torch.Tensor)):
+            return self._load_streamed(sd)
         params, entries = self._order()
         state = {}
         for i, (p, e) in enumerate(zip(params, entries)):

@@ -1,0 +1,114 @@
+"""Checkpoints of NVMe-offloaded runs stream the on-disk optimizer state through DCP (fsdpzero.checkpoint_stream):
+at most a few tensors of it are in host memory at once, saving and loading, and the files are the same as the
+in-memory path's (a resharded load, then a save, gives back the same tensors)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from fsdpzero import checkpoint, nvme
+from tests.multirank import run_distributed
+
+
+def _cfg(nvme_path: str, streaming: bool = True) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+            "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 5e-4, "weight_decay": 0.01}},
+            "zero_optimization": {"stage": 3, "sub_group_size": 3000, "stage3_param_persistence_threshold": 0,
+                                  "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 3}},
+            "aio": {"block_size": 262144, "queue_depth": 4, "intra_op_parallelism": 1}}
+
+
+def _recording(monkeypatch_target, name, seen):
+    base = getattr(monkeypatch_target, name)
+
+    class Recording(base):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            seen.append(self)
+    setattr(monkeypatch_target, name, Recording)
+
+
+def _entry_bytes(engine) -> list[int]:
+    """Bytes of each on-disk state tensor of this rank: fp32, one per (param, segment)."""
+    opt = engine.grad_path.optimizer
+    return [4 * nvme._local(p).numel() for g in opt.param_groups for p in g["params"] for _ in nvme._segments(p)]
+
+
+def _run(rank, world, nvme_path, save_dir, mode):
+    from fsdpzero.api import wrap
+    from tests.engine_cases import batches, build_model, engine_losses
+    saves, loads = [], []
+    _recording(checkpoint, "StreamingSavePlanner", saves)
+    _recording(checkpoint, "StreamingLoadPlanner", loads)
+    data = batches(4, 1, 2 * world)
+    out = {}
+    if mode == "train":
+        engine = wrap(build_model("gpt2"), _cfg(nvme_path))
+        engine_losses(engine, data[:2], rank, world)
+        engine.save_checkpoint(save_dir, tag="a")
+        engine.save_checkpoint(save_dir, tag="c", async_save=True).result()   # staged up front: read eagerly
+        ref = engine.grad_path.state_dict()     # the in-memory path: every state read through NVMeAdam's pipeline
+        out["ref"] = {f"state/train/optim/state/{name}/{k}": v.full_tensor() for name, st in ref["state"].items()
+                      for k, v in st.items() if k != "step"}
+        out["after"] = engine_losses(engine, data[2:], rank, world)
+        resumed = wrap(build_model("gpt2", seed=7), _cfg(nvme_path))
+        resumed.load_checkpoint(save_dir, tag="a")
+        out["resumed"] = engine_losses(resumed, data[2:], rank, world)
+    else:   # "reshard": load the 2-rank checkpoint on `world` ranks, save it again untouched
+        resumed = engine = wrap(build_model("gpt2", seed=7), _cfg(nvme_path))
+        resumed.load_checkpoint(save_dir, tag="a")
+        resumed.save_checkpoint(save_dir, tag="b")
+    sizes = _entry_bytes(engine)
+    out["entries"] = (sum(sizes), max(sizes), len(sizes))
+    out["save"] = [(p.bytes.total, p.bytes.peak) for p in saves]
+    out["load"] = [(p.bytes.total, p.bytes.peak) for p in loads]
+    return out
+
+
+def _read_all(path: Path) -> dict:
+    """Every tensor of a DCP checkpoint, whole, in this process."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.items()
+          if isinstance(m, TensorStorageMetadata)}
+    dcp.load(sd, checkpoint_id=path, no_dist=True)
+    return sd
+
+
+@pytest.mark.slow
+def test_nvme_checkpoint_streams_and_reshards(tmp_path):
+    """2 gloo ranks, stage 3, bf16, optimizer on NVMe (fp32 masters and moments on disk):
+    - saving reads each rank's on-disk state (every master and moment) exactly once, with at most one tensor per
+      DCP writer thread in memory; loading onto the same world size holds at most the largest tensor;
+    - the saved states equal the in-memory path's (NVMeAdam.state_dict), and the resumed run continues bit for bit;
+    - a load of that checkpoint onto 1 rank (entries filled from 2 pieces each), saved again, holds the same
+      tensors as the original, bit for bit."""
+    nvme_path, save_dir = str(tmp_path / "swap"), str(tmp_path / "ck")
+    Path(nvme_path).mkdir()
+    runs = run_distributed(_run, 2, nvme_path, save_dir, "train", timeout=240)
+    for r in runs:
+        total, largest, count = r["entries"]
+        assert count > 20 and largest < total / 10
+        assert r["after"] == r["resumed"]
+        (s_total, s_peak), = r["save"]          # the async save does not stream
+        assert s_total == total and s_peak <= checkpoint.WRITER_THREADS * largest, (r["save"], r["entries"])
+        (l_total, l_peak), = r["load"]
+        assert l_total == total and l_peak <= largest, (r["load"], r["entries"])
+    one, = run_distributed(_run, 1, nvme_path, save_dir, "reshard", timeout=240)
+    assert one["load"][0][0] == one["entries"][0] == sum(r["entries"][0] for r in runs)
+    a, b = _read_all(Path(save_dir) / "a"), _read_all(Path(save_dir) / "b")
+    optim = [k for k in a if "/optim/state/" in k]
+    assert len(optim) > 60 and any(k.endswith("/master") for k in optim)
+    assert sorted(a) == sorted(b) and set(runs[0]["ref"]) == set(optim) - {k for k in optim if k.endswith("/step")}
+    for k, v in runs[0]["ref"].items():
+        assert torch.equal(v, a[k]), k
+    c = _read_all(Path(save_dir) / "c")
+    assert all(torch.equal(c[k], a[k]) for k in optim)
+    for k, v in a.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, b[k]), k
+    nvme.remove_stale_swap_dirs(nvme_path)
