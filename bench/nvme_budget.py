@@ -179,6 +179,26 @@ def disk_bytes(path: Path) -> int:
     return total
 
 
+def checkpoint_round_trip(engine, save_dir: Path, mem: dict) -> dict:
+    """engine.save_checkpoint then engine.load_checkpoint (DeepSpeed's signatures, both implementations), the peak
+    RSS of each measured alone: VmHWM is reset through /proc/self/clear_refs before each."""
+    import torch.distributed as dist
+    out = {}
+    for what in ("save", "load"):
+        Path("/proc/self/clear_refs").write_text("5")        # VmHWM := VmRSS
+        dist.barrier()
+        t0 = time.perf_counter()
+        if what == "save":
+            engine.save_checkpoint(str(save_dir), tag="bench")
+        else:
+            engine.load_checkpoint(str(save_dir), tag="bench")
+        dist.barrier()
+        mem[what] = proc_status()
+        out[f"{what}_s"] = time.perf_counter() - t0
+    out["checkpoint_disk_gib"] = disk_bytes(save_dir) / GIB
+    return out
+
+
 # ---------------------------------------------------------------- worker (one implementation, under torchrun)
 def worker(args) -> None:
     import torch.distributed as dist
@@ -236,12 +256,14 @@ def worker(args) -> None:
     mem["end"] = proc_status()
     swap = disk_bytes(Path(args.run_dir))
     mine = {"rank": rank, "mem": mem, "pinned_setup": pinned_setup, "pinned_end": pinned_gib()}
+    if args.checkpoint:   # save, then load back into the same engine; each with its own peak RSS
+        mine["checkpoint"] = checkpoint_round_trip(engine, Path(args.run_dir) / "checkpoint", mem)
     ranks = [None] * world
     dist.all_gather_object(ranks, mine)
     if rank == 0:
         n = n_params(p)
         budget = args.budget_gib
-        hwm = max(r["mem"]["end"]["VmHWM"] for r in ranks)
+        hwm = max(v["VmHWM"] for r in ranks for v in r["mem"].values())   # training, save and load
         hwm_setup = max(r["mem"]["setup"]["VmHWM"] for r in ranks)
         state = 12 * n / world / GIB
         r = {"impl": args.impl, "variant": args.variant, "world_size": world, "n_params": n,
@@ -312,6 +334,7 @@ def launch(impl: str, variant: str, args, out: Path) -> dict:
             ("preset", "layers", "hidden", "vocab", "seq", "micro", "steps", "warmup", "budget_gib",
              "sub_group_size", "param_buffer_size", "max_in_cpu")]
     cmd += [] if args.pipeline else ["--no-pipeline"]
+    cmd += ["--checkpoint"] if args.checkpoint else []
     cmd += [f"--ds-zero-override={args.ds_zero_override}"] if args.ds_zero_override else []
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     if common.CPU:
@@ -383,6 +406,13 @@ def table(rows: list[dict]) -> str:
                      f"{r['budget_gib']} | {r['max_vmhwm_after_setup_gib']:.2f} / {r['max_vmhwm_gib']:.2f} | "
                      f"{m0['end']['VmRSS']:.2f} | {pinned} | {r['swap_disk_gib_per_rank']:.2f} | {r['step_s']:.3f} | "
                      f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} |")
+    for r in rows:
+        if r.get("ranks") and "checkpoint" in r["ranks"][0]:
+            c, peak = r["ranks"][0]["checkpoint"], {w: max(x["mem"][w]["VmHWM"] for x in r["ranks"])
+                                                    for w in ("save", "load")}
+            lines.append(f"\n{r['variant']} {r['impl']} checkpoint ({c['checkpoint_disk_gib']:.2f} GiB on disk): "
+                         f"save {c['save_s']:.1f} s at peak RSS {peak['save']:.2f} GiB, load {c['load_s']:.1f} s at "
+                         f"peak RSS {peak['load']:.2f} GiB (max rank; budget {r['budget_gib']} GiB)")
     by = {(r["variant"], r["impl"]): r for r in rows}
     for variant in dict.fromkeys(r["variant"] for r in rows):
         a, b = by.get((variant, "fsdpzero")), by.get((variant, "deepspeed"))
@@ -413,6 +443,8 @@ def main() -> None:
                     help="JSON merged into DeepSpeed's zero_optimization only, e.g. a larger offload_param buffer pool: "
                          "DeepSpeed 0.19.8 asserts 'Not enough swap in buffers' on step 2 with buffer_count 5 "
                          "(deepspeedai/DeepSpeed#3062); recorded in the row")
+    ap.add_argument("--checkpoint", action="store_true",
+                    help="after the steps: save a checkpoint and load it back, peak RSS of each (under --nvme-path)")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--out", default="out/nvme_budget")
     ap.add_argument("--enforce", choices=["auto", "check"], default="auto",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch.distributed as dist
@@ -43,8 +44,8 @@ class EngineState(Stateful):
         if not self.with_optimizer:
             return sd
         path = self.engine.grad_path   # NVMe states stream through DCP instead of being read into memory here
-        sd["optim"] = optim = path.state_dict(streaming=True) if getattr(path, "streams_checkpoints", False) \
-            else path.state_dict()
+        stream = getattr(path, "streams_checkpoints", False) and os.environ.get("FSDPZERO_CKPT_STREAM", "1") != "0"
+        sd["optim"] = optim = path.state_dict(streaming=True) if stream else path.state_dict()
         self._live_groups, self._crossed = optim.get("param_groups", []), None
         state = optim.get("state", {})
         live_masters = any("master" in entry for entry in state.values())
