@@ -226,8 +226,15 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
             _pending_registered = True
         _pending = PendingSave(future, finish)
         return _pending
-    planner = StreamingSavePlanner(streamed) if streamed else None
-    dcp.save(tensors, storage_writer=writer, planner=planner, no_dist=not distributed)
+    planner = None
+    if streamed:   # the serial loader: one streamed tensor per writer thread at a time (checkpoint_stream)
+        planner = StreamingSavePlanner(streamed)
+        writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=WRITER_THREADS, per_thread_copy_ahead=0)
+    try:
+        dcp.save(tensors, storage_writer=writer, planner=planner, no_dist=not distributed)
+    finally:
+        if planner is not None:
+            planner.finish()
     if planner is not None:
         _log_streamed("saved", planner)
     path = finish()

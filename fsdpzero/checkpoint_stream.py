@@ -78,25 +78,41 @@ class _Peak:
 
 
 class StreamingSavePlanner(DefaultSavePlanner):
-    """DefaultSavePlanner that reads streamed entries when DCP's writer reaches them."""
+    """DefaultSavePlanner that reads streamed entries when DCP's writer reaches them.
+
+    DCP's FileSystemWriter keeps a reference to every tensor of a file until the file is closed, so dropping ours
+    would free nothing. Its serial loader (the writer must be built with per_thread_copy_ahead=0) writes an item
+    before it resolves the next one in that thread: the storage of the thread's previous streamed tensor is
+    released then, and the last ones by finish()."""
 
     def __init__(self, streamed_keys: dict[str, StreamedState]):
         super().__init__()
         self.streamed, self.bytes = streamed_keys, _Peak()
+        self._held: dict[int, torch.Tensor] = {}      # writer thread -> its streamed tensor being written
 
     def resolve_data(self, write_item: WriteItem):
         s = self.streamed.get(write_item.index.fqn)
         if s is None:
             return super().resolve_data(write_item)
+        self._release(threading.get_ident())
         t = s.read()
-        n = t.numel() * t.element_size()
-        self.bytes.add(n)
-        import weakref
-        weakref.finalize(t, self.bytes.sub, n)     # counted until the writer drops it
         want = math.prod(write_item.tensor_data.chunk.sizes)
         if t.numel() != want:
             raise RuntimeError(f"checkpoint entry {write_item.index.fqn}: read {t.numel()} elements, DCP plans {want}")
+        self.bytes.add(t.numel() * t.element_size())
+        self._held[threading.get_ident()] = t
         return t.view(s.local_shape)
+
+    def _release(self, thread: int) -> None:
+        t = self._held.pop(thread, None)
+        if t is not None:
+            self.bytes.sub(t.numel() * t.element_size())
+            t.untyped_storage().resize_(0)
+
+    def finish(self) -> None:
+        """After dcp.save: release what the writer threads still hold."""
+        for thread in list(self._held):
+            self._release(thread)
 
 
 class StreamingLoadPlanner(DefaultLoadPlanner):

@@ -45,11 +45,21 @@ def _run(rank, world, nvme_path, save_dir, mode):
     _recording(checkpoint, "StreamingSavePlanner", saves)
     _recording(checkpoint, "StreamingLoadPlanner", loads)
     data = batches(4, 1, 2 * world)
-    out = {}
+    out = {"held": [0]}
+    read_state, returned = nvme.NVMeAdam.read_state, []
+
+    def read_and_track(self, p, key):
+        # storage bytes of every state read so far that still holds its data (DCP keeps references to a file's
+        # tensors until the file is closed: only released storages do not count)
+        out["held"][0] = max(out["held"][0], sum(t.untyped_storage().nbytes() for t in returned))
+        returned.append(read_state(self, p, key))
+        return returned[-1]
+    nvme.NVMeAdam.read_state = read_and_track
     if mode == "train":
         engine = wrap(build_model("gpt2"), _cfg(nvme_path))
         engine_losses(engine, data[:2], rank, world)
         engine.save_checkpoint(save_dir, tag="a")
+        nvme.NVMeAdam.read_state = read_state                                  # measured: the streamed save
         engine.save_checkpoint(save_dir, tag="c", async_save=True).result()   # staged up front: read eagerly
         ref = engine.grad_path.state_dict()     # the in-memory path: every state read through NVMeAdam's pipeline
         out["ref"] = {f"state/train/optim/state/{name}/{k}": v.full_tensor() for name, st in ref["state"].items()
@@ -96,6 +106,7 @@ def test_nvme_checkpoint_streams_and_reshards(tmp_path):
         assert r["after"] == r["resumed"]
         (s_total, s_peak), = r["save"]          # the async save does not stream
         assert s_total == total and s_peak <= checkpoint.WRITER_THREADS * largest, (r["save"], r["entries"])
+        assert r["held"][0] <= checkpoint.WRITER_THREADS * largest, (r["held"], r["entries"])
         (l_total, l_peak), = r["load"]
         assert l_total == total and l_peak <= largest, (r["load"], r["entries"])
     one, = run_distributed(_run, 1, nvme_path, save_dir, "reshard", timeout=240)
