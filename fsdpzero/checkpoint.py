@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import random
 import shutil
@@ -244,7 +245,6 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
 
 
 def _log_streamed(what: str, planner) -> None:
-    import logging
     b = planner.bytes
     if _rank() == 0:
         logging.getLogger("fsdpzero").info("checkpoint: %s %.2f GiB of on-disk optimizer state streamed, at most "
@@ -275,10 +275,10 @@ def _full_where_layout_differs(template: dict[str, torch.Tensor], path: Path) ->
 def _copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
     """target <- full, reshaped to target's (global) shape; a DTensor takes only its own local piece, cut as DTensor
     cuts it (torch.chunk along each sharded dim, mesh dim by mesh dim), with no communication."""
-    full = full.reshape(target.shape)
+    full, s = full.reshape(target.shape), streamed_state(target)   # s: an NVMe state, written to its swap file
     if not hasattr(target, "to_local"):
-        if streamed_state(target) is not None:
-            streamed_state(target).write(full.to(streamed_state(target).dtype).contiguous())
+        if s is not None:
+            s.write(full.to(s.dtype).contiguous())
         else:
             target.copy_(full)
         return
@@ -290,7 +290,6 @@ def _copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
             piece = chunks[coord[mesh_dim]] if coord[mesh_dim] < len(chunks) else piece.narrow(dim, 0, 0)
         elif not placement.is_replicate():
             raise NotImplementedError(f"loading a checkpoint entry into a DTensor placed {target.placements}")
-    s = streamed_state(target)
     local = torch.empty(s.local_shape, device="meta") if s is not None else target.to_local()
     if piece.shape != local.shape:
         raise RuntimeError(f"checkpoint entry of shape {tuple(full.shape)}: this rank's piece is {tuple(piece.shape)}, "

@@ -303,16 +303,11 @@ class NVMeAdam(torch.optim.Optimizer):
             return out
 
     def read_state(self, p, key: str) -> torch.Tensor:
-        """p's fp32 `key` ("master", "exp_avg" or "exp_avg_sq"), a new tensor shaped like p's local shard."""
-        if key not in _segments(p):
-            return _local(p).detach().float().clone()         # an fp32 param is its own master
+        """p's fp32 `key` on disk (one of _segments(p)), a new tensor shaped like p's local shard."""
         return self._segment_io(p, key)
 
     def write_state(self, p, key: str, value: torch.Tensor) -> None:
-        if key not in _segments(p):
-            _local(p).copy_(value.view(_local(p).shape))
-        else:
-            self._segment_io(p, key, value.to(torch.float32))
+        self._segment_io(p, key, value.to(torch.float32))
 
     def load_state_dict(self, state_dict):
         """Loads hyperparameters and steps, and writes the moments (and masters) to the swap file, in fp32."""

@@ -60,14 +60,14 @@ class NVMeGradPath(OffloadGradPath):
         at a time by DCP), not read into memory here."""
         self._join()
         self._params_resident()
+        self._streamed_masters = False          # a load that failed half way must not keep refresh_masters off
         saved = None if streaming else self.optimizer.state_dict()      # read back from disk, fp32
         params, entries = self._order()
         state = {}
         for i, (p, e) in enumerate(zip(params, entries)):
-            if streaming:
-                st = {"step": self.optimizer.state[p].get("step", torch.tensor(0.0))} if p in self.optimizer.state \
-                    else {}
-                st.update({k: self._streamed(p, e, k) for k in _segments(p)})
+            if streaming:   # the step counters live in memory; the rest stays on disk until DCP reaches it
+                st = {"step": self.optimizer.state.get(p, {}).get("step", torch.tensor(0.0)),
+                      **{k: self._streamed(p, e, k) for k in _segments(p)}}
             else:
                 st = saved["state"].get(i, {})
             tensors = {k: st[k] for k in ("exp_avg", "exp_avg_sq") if k in st}
