@@ -6,15 +6,18 @@ the engine's counters, scheduler and loss scaler. A DeepSpeed save_dir given to 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from fsdpzero.checkpoint import MANIFEST, PendingSave, checkpoint_problems, load_checkpoint, resolve_tag, save_checkpoint
+from fsdpzero.checkpoint_stream import streamed_state
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +40,22 @@ class EngineState(Stateful):
         self.engine, self.with_optimizer, self.saved_masters = engine, with_optimizer, saved_masters
         self._crossed: str | None = None   # "to_masters" / "to_weights": how the last state_dict() moved masters
         self._live_groups: list[dict] = []
+        self._swapper = None               # offload_param nvme's ParamSwapper when the shards stream
 
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
-        sd = {"model": get_model_state_dict(self.engine.module)}
-        if not self.with_optimizer:
-            return sd
         path = self.engine.grad_path   # NVMe states stream through DCP instead of being read into memory here
         stream = getattr(path, "streams_checkpoints", False) and os.environ.get("FSDPZERO_CKPT_STREAM", "1") != "0"
-        sd["optim"] = optim = path.state_dict(streaming=True) if stream else path.state_dict()
+        # offload_param nvme: the param shards stream too, so no unit is brought back for the checkpoint (with
+        # the optimizer only: a module-only load must refresh the masters through load_state_dict's hooks)
+        self._swapper = getattr(path, "param_swapper", None) if stream and self.with_optimizer else None
+        with self._swapper.lazy() if self._swapper is not None else contextlib.nullcontext():
+            sd = {"model": get_model_state_dict(self.engine.module)}
+            if self._swapper is not None:
+                _stream_param_entries(sd["model"], self._swapper)
+            if not self.with_optimizer:
+                return sd
+            sd["optim"] = optim = path.state_dict(streaming=True) if stream else path.state_dict()
         self._live_groups, self._crossed = optim.get("param_groups", []), None
         state = optim.get("state", {})
         live_masters = any("master" in entry for entry in state.values())
@@ -83,10 +93,36 @@ class EngineState(Stateful):
                         saved[key] = live[key]
                     else:
                         saved.pop(key, None)
+        if self._swapper is not None:   # the shards were written as DCP read them; no load_state_dict hooks
+            with self._swapper.lazy():
+                _load_buffers(self.engine.module, {k: v for k, v in model.items() if streamed_state(v) is None})
+                with keeping_impl_flags(self.engine.grad_path.optimizer):
+                    self.engine.grad_path.load_state_dict(optim)
+            return
         set_model_state_dict(self.engine.module, model, options=StateDictOptions(strict=strict))
         if self.with_optimizer:
             with keeping_impl_flags(self.engine.grad_path.optimizer):
                 self.engine.grad_path.load_state_dict(optim)
+
+
+def _stream_param_entries(model_sd: dict, swapper) -> None:
+    """Each swapped param shard's entry becomes a streamed one (read or written by DCP when it gets there)."""
+    for key, t in model_sd.items():
+        if isinstance(t, torch.Tensor) and swapper.slot(t) is not None:
+            model_sd[key] = swapper.streamed_shard(t)
+
+
+@torch.no_grad()
+def _load_buffers(module, entries: dict) -> None:
+    """The model entries that are not swapped params (persistent buffers), copied in place; FSDP2's and the
+    swapper's load_state_dict hooks would bring every unit into memory."""
+    buffers = {_clean_fqn(n): b for n, b in module.named_buffers()}
+    unknown = sorted(k for k in entries if k not in buffers)
+    if unknown:
+        raise RuntimeError(f"checkpoint load (offload_param nvme): {unknown[:5]} are neither swapped parameter "
+                           f"shards nor buffers of the model; set FSDPZERO_CKPT_STREAM=0 to load them the slow way")
+    for k, v in entries.items():
+        buffers[k].copy_(v.to_local() if hasattr(v, "to_local") else v)
 
 
 def _data_ptr(t) -> int:

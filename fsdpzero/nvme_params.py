@@ -15,7 +15,9 @@ When units come back:
                     same tensors; backward order is the root, then the blocks in reverse (FSDP2's post-forward order)
     optimizer step  the gradient path calls step_touch(unit) before it updates a unit's shards; units finished in
                     the step are written back asynchronously (read ahead | step | write behind)
-    state_dict      restore_all() (checkpoints, save_16bit_model); load_state_dict also marks every unit dirty
+    state_dict      restore_all() (save_16bit_model, a user's state_dict); load_state_dict also marks every unit dirty
+    checkpoints     inside lazy(), restore_all() does nothing: the engine's checkpoints stream each shard through
+                    read_shard / write_shard (fsdpzero.checkpoint_stream), one at a time, resident or not
 
 At most `buffer_count` units and `max_in_cpu` elements are resident (reads in flight count); the least recently
 used unit outside the current window is evicted first. Gradients stay in memory, as with offload_param cpu.
@@ -26,9 +28,11 @@ after every MALLOC_TRIM_BYTES evicted glibc's malloc_trim returns the freed heap
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -154,6 +158,10 @@ class ParamSwapper:
         self._evicted_bytes = 0     # since the last malloc_trim
         self._in_step: list[int] = []
         self.peak = (0, 0)          # most units / shard elements resident during forward, backward and step
+        self._lazy = 0              # > 0 inside lazy(): restore_all() does nothing
+        self._io_lock = threading.Lock()     # DCP's writer threads call read_shard concurrently
+        self._slots = {fp._sharded_param_data.untyped_storage()._cdata: (k, i)   # shard storage -> (unit, shard)
+                       for k, u in enumerate(self.units) for i, fp in enumerate(u.shards)}
         self.swap_dir = SwapDir(nvme_path, rank, key="offload_param.nvme_path")
         try:
             self.swap_dir.check_space(offset + ALIGN)
@@ -290,6 +298,8 @@ class ParamSwapper:
     def restore_all(self, dirty: bool = False) -> None:
         """Every unit resident (over the budget until the next forward evicts): for state_dict / load_state_dict,
         whose tensors are read or written after the call returns. dirty: the caller will write into them."""
+        if self._lazy:
+            return
         for u in self.units:
             if not u.resident:
                 self._start_read(u)
@@ -298,6 +308,74 @@ class ParamSwapper:
                 r.wait()
             u.reads = []
             u.dirty = u.dirty or dirty
+
+    # -- one shard at a time (streamed checkpoints) -------------------------------------------------------------
+    @contextlib.contextmanager
+    def lazy(self):
+        """restore_all() does nothing inside: the caller reads and writes shards through read_shard/write_shard."""
+        self._lazy += 1
+        try:
+            yield self
+        finally:
+            self._lazy -= 1
+
+    def slot(self, t: torch.Tensor) -> tuple[int, int] | None:
+        """(unit, shard) of the swapped shard whose storage `t` (a param, its DTensor or local view) uses."""
+        local = t.to_local() if hasattr(t, "to_local") else t
+        return self._slots.get(local.untyped_storage()._cdata)
+
+    def _local(self, k: int, i: int) -> torch.Tensor:
+        return self.units[k].shards[i].sharded_param._local_tensor
+
+    def _byte_range(self, k: int, i: int) -> slice:
+        local = self._local(k, i)
+        start = local.storage_offset() * local.element_size()
+        return slice(start, start + local.numel() * local.element_size())
+
+    @torch.no_grad()
+    def read_shard(self, k: int, i: int) -> torch.Tensor:
+        """Shard i of unit k as a new tensor (its local shape and dtype): copied from memory when resident, else
+        read from the swap file into a buffer of its own; the unit's residency does not change."""
+        u, local = self.units[k], self._local(k, i)
+        with self._io_lock:
+            if u.resident:
+                for r in u.reads:
+                    r.wait()
+                u.reads = []
+                return local.clone()
+            buf = torch.empty(u.nbytes[i], dtype=torch.uint8)
+            if u.nbytes[i]:
+                self._reader.pread(buf, self._file, u.offsets[i]).wait()
+        return buf[self._byte_range(k, i)].view(local.dtype).view(local.shape)
+
+    @torch.no_grad()
+    def write_shard(self, k: int, i: int, value: torch.Tensor) -> None:
+        """Shard i of unit k <- value (any dtype, its local numel): into memory when resident (written back
+        when evicted), else straight to its place in the swap file (the padding past the shard is zeroed)."""
+        u, local = self.units[k], self._local(k, i)
+        value = value.reshape(local.shape)
+        with self._io_lock:
+            if u.resident:
+                for r in u.reads:
+                    r.wait()
+                u.reads = []
+                self._finish_writes(u)          # a write of the old value must not land after this one
+                local.copy_(value)
+                u.dirty = True
+                return
+            buf = torch.zeros(u.nbytes[i], dtype=torch.uint8)
+            buf[self._byte_range(k, i)].view(local.dtype).view(local.shape).copy_(value)
+            if u.nbytes[i]:
+                self._writer.pwrite(buf, self._file, u.offsets[i]).wait()
+
+    def streamed_shard(self, param: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A checkpoint entry (fsdpzero.checkpoint_stream) standing for `param`'s swapped shard, placed like it;
+        dtype: the entry's (the shard's by default; reads and writes convert)."""
+        from fsdpzero.checkpoint_stream import streamed
+        k, i = self.slot(param)
+        local, dtype = self._local(k, i), dtype or self._local(k, i).dtype
+        return streamed(param, local.shape, dtype, lambda: self.read_shard(k, i).to(dtype),
+                        lambda value: self.write_shard(k, i, value))
 
     # -- hooks ------------------------------------------------------------------------------------------------
     def _pre_forward_hook(self, k: int):

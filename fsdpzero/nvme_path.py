@@ -72,6 +72,8 @@ class NVMeGradPath(OffloadGradPath):
                 st = saved["state"].get(i, {})
             tensors = {k: st[k] for k in ("exp_avg", "exp_avg_sq") if k in st}
             tensors["master"] = st.get("master", p)     # an fp32 stand-in is its own master
+            if streaming and "master" not in st and self._streams_params():   # its shard: on disk too
+                tensors["master"] = self.param_swapper.streamed_shard(e.param, torch.float32)
             state[e.name] = {"step": st.get("step", torch.tensor(0.0)),
                              **{k: v if streamed_state(v) else _like(e.param, v) for k, v in tensors.items()}}
         groups, at = [], 0
@@ -90,10 +92,18 @@ class NVMeGradPath(OffloadGradPath):
                 self._master_loaded(e, value)
         return streamed(e.param, _local(p).shape, torch.float32, lambda: opt.read_state(p, key), write)
 
+    def _streams_params(self) -> bool:
+        """offload_param nvme inside the swapper's lazy(): checkpoints stream the param shards too."""
+        return self.param_swapper is not None and self.param_swapper._lazy > 0
+
     @torch.no_grad()
     def _master_loaded(self, e, master: torch.Tensor) -> None:
-        self._params_resident(dirty=True)
         self._streamed_masters = True
+        swapper = self.param_swapper
+        if swapper is not None and swapper.slot(e.param) is not None:   # the shard follows, resident or not
+            k, i = swapper.slot(e.param)
+            return swapper.write_shard(k, i, master)
+        self._params_resident(dirty=True)
         _local(e.param).copy_(master.view(_local(e.param).shape))   # the device copy follows the master
 
     @torch.no_grad()
