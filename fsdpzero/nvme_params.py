@@ -15,9 +15,8 @@ When units come back:
                     same tensors; backward order is the root, then the blocks in reverse (FSDP2's post-forward order)
     optimizer step  the gradient path calls step_touch(unit) before it updates a unit's shards; units finished in
                     the step are written back asynchronously (read ahead | step | write behind)
-    state_dict      restore_all() (save_16bit_model, a user's state_dict); load_state_dict also marks every unit dirty
-    checkpoints     inside lazy(), restore_all() does nothing: the engine's checkpoints stream each shard through
-                    read_shard / write_shard (fsdpzero.checkpoint_stream), one at a time, resident or not
+    state_dict      restore_all(), and load_state_dict marks every unit dirty; but inside lazy() (the engine's
+                    checkpoints) each shard streams through read_shard / write_shard, resident or not
 
 At most `buffer_count` units and `max_in_cpu` elements are resident (reads in flight count); the least recently
 used unit outside the current window is evicted first. Gradients stay in memory, as with offload_param cpu.
@@ -40,7 +39,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 import fsdpzero.ops  # noqa: F401  registers fsdpzero_ops from a source checkout
-from fsdpzero.offload_fsdp import param_groups
+from fsdpzero.offload_fsdp import fsdp_params, fsdp_prefetch_depth, fsdp_units, own_resizable_storages
 from fsdpzero.swapdir import SwapDir, close_swap_io
 from fsdpzero_ops.aio import ALIGN, AioConfig, AioHandle, padded_nbytes
 
@@ -84,40 +83,6 @@ def _bytes_view(storage, nbytes: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,))
 
 
-def fsdp_units(model: nn.Module) -> list[nn.Module]:
-    """The fully_shard-ed modules in forward order: the root first (its pre-forward runs first), then the others in
-    module order."""
-    from torch.distributed.fsdp import FSDPModule
-    return [m for _, m in model.named_modules() if isinstance(m, FSDPModule)]
-
-
-def _shards(module: nn.Module) -> list:
-    return [fp for g in param_groups(module) for fp in g.fsdp_params]
-
-
-@torch.no_grad()
-def own_resizable_storages(units: list[nn.Module]) -> None:
-    """Give each shard a fresh, pageable storage that can be resized: FSDP2 pins shards with Tensor.pin_memory(),
-    whose storages refuse resize_(); and a pinned storage freed by resize_(0) only goes back to torch's pinned
-    cache (rounded up to a power of two), never to the OS, so eviction would save nothing. Both aliases FSDP2 keeps
-    are re-pointed (the padded _sharded_param_data and the DTensor's _local_tensor): call this before anything
-    else holds a view. FSDP2 is told the shards are unpinned (CPUOffloadPolicy(pin_memory=False) for them): its
-    load_state_dict hook would otherwise re-pin _local_tensor into a copy, splitting the two aliases, and its
-    gradient D2H then lands in exact-size pageable memory instead of power-of-two pinned blocks (synchronously)."""
-    pinned = False
-    for module in units:
-        for fp in _shards(module):
-            old = fp._sharded_param_data.untyped_storage()
-            pinned = pinned or fp._sharded_param_data.is_pinned()
-            fresh = torch.empty(old.nbytes(), dtype=torch.uint8).untyped_storage()
-            fresh.copy_(old)
-            for t in (fp._sharded_param_data, fp.sharded_param._local_tensor):
-                t.set_(fresh, t.storage_offset(), t.size(), t.stride())
-            fp.pin_memory = False
-    if pinned and hasattr(torch._C, "_host_emptyCache"):
-        torch._C._host_emptyCache()      # FSDP2's pinned originals, now unused, back to the OS
-
-
 class ParamSwapper:
     """Keeps the CPU shards of `units` (FSDP modules, forward order, root first) on disk between uses."""
 
@@ -130,7 +95,7 @@ class ParamSwapper:
         self.units: list[_Unit] = []
         offset = 0
         for module in units:
-            shards = _shards(module)
+            shards = fsdp_params(module)
             if not shards:
                 continue
             if any(fp._sharded_param_data.device.type != "cpu" for fp in shards):
@@ -209,9 +174,7 @@ class ParamSwapper:
         return sum(u.numel for u in self.units if u.resident)
 
     def _evict(self, u: _Unit) -> None:
-        for r in u.reads:
-            r.wait()
-        u.reads = []
+        self._wait_reads(u)
         if u.dirty:
             self._write_back(u)
         self._finish_writes(u)
@@ -227,14 +190,18 @@ class ParamSwapper:
         """Start writing a resident unit to its place in the swap file (FSDP2 keeps no other reference to it)."""
         if not u.dirty:
             return
-        for r in u.reads:
-            r.wait()
-        u.reads = []
+        self._wait_reads(u)
         self._finish_writes(u)                  # an older write of the same range must not land after this one
         for s, n, off in zip(_storages(u), u.nbytes, u.offsets):
             if n:
                 u.writes.append(self._writer.pwrite(_bytes_view(s, n), self._file, off))
         u.dirty = False
+
+    @staticmethod
+    def _wait_reads(u: _Unit) -> None:
+        for r in u.reads:
+            r.wait()
+        u.reads = []
 
     @staticmethod
     def _finish_writes(u: _Unit) -> None:
@@ -286,10 +253,7 @@ class ParamSwapper:
         live = [u for u in self.units if u.resident]
         self.peak = (max(self.peak[0], len(live)), max(self.peak[1], sum(u.numel for u in live)))
         for k in ks:
-            u = self.units[k]
-            for r in u.reads:
-                r.wait()
-            u.reads = []
+            self._wait_reads(self.units[k])
 
     def _window(self, order: list[int], k: int) -> tuple[list[int], list[int]]:
         i = order.index(k)
@@ -304,9 +268,7 @@ class ParamSwapper:
             if not u.resident:
                 self._start_read(u)
         for u in self.units:
-            for r in u.reads:
-                r.wait()
-            u.reads = []
+            self._wait_reads(u)
             u.dirty = u.dirty or dirty
 
     # -- one shard at a time (streamed checkpoints) -------------------------------------------------------------
@@ -339,9 +301,7 @@ class ParamSwapper:
         u, local = self.units[k], self._local(k, i)
         with self._io_lock:
             if u.resident:
-                for r in u.reads:
-                    r.wait()
-                u.reads = []
+                self._wait_reads(u)
                 return local.clone()
             buf = torch.empty(u.nbytes[i], dtype=torch.uint8)
             if u.nbytes[i]:
@@ -356,9 +316,7 @@ class ParamSwapper:
         value = value.reshape(local.shape)
         with self._io_lock:
             if u.resident:
-                for r in u.reads:
-                    r.wait()
-                u.reads = []
+                self._wait_reads(u)
                 self._finish_writes(u)          # a write of the old value must not land after this one
                 local.copy_(value)
                 u.dirty = True
@@ -426,14 +384,6 @@ class ParamSwapper:
             h.remove()
         self._hooks = []
         close_swap_io(self)
-
-
-def fsdp_prefetch_depth(units: list[nn.Module]) -> int:
-    """How many units FSDP2 unshards ahead of the current one: the explicit prefetch lists set by
-    fsdpzero.sharding.set_prefetch, else 1 (its implicit backward prefetch)."""
-    states = [m._get_fsdp_state() for m in units]
-    return max([1] + [len(getattr(s, a, ())) for s in states
-                      for a in ("_states_to_forward_prefetch", "_states_to_backward_prefetch")])
 
 
 def param_swapper_from_plan(model: nn.Module, plan) -> ParamSwapper:

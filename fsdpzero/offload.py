@@ -146,7 +146,8 @@ def drop_shards_default(plan: Plan) -> bool:
 def _param_swapper(model: nn.Module, plan: Plan, entries: list[_Entry]):
     """offload_param nvme: the CPU shards go to disk (fsdpzero.nvme_params). A stand-in NVMeAdam steps becomes
     a view of its shard's storage, so it is swapped with the shard instead of being a second copy in memory."""
-    from fsdpzero.nvme_params import fsdp_units, own_resizable_storages, param_swapper_from_plan
+    from fsdpzero.nvme_params import param_swapper_from_plan
+    from fsdpzero.offload_fsdp import fsdp_units, own_resizable_storages
     model._get_fsdp_state()._lazy_init()       # FSDP2 re-pads (replaces) the shards at lazy init: do it first
     own_resizable_storages(fsdp_units(model))  # resize_(0) evicts; FSDP2's pinned shards refuse it
     with torch.no_grad():

@@ -5,7 +5,9 @@ so the rest of the path reads only public API):
   on CPU or when nothing was reduced) completes when the sharded grads hold their values. The offload path starts
   each unit's D2H there, during backward, instead of all of them after backward.
 - consumer_streams(module): the streams that read a unit's shards (compute and FSDP2's all-gather streams).
-- param_groups(module): the unit's FSDP param groups on any torch 2.11-2.14.
+- param_groups(module): the unit's FSDP param groups on any torch 2.11-2.14; fsdp_params(module), their params.
+- fsdp_units(model), fsdp_prefetch_depth(units), own_resizable_storages(units): what offload_param nvme's swapper
+  (fsdpzero.nvme_params) needs: the units in forward order, how far FSDP2 prefetches, shards it can resize_(0).
 - DroppableShards: a unit that keeps its params unsharded from forward to the end of backward (stage 2,
   reshard_after_forward=False) does not read its low-precision shards again before the next step, and the offload
   path keeps an exact copy of every shard in its pinned out buffer. So the device storage of those shards is freed
@@ -123,3 +125,45 @@ def restore_from(entries, stream) -> torch.cuda.Event | None:
     for e in entries:
         (e.param.to_local() if hasattr(e.param, "to_local") else e.param).copy_(e.out_buf)
     return None
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The fully_shard-ed modules in forward order: the root first (its pre-forward runs first), then the others in
+    module order."""
+    from torch.distributed.fsdp import FSDPModule
+    return [m for _, m in model.named_modules() if isinstance(m, FSDPModule)]
+
+
+def fsdp_params(module: nn.Module) -> list:
+    return [fp for g in param_groups(module) for fp in g.fsdp_params]
+
+
+@torch.no_grad()
+def own_resizable_storages(units: list[nn.Module]) -> None:
+    """Give each shard a fresh, pageable storage that can be resized: FSDP2 pins shards with Tensor.pin_memory(),
+    whose storages refuse resize_(); and a pinned storage freed by resize_(0) only goes back to torch's pinned
+    cache (rounded up to a power of two), never to the OS, so eviction would save nothing. Both aliases FSDP2 keeps
+    are re-pointed (the padded _sharded_param_data and the DTensor's _local_tensor): call this before anything
+    else holds a view. FSDP2 is told the shards are unpinned (CPUOffloadPolicy(pin_memory=False) for them): its
+    load_state_dict hook would otherwise re-pin _local_tensor into a copy, splitting the two aliases, and its
+    gradient D2H then lands in exact-size pageable memory instead of power-of-two pinned blocks (synchronously)."""
+    pinned = False
+    for module in units:
+        for fp in fsdp_params(module):
+            old = fp._sharded_param_data.untyped_storage()
+            pinned = pinned or fp._sharded_param_data.is_pinned()
+            fresh = torch.empty(old.nbytes(), dtype=torch.uint8).untyped_storage()
+            fresh.copy_(old)
+            for t in (fp._sharded_param_data, fp.sharded_param._local_tensor):
+                t.set_(fresh, t.storage_offset(), t.size(), t.stride())
+            fp.pin_memory = False
+    if pinned and hasattr(torch._C, "_host_emptyCache"):
+        torch._C._host_emptyCache()      # FSDP2's pinned originals, now unused, back to the OS
+
+
+def fsdp_prefetch_depth(units: list[nn.Module]) -> int:
+    """How many units FSDP2 unshards ahead of the current one: the explicit prefetch lists set by
+    fsdpzero.sharding.set_prefetch, else 1 (its implicit backward prefetch)."""
+    states = [m._get_fsdp_state() for m in units]
+    return max([1] + [len(getattr(s, a, ())) for s in states
+                      for a in ("_states_to_forward_prefetch", "_states_to_backward_prefetch")])

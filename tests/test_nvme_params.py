@@ -24,7 +24,7 @@ def _plan(opt_device, param_device, nvme_path, dtype, **param_knobs):
 
 def _resident(model):
     """Elements of CPU shard storage actually allocated, per FSDP unit (module order)."""
-    from fsdpzero.nvme_params import fsdp_units
+    from fsdpzero.offload_fsdp import fsdp_units
     from fsdpzero.offload_fsdp import param_groups
     out = []
     for m in fsdp_units(model):
@@ -205,7 +205,8 @@ def test_hpz_with_param_nvme_equals_param_cpu(tmp_path):
 # ------------------------------------------------------------------------------------------ bad settings
 
 def _swapper_errors(rank, world, nvme_path):
-    from fsdpzero.nvme_params import ParamSwapper, fsdp_units
+    from fsdpzero.nvme_params import ParamSwapper
+    from fsdpzero.offload_fsdp import fsdp_units
     from tests.test_offload import _model
     model = _model(cpu_offload=True)                 # per rank: the root ~160 elements, 3 blocks ~1776 each
     errors = []
@@ -308,7 +309,7 @@ def _rss_bytes() -> int:
 def _evict_rss_run(rank, world, nvme_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-    from fsdpzero import nvme_params
+    from fsdpzero import nvme_params, offload_fsdp
     from tests.test_offload import Net
     torch.manual_seed(0)
     model = Net(d=1024, n=6)                  # blocks of 24 MiB (fp32): heap-sized pieces of 12 MiB
@@ -316,11 +317,11 @@ def _evict_rss_run(rank, world, nvme_path):
     for b in model.blocks:
         fully_shard(b, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
     fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
-    units = nvme_params.fsdp_units(model)
+    units = offload_fsdp.fsdp_units(model)
     units[0]._get_fsdp_state()._lazy_init()
     scratch = torch.ones(6 << 20)             # a freed 24 MiB temporary raises glibc's mmap threshold (any real
     del scratch                               # run has them): the shards below then live in the heap
-    nvme_params.own_resizable_storages(units)
+    offload_fsdp.own_resizable_storages(units)
     pinned_down = [torch.ones(4096) for _ in range(16)]   # later small allocations: the heap cannot just shrink
     before = _rss_bytes()
     sw = nvme_params.ParamSwapper(units, nvme_path=nvme_path, buffer_count=2, max_in_cpu=10**9, buffer_size=10**8)

@@ -18,13 +18,17 @@ from tests.test_engine_checkpoint import HALF, _data, _plan
 
 OFFLOAD = {"none": OffloadPlan(), "cpu": OffloadPlan(optimizer_device="cpu"),
            "cpu+param": OffloadPlan(optimizer_device="cpu", param_device="cpu"),
-           "nvme": OffloadPlan(optimizer_device="nvme", sub_group_size=3000, buffer_count=3)}
+           "nvme": OffloadPlan(optimizer_device="nvme", sub_group_size=3000, buffer_count=3),
+           # 2 of the 3 FSDP units in memory at once: checkpoints stream the param shards too
+           "nvme+param": OffloadPlan(optimizer_device="nvme", param_device="nvme", sub_group_size=3000, buffer_count=3,
+                                     param_buffer_count=2, param_buffer_size=40_000, max_in_cpu=60_000)}
 
 
 def _engine(stage, world, offload, seed=0, nvme_path=None):
     off = OFFLOAD[offload]
-    if offload == "nvme":
-        off = dataclasses.replace(off, optimizer_nvme_path=nvme_path)
+    if offload.startswith("nvme"):
+        off = dataclasses.replace(off, optimizer_nvme_path=nvme_path,
+                                  param_nvme_path=nvme_path if off.param_device == "nvme" else None)
     return wrap(build_model("gpt2", seed=seed), dataclasses.replace(_plan(stage, world), offload=off))
 
 
@@ -49,9 +53,10 @@ def _second_half(rank, world, stage, offload, save_dir, nvme_path=None):
     return losses, full_params(engine.module), engine.get_loss_scale(), engine.get_lr()
 
 
-@pytest.mark.parametrize("stage,offload", [(2, "cpu"), (3, "cpu"), (3, "cpu+param"), (3, "nvme")])
+@pytest.mark.parametrize("stage,offload", [(2, "cpu"), (3, "cpu"), (3, "cpu+param"), (3, "nvme"), (3, "nvme+param")])
 def test_fresh_offload_engine_resumes_exactly(tmp_path, stage, offload):
-    """nvme: the checkpoint streams the on-disk states (fsdpzero.checkpoint_stream) both ways."""
+    """nvme: the checkpoint streams the on-disk states (fsdpzero.checkpoint_stream) both ways; nvme+param: and
+    the param shards."""
     swap = str(tmp_path)
     ref_losses, ref_params, ref_scale, ref_lr = run_distributed(_straight, 2, stage, offload, swap, timeout=240)[0]
     first = run_distributed(_first_half, 2, stage, offload, str(tmp_path / "ck"), swap, timeout=240)[0]
@@ -66,7 +71,8 @@ def test_fresh_offload_engine_resumes_exactly(tmp_path, stage, offload):
 # straight steps of the loading engine's kind to float noise, not bitwise: measured 4.8e-7 on losses, 7e-7 on params
 # (stages 2 and 3). A plain checkpoint has no "master" entries: the offload engine takes its masters from the fp32
 # model weights it loads (with nvme, streamed into the swap file as the load's template for those weights).
-@pytest.mark.parametrize("saved,loaded", [("cpu", "none"), ("none", "cpu"), ("nvme", "none"), ("none", "nvme")])
+@pytest.mark.parametrize("saved,loaded", [("cpu", "none"), ("none", "cpu"), ("nvme", "none"), ("none", "nvme"),
+                                          ("nvme+param", "none"), ("none", "nvme+param")])
 def test_resume_across_the_offload_boundary(tmp_path, saved, loaded):
     swap = str(tmp_path)
     ref_losses, ref_params, ref_scale, ref_lr = run_distributed(_straight, 2, 3, loaded, swap, timeout=240)[0]
