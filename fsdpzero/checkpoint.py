@@ -247,7 +247,7 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
 def _log_streamed(what: str, planner) -> None:
     b = planner.bytes
     if _rank() == 0:
-        logging.getLogger("fsdpzero").info("checkpoint: %s %.2f GiB of on-disk optimizer state streamed, at most "
+        logging.getLogger("fsdpzero").info("checkpoint: %s %.2f GiB of on-disk state streamed, at most "
                                            "%.1f MiB of it in memory at once (rank 0)", what, b.total / 2**30,
                                            b.peak / 2**20)
 

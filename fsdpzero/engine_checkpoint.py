@@ -51,14 +51,15 @@ class EngineState(Stateful):
         self._swapper = getattr(path, "param_swapper", None) if stream and self.with_optimizer else None
         with self._swapper.lazy() if self._swapper is not None else contextlib.nullcontext():
             sd = {"model": get_model_state_dict(self.engine.module)}
-            if self._swapper is not None:
-                _stream_param_entries(sd["model"], self._swapper)
+            slots = _stream_param_entries(sd["model"], self._swapper) if self._swapper is not None else {}
             if not self.with_optimizer:
                 return sd
             sd["optim"] = optim = path.state_dict(streaming=True) if stream else path.state_dict()
         self._live_groups, self._crossed = optim.get("param_groups", []), None
         state = optim.get("state", {})
         live_masters = any("master" in entry for entry in state.values())
+        if self.saved_masters and slots:   # a load: each shard is written once, from its master
+            _drop_mastered(sd["model"], slots, state)
         if self.saved_masters is None or live_masters == self.saved_masters:
             return sd
         if live_masters:     # fill the live masters from the saved fp32 model weights
@@ -105,11 +106,24 @@ class EngineState(Stateful):
                 self.engine.grad_path.load_state_dict(optim)
 
 
-def _stream_param_entries(model_sd: dict, swapper) -> None:
-    """Each swapped param shard's entry becomes a streamed one (read or written by DCP when it gets there)."""
-    for key, t in model_sd.items():
-        if isinstance(t, torch.Tensor) and swapper.slot(t) is not None:
-            model_sd[key] = swapper.streamed_shard(t)
+def _stream_param_entries(model_sd: dict, swapper) -> dict:
+    """Each swapped param shard's entry becomes a streamed one (read or written by DCP when it gets there).
+    Returns key -> the shard's (unit, index) in the swapper."""
+    slots = {k: swapper.slot(t) for k, t in model_sd.items() if isinstance(t, torch.Tensor)}
+    slots = {k: v for k, v in slots.items() if v is not None}
+    for key in slots:
+        model_sd[key] = swapper.streamed_shard(model_sd[key])
+    return slots
+
+
+def _drop_mastered(model_sd: dict, slots: dict, optim_state: dict) -> None:
+    """Loading a checkpoint that has masters, the shards they stream into (NVMeGradPath._master_loaded, or the
+    shard itself when it is its own fp32 master) need not be written from the saved weights too (aliases of a
+    tied weight included): the in-memory path's optimizer load overwrites them from the masters as well."""
+    mastered = {slots[_clean_fqn(name)] for name, entry in optim_state.items()
+                if streamed_state(entry.get("master")) is not None and _clean_fqn(name) in slots}
+    for key in [k for k, slot in slots.items() if slot in mastered]:
+        del model_sd[key]
 
 
 @torch.no_grad()

@@ -22,6 +22,13 @@ def _cfg(nvme_path: str, streaming: bool = True) -> dict:
             "aio": {"block_size": 262144, "queue_depth": 4, "intra_op_parallelism": 1}}
 
 
+def _param_cfg(nvme_path: str, world: int) -> dict:
+    cfg = _cfg(nvme_path)      # 2 units at most in memory (of 3: the root and 2 blocks)
+    cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 2,
+                                                 "buffer_size": 80_000 // world, "max_in_cpu": 120_000 // world}
+    return cfg
+
+
 def _recording(monkeypatch_target, name, seen):
     base = getattr(monkeypatch_target, name)
 
@@ -125,15 +132,16 @@ def test_nvme_checkpoint_streams_and_reshards(tmp_path):
     nvme.remove_stale_swap_dirs(nvme_path)
 
 
-def _gpu_run(rank, world, nvme_path, save_dir):
+def _gpu_run(rank, world, nvme_path, save_dir, params):
     from fsdpzero.api import wrap
     from tests.engine_cases import batches, build_model, engine_losses
     data = batches(4, 1, 2 * world).cuda()
-    engine = wrap(build_model("gpt2"), _cfg(nvme_path))
+    cfg = _param_cfg(nvme_path, world) if params else _cfg(nvme_path)
+    engine = wrap(build_model("gpt2"), cfg)
     engine_losses(engine, data[:2], rank, world)
     engine.save_checkpoint(save_dir, tag="a")
     after = engine_losses(engine, data[2:], rank, world)
-    resumed = wrap(build_model("gpt2", seed=7), _cfg(nvme_path))
+    resumed = wrap(build_model("gpt2", seed=7), cfg)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -143,26 +151,21 @@ def _gpu_run(rank, world, nvme_path, save_dir):
 
 
 @pytest.mark.gpu
-def test_nvme_checkpoint_streams_on_gpu(tmp_path):
+@pytest.mark.parametrize("params", [False, True])
+def test_nvme_checkpoint_streams_on_gpu(tmp_path, params):
     """NCCL, bf16 shards on the GPUs (staged CPU stand-ins), optimizer on NVMe: the streamed save and load resume
     bit for bit, and the load takes no GPU memory for the on-disk states (DCP would allocate meta entries on the
-    process group's device)."""
+    process group's device). params: offload_param nvme too (CPU shards swapped, 2 of 3 units in memory): the
+    shards stream as well."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     world = min(2, torch.cuda.device_count())
     nvme_path = tmp_path / "swap"
     nvme_path.mkdir()
     for after, again, load_gpu_bytes, state_bytes in run_distributed(
-            _gpu_run, world, str(nvme_path), str(tmp_path / "ck"), init_pg=False, timeout=300):
+            _gpu_run, world, str(nvme_path), str(tmp_path / "ck"), params, init_pg=False, timeout=300):
         assert after == again
         assert load_gpu_bytes < state_bytes / 2, (load_gpu_bytes, state_bytes)
-
-
-def _param_cfg(nvme_path: str, world: int) -> dict:
-    cfg = _cfg(nvme_path)      # 2 units at most in memory (of 3: the root and 2 blocks)
-    cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 2,
-                                                 "buffer_size": 80_000 // world, "max_in_cpu": 120_000 // world}
-    return cfg
 
 
 def _param_run(rank, world, nvme_path, save_dir, shards, mode):
