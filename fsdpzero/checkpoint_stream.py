@@ -1,5 +1,5 @@
-"""Streamed checkpoint entries: state that lives on disk (NVMe-offloaded optimizer states) goes through DCP one
-tensor at a time instead of being read into host memory all at once.
+"""Streamed checkpoint entries: state that lives on disk (NVMe-offloaded optimizer states, and the param shards of
+offload_param nvme) goes through DCP one tensor at a time instead of being read into host memory all at once.
 
 A streamed entry is a meta-device tensor (a DTensor placed like its parameter, or a plain tensor) carrying a
 `StreamedState`: DCP plans from its shape alone. Saving, `StreamingSavePlanner.resolve_data` reads the entry when a
