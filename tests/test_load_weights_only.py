@@ -5,8 +5,9 @@ become the masters, or the next step updates the old masters and writes them bac
 Two references, both 2 gloo ranks, gradient accumulation 2, clipping on:
 - `test_weights_only_load_matches_stage0`: train 3 steps, save, train 2 more (the masters move away from the saved
   weights), load weights only, train 2. Stage 0 (FSDP2: its fp32 sharded weights are the masters) running the same
-  sequence is the reference: fp32, <= 1e-6 for stage 1 (the same torch AdamW), <= 2e-6 for the offload path (its
-  CPU Adam kernel differs from torch's by float noise: 1.1e-6 measured here, 7e-7 in test_offload_checkpoint.py).
+  sequence is the reference: fp32, <= 2e-6 (float noise: stage 1 steps the same torch AdamW but clips with a norm
+  summed in another order, 1.04e-6 measured; the offload path's CPU Adam kernel differs from torch's, 1.1e-6 measured
+  here, 7e-7 in test_offload_checkpoint.py). A load that leaves the old masters in place misses by 5.8e-3 in loss.
 - `test_fresh_weights_only_load_matches_a_run_from_those_weights`: a fresh engine (other seed) loads the weights and
   trains 2 steps; the reference is the same kind of engine wrapped around a model that already holds those weights.
   Same code path on both sides, so equal bit for bit, also in bf16 (the masters are the loaded 16-bit values upcast,
@@ -66,9 +67,10 @@ def test_weights_only_load_matches_stage0(tmp_path, stage, offload, how):
                                              str(tmp_path / "ref"), timeout=240)[0]
     losses, params = run_distributed(_train_save_train_load, 2, stage, "float32", offload, how,
                                      str(tmp_path / "ours"), timeout=240)[0]
-    # stage 1 steps torch's AdamW as stage 0 does; the offload path's CPU Adam kernel rounds differently (1.1e-6
-    # measured on one bias element after 7 steps)
-    tol = 2e-6 if stage != 1 else 1e-6
+    # Float noise, not exactness: the clipping norm is summed over other shards in another order, and Adam magnifies
+    # a last-bit gradient difference where v is tiny (stage 1, torch's AdamW: 1.04e-6 on one element near zero with
+    # transformers 5.23); the offload path's CPU Adam kernel also rounds differently (1.1e-6 measured)
+    tol = 2e-6
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= tol, (losses, ref_losses)
     for k in ref_params:
         torch.testing.assert_close(params[k], ref_params[k], rtol=0, atol=tol)
