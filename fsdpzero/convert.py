@@ -79,19 +79,17 @@ def dcp_to_safetensors(ckpt_dir: str | Path, tag: str | None = None, out: str | 
     def out_dtype(md):
         return dtype if dtype is not None and md.properties.dtype.is_floating_point else md.properties.dtype
 
-    sizes = []
-    for key, fqn in keys.items():
-        md = meta.state_dict_metadata[key]
-        sizes.append((fqn, md.size.numel() * torch.empty((), dtype=out_dtype(md)).element_size()))
+    specs = [(fqn, out_dtype(meta.state_dict_metadata[key]), tuple(meta.state_dict_metadata[key].size))
+             for key, fqn in keys.items()]
 
-    def load(names):
+    def load(names):   # one dcp.load per output file: a file's tensors are in memory at once
         buf = {by_fqn[n]: torch.empty(meta.state_dict_metadata[by_fqn[n]].size,
                                       dtype=meta.state_dict_metadata[by_fqn[n]].properties.dtype) for n in names}
         dcp.load(buf, checkpoint_id=path, no_dist=True)
-        return {n: buf[by_fqn[n]].to(out_dtype(meta.state_dict_metadata[by_fqn[n]])) for n in names}
+        return [buf[by_fqn[n]].to(out_dtype(meta.state_dict_metadata[by_fqn[n]])) for n in names]
 
     out = Path(out) if out else path.parent / f"{path.name}-safetensors"
-    write_sharded(out, sizes, load, max_shard_size=max_shard_size)
+    write_sharded(out, specs, load, max_shard_size=max_shard_size)
     return out
 
 

@@ -226,7 +226,8 @@ class Engine(nn.Module):
         self.wait_for_params()
         dtype = getattr(torch, self.plan.precision.param_dtype)
         return save_16bit_model(self.module, save_dir, dtype=None if dtype == torch.float32 else dtype,
-                                filename=save_filename, exclude_frozen_parameters=exclude_frozen_parameters)
+                                filename=save_filename, exclude_frozen_parameters=exclude_frozen_parameters,
+                                param_swapper=getattr(self.grad_path, "param_swapper", None))
 
     def load_client_state(self, state: dict) -> None:
         for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):

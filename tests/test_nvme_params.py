@@ -147,7 +147,12 @@ def _engine_run(rank, world, param_device, nvme_path, save_dir):
         resumed.load_checkpoint(save_dir)
         again = engine_losses(resumed, data[2:], rank, world)
         assert sum(u.resident for u in resumed.grad_path.param_swapper.units) <= 2
+    reads = []   # save_16bit_model reads each swapped shard on its own (read_shard): no unit comes back
+    if param_device == "nvme":
+        start_read = swapper._start_read
+        swapper._start_read = lambda u: (reads.append(u), start_read(u))[1]
     engine.save_16bit_model(f"{save_dir}_16bit")
+    assert not reads and (param_device != "nvme" or sum(u.resident for u in swapper.units) <= 2)
     exported = load_file(f"{save_dir}_16bit/model.safetensors") if rank == 0 else None
     return losses, again, full_params(engine.module), exported
 
@@ -157,7 +162,7 @@ def test_ds_config_param_nvme_end_to_end(tmp_path):
     """`offload_param: {device: nvme}` + `offload_optimizer: nvme` in a ds_config through fsdpzero.wrap on 2 gloo
     ranks (GPT-2, 3 units, buffer_count 2, activation checkpointing): losses and final params equal `offload_param: cpu` bit for bit; a
     checkpoint (no swap files in it) resumes identically into a fresh param-NVMe engine; save_16bit_model
-    exports the real weights."""
+    exports the real weights, reading the swapped shards one by one (no unit is swapped back in for it)."""
     cpu = run_distributed(_engine_run, 2, "cpu", str(tmp_path), str(tmp_path / "ck_cpu"), timeout=300)
     ours = run_distributed(_engine_run, 2, "nvme", str(tmp_path), str(tmp_path / "ck_nvme"), timeout=300)
     for (l_cpu, _, p_cpu, x_cpu), (l_nvme, again, p_nvme, x_nvme) in zip(cpu, ours):
@@ -249,10 +254,13 @@ def test_param_nvme_on_gpu_equals_param_cpu(tmp_path, opt_device, one_rank_nccl)
     evicted between uses (FSDP2 copies the shards H2D from memory we resize and refill). The swapper moves FSDP2's
     pinned shards to pageable storages and empties torch's pinned cache: afterwards the pinned allocator holds less
     than the shards (before, it held them twice: FSDP2's originals cached, plus pinned copies eviction never freed),
-    and a load_state_dict keeps both of FSDP2's aliases of a shard on the one swapped storage."""
+    and a load_state_dict keeps both of FSDP2's aliases of a shard on the one swapped storage. save_16bit_model
+    (NCCL gathers of CPU shards) exports the final weights without swapping a unit back in."""
     from torch.distributed.device_mesh import init_device_mesh
+    from safetensors.torch import load_file
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     from fsdpzero import offload
+    from fsdpzero.export import save_16bit_model
     from tests.test_offload import HYPER, Net, gpu_path_losses
     import gc
     runs = []
@@ -291,8 +299,18 @@ def test_param_nvme_on_gpu_equals_param_cpu(tmp_path, opt_device, one_rank_nccl)
             assert param_device == "cpu" or any(not u.resident for u in path.param_swapper.units)
         losses = gpu_path_losses(model, path, after_step=some_unit_evicted)
         torch.cuda.synchronize()
+        # the export gathers over NCCL from CPU shards: read one by one from the swap file (no unit comes back)
+        reads, swapper = [], path.param_swapper
+        if swapper is not None:
+            start_read = swapper._start_read
+            swapper._start_read = lambda u: (reads.append(u), start_read(u))[1]
+        save_16bit_model(model, tmp_path / f"export_{param_device}", dtype=None, param_swapper=swapper)
+        assert not reads
         path.close()
-        runs.append((losses, {n: p.full_tensor().float().cpu() for n, p in model.named_parameters()}))
+        params = {n: p.full_tensor().float().cpu() for n, p in model.named_parameters()}
+        exported = load_file(tmp_path / f"export_{param_device}" / "model.safetensors")
+        assert exported.keys() == params.keys() and all(torch.equal(exported[n], v) for n, v in params.items())
+        runs.append((losses, params))
         path = model = None   # frees this run's pinned memory before the next run's baseline
     assert runs[0][0] == runs[1][0]
     for n, v in runs[0][1].items():
