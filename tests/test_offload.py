@@ -90,8 +90,13 @@ def _scenario(rank, world, kind, micro, clip, overlap=False):
     plan = Plan(offload=OffloadPlan(optimizer_device="cpu", param_device="cpu" if kind == "param" else "none",
                                     sub_group_size=700))   # several pipeline chunks per rank
     model = _model(cpu_offload=kind == "param")
+    from fsdpzero.ops import cpu_adam
+    built, available = [], cpu_adam.available_impls
+    cpu_adam.available_impls = lambda: built.append(1) or available()
     path = offload.build_grad_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER),
                                    stage=(kind == "staged"), overlap=overlap)
+    cpu_adam.available_impls = available
+    assert built, "the CPU Adam op is JIT-built while the path is set up, not inside the first step"
     assert path.overlap == overlap
     if overlap:   # a slow CPU step: the next forward must wait for each unit's update, not read stale shards
         step_param = path.optimizer.step_param
