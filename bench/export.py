@@ -1,4 +1,4 @@
-"""The consolidated 16-bit export (engine.save_16bit_model): time and host memory, streamed vs the whole model on rank 0.
+"""The consolidated 16-bit export (engine.save_16bit_model): time and host memory, streamed vs whole on rank 0.
 
     python bench/export.py --dir /tmp/exb --nproc 2                  # GPUs (NCCL), the 0.89 B Llama of bench/ckpt.py
     python bench/export.py --dir /tmp/exb --nproc 2 --tiny           # CPU smoke (gloo)
@@ -131,8 +131,8 @@ def driver(args) -> None:
             r["same_tensors_as_" + done[0]["impl"]] = got.keys() == ref.keys() and all(
                 got[k].dtype == ref[k].dtype and torch.equal(got[k], ref[k]) for k in ref)
             del got
-    print("\n| impl | save s | rank-0 peak RSS GiB | added by the export, rank 0 / max rank GiB | GPU added GiB "
-          "| on disk GiB | same tensors |\n|---|---|---|---|---|---|---|")
+    print("\n| impl | save s | rank-0 peak RSS GiB | added by the export, rank 0 / max rank GiB "
+          "| GPU added GiB | on disk GiB | same tensors |\n|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['impl']} | failed: {str(r['error'])[-300:]!r} | | | | | |")

@@ -183,7 +183,7 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
     if not named:
         raise ValueError("offload: the model has no trainable parameters")
     from fsdpzero.ops import cpu_adam
-    cpu_adam.available_impls()   # JIT-build the CPU Adam op here, as DeepSpeed builds its ops at initialize, not in step 1
+    cpu_adam.available_impls()   # JIT-build the op now (DeepSpeed builds its ops at initialize), not in step 1
     on_accel = _local(named[0][1]).device.type != "cpu"   # else CPU-only, or offload_param put the shards there
     stage = on_accel if stage is None else stage
     threads = torch.get_num_threads()
