@@ -139,7 +139,8 @@ def driver(args) -> None:
             continue
         same = next((v for k, v in r.items() if k.startswith("same_tensors_as_")), "")
         print(f"| {r['impl']} | {r['save_s']:.2f} | {r['rank0_peak_rss_gib']:.2f} | {r['rank0_added_rss_gib']:.2f} / "
-              f"{r['max_added_rss_gib']:.2f} | {r['max_added_gpu_gib']:.2f} | {r['bytes_on_disk'] / GIB:.2f} | {same} |")
+              f"{r['max_added_rss_gib']:.2f} | {r['max_added_gpu_gib']:.2f} | {r['bytes_on_disk'] / GIB:.2f} "
+              f"| {same} |")
     for r in done:
         shutil.rmtree(root / r["impl"], ignore_errors=True)
 
