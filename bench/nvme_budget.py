@@ -159,7 +159,8 @@ def worker(args) -> None:
         # torchrun sets OMP_NUM_THREADS=1: each implementation's CPU Adam gets this rank's share of the cores
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
         major, minor = torch.cuda.get_device_capability()
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")   # DS 0.19.8 cannot parse "9.0a"
+        arch = os.environ.get("TORCH_CUDA_ARCH_LIST") or f"{major}.{minor}"
+        os.environ["TORCH_CUDA_ARCH_LIST"] = arch.replace("a", "")   # DS 0.19.8 cannot parse "9.0a"
     mem = {"start": proc_status()}
     if args.impl == "deepspeed":
         import deepspeed
