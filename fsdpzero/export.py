@@ -56,6 +56,18 @@ def plan_shards(sizes: Iterable[tuple[str, int]], max_shard_bytes: int) -> list[
     return shards
 
 
+def _nbytes(spec: Spec) -> int:
+    return math.prod(spec[2]) * spec[1].itemsize
+
+
+def check_export_args(filename: str, max_shard_size: int | str) -> int:
+    """Bad export arguments, refused on every rank before any gather (a rank-0-only error would hang the others)."""
+    if not filename.endswith(".safetensors"):
+        raise ValueError(f"filename={filename!r}: fsdpzero writes safetensors (DeepSpeed's default "
+                         f"pytorch_model.bin is a pickle); use a name ending in .safetensors")
+    return parse_size(max_shard_size)
+
+
 def write_safetensors(path: str | Path, specs: list[Spec], tensors: Iterable[torch.Tensor]) -> None:
     """A safetensors file written one tensor at a time, in specs order: the header (names, dtypes, shapes, offsets)
     follows from the specs, so only the tensor being written is in memory."""
@@ -63,7 +75,7 @@ def write_safetensors(path: str | Path, specs: list[Spec], tensors: Iterable[tor
     for name, dtype, shape in specs:
         if dtype not in _ST_DTYPES:
             raise ValueError(f"{name}: dtype {dtype} has no safetensors code")
-        nbytes = math.prod(shape) * dtype.itemsize
+        nbytes = _nbytes((name, dtype, shape))
         header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
@@ -83,14 +95,11 @@ def write_sharded(out_dir: str | Path, specs: list[Spec], load: Callable[[list[s
                   max_shard_size: int | str = "5GB", filename: str = WEIGHTS_NAME) -> list[Path]:
     """Write tensors file by file; `load(names)` is called once per file and yields its tensors in names' order
     (each is written as it comes, so a generator keeps one tensor in memory)."""
+    max_bytes = check_export_args(filename, max_shard_size)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     by_name = {spec[0]: spec for spec in specs}
-    shards = plan_shards([(n, math.prod(shape) * dtype.itemsize) for n, dtype, shape in specs],
-                         parse_size(max_shard_size))
-    if not filename.endswith(".safetensors"):
-        raise ValueError(f"filename={filename!r}: fsdpzero writes safetensors (DeepSpeed's default "
-                         f"pytorch_model.bin is a pickle); use a name ending in .safetensors")
+    shards = plan_shards([(spec[0], _nbytes(spec)) for spec in specs], max_bytes)
     files = ([filename] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     for stale in list(out_dir.glob("model-*-of-*.safetensors")) + [out_dir / filename, out_dir / INDEX_NAME]:
@@ -103,7 +112,7 @@ def write_sharded(out_dir: str | Path, specs: list[Spec], load: Callable[[list[s
         os.replace(tmp, out_dir / fname)
         weight_map.update({k: fname for k in names})
     if len(files) > 1:
-        total = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in specs)
+        total = sum(_nbytes(spec) for spec in specs)
         tmp = out_dir / f".{INDEX_NAME}.tmp"
         tmp.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         os.replace(tmp, out_dir / INDEX_NAME)
@@ -156,6 +165,8 @@ def save_16bit_model(model: torch.nn.Module, save_dir: str | Path, *, dtype: tor
                      exclude_frozen_parameters: bool = False, param_swapper=None) -> Path | None:
     """Gather the (sharded) model and write it for from_pretrained; collective. Returns save_dir on rank 0.
     param_swapper: offload_param nvme's fsdpzero.nvme_params.ParamSwapper, whose shards are read from disk."""
+    check_export_args(filename, max_shard_size)
+
     def lazy():   # inside, the state-dict hooks leave the swapped units on disk
         return param_swapper.lazy() if param_swapper is not None else contextlib.nullcontext()
 
@@ -171,8 +182,8 @@ def save_16bit_model(model: torch.nn.Module, save_dir: str | Path, *, dtype: tor
     def gathered(names):   # every rank joins each gather, in the same order; rank 0 writes as they come
         with lazy():
             for k in names:
-                full = _cast(_full_tensor(sharded[k], param_swapper), dtype)
-                yield full.cpu() if rank == 0 else full
+                full = _full_tensor(sharded[k], param_swapper)
+                yield _cast(full, dtype).cpu() if rank == 0 else None   # only rank 0 casts and copies
 
     if rank == 0:
         write_sharded(save_dir, specs, gathered, max_shard_size=max_shard_size, filename=filename)

@@ -33,16 +33,23 @@ def _export_job(rank, world, out_dir):
         model(input_ids=IDS, labels=IDS).loss.backward()
         opt.step()
         opt.zero_grad()
+    try:   # refused on every rank before any gather: a rank-0-only error would leave rank 1 in a collective
+        save_16bit_model(model, f"{out_dir}/bad", filename="pytorch_model.bin")
+        refused = False
+    except ValueError as e:
+        refused = "use a name ending in .safetensors" in str(e)
     save_16bit_model(model, f"{out_dir}/fp32", dtype=None, max_shard_size="40KB")  # forces several shards
     save_16bit_model(model, f"{out_dir}/bf16")
     # the reference: DCP gathers the whole model into one state dict (what DeepSpeed does on rank 0)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     with torch.no_grad():
-        return model(input_ids=IDS).logits, full
+        return model(input_ids=IDS).logits, full, refused
 
 
 def test_export_round_trip_through_from_pretrained(tmp_path):
-    logits, full = run_distributed(_export_job, 2, str(tmp_path), timeout=120)[0]
+    results = run_distributed(_export_job, 2, str(tmp_path), timeout=120)
+    assert all(r[2] for r in results)   # the bad filename was refused on both ranks
+    logits, full, _ = results[0]
     fp32 = tmp_path / "fp32"
     index = json.loads((fp32 / INDEX_NAME).read_text())
     assert len(set(index["weight_map"].values())) > 1 and not (fp32 / WEIGHTS_NAME).exists()
