@@ -111,7 +111,7 @@ def main() -> None:
             shutil.rmtree(root / f"t{i}")
         dist.barrier()
     if args.impl == "fsdpzero":
-        from fsdpzero.checkpoint import wait_for_pending_save
+        from fsdpzero.checkpoint.dcp import wait_for_pending_save
         results["async_blocking_s"] = [timed(lambda: engine.save_checkpoint(str(root), tag="async", async_save=True))]
         results["async_total_s"] = [results["async_blocking_s"][0] + timed(wait_for_pending_save)]
     results["save_16bit_s"] = [timed(lambda: engine.save_16bit_model(str(root / "hf")))]

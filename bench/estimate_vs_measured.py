@@ -16,7 +16,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import fsdpzero
-from fsdpzero import estimate as est
+from fsdpzero.cli import estimate as est
 
 
 def measure(model_name: str, stage: int) -> int:

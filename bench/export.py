@@ -36,7 +36,7 @@ def export_in_memory(model, out: Path) -> None:
     """The pre-streaming export: the full fp32 state dict on rank 0's CPU, then cast and written."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from fsdpzero.export import save_state_dict
+    from fsdpzero.checkpoint.export import save_state_dict
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         save_state_dict(full, out, dtype=torch.bfloat16)

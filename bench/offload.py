@@ -13,7 +13,7 @@ forward); *_spec (FSDPZERO_OFFLOAD_SPECULATE=1: the speculative CPU step during 
 the rest steps on the GPU); ds_z2_offload, ds_z3_offload_both (DeepSpeed, when importable). --layers/--hidden/--vocab/--seq/--micro shrink the model for a smoke run;
 FSDPZERO_BENCH_CPU=1 runs it on CPU/gloo (correctness of the script only).
 FSDPZERO_OFFLOAD_PROFILE=1: the ours_* configs also write the offload path's per-step timeline (rank 0, JSON lines,
-fields in fsdpzero/offload_timeline.py) next to their JSON as <config>.timeline.jsonl, and the row gets
+fields in fsdpzero/offload/timeline.py) next to their JSON as <config>.timeline.jsonl, and the row gets
 "timeline_median" (the median of each scalar field over the timed steps).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""ZeRO stage 1 on GPUs: fsdpzero's stage 1 (ops/stage1.py through fsdpzero.wrap) against DeepSpeed stage 1 and
+"""ZeRO stage 1 on GPUs: fsdpzero's stage 1 (fsdpzero/ops/stage1/optimizer.py through fsdpzero.wrap) against DeepSpeed stage 1 and
 fsdpzero's stage 2 (FSDP2), with the setup of shared/spec/device_anchors.md: 0.89 B Llama, bf16 compute with fp32
 masters, AdamW lr 1e-4 wd 0.01, clip 1.0, seq 2048 x micro-batch 4 per GPU, 3 warm-up + 10 timed steps;
 communication in bf16, DeepSpeed's default for bf16 (the *_fp32reduce config reduces in fp32).
@@ -14,7 +14,7 @@ One config:
     torchrun --standalone --nproc_per_node=2 bench/stage1.py --config ours_z1 --json out/stage1/ours_z1.json
 Configs: ours_z1 (overlap_comm off: every reduce-scatter after backward), ours_z1_overlap (reduce-scatters from
 backward hooks, default 5e8-element buckets), ours_z1_overlap_b1e8 (1e8-element buckets: more overlap),
-ours_z1_fp32reduce, ours_z1_legacy / ours_z1_overlap_legacy (the stage-1 speed-ups of fsdpzero.stage1_path.KNOBS
+ours_z1_fp32reduce, ours_z1_legacy / ours_z1_overlap_legacy (the stage-1 speed-ups of fsdpzero.optim.stage1.KNOBS
 off: plain greedy buckets, a separate clip-scaling pass, no pipelined step, the all-gather finished inside step()),
 ours_z1_fwdag (FSDPZERO_STAGE1_FORWARD_ALLGATHER=1, opt-in: the all-gather finishes under the next forward), ours_z2 (fsdpzero stage 2 = FSDP2
 reshard_after_forward=False), ds_z1, ds_z2 (DeepSpeed,
@@ -93,7 +93,7 @@ def run_one(args):
         import deepspeed
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     if args.config.endswith("_legacy"):
-        from fsdpzero.stage1_path import KNOBS
+        from fsdpzero.optim.stage1 import KNOBS
         os.environ.update({env: "0" for env in KNOBS.values()})
     if args.config.endswith("_fwdag"):
         os.environ["FSDPZERO_STAGE1_FORWARD_ALLGATHER"] = "1"

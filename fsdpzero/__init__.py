@@ -20,7 +20,7 @@ _EXPORTS = {
     "Engine": "fsdpzero.engine",
     "load_config": "fsdpzero.config",
     "ConfigError": "fsdpzero.config",
-    "translate": "fsdpzero.translate",
+    "translate": "fsdpzero.plan.translate",
     "Plan": "fsdpzero.plan",
     "Env": "fsdpzero.plan",
 }

@@ -16,8 +16,12 @@ from fsdpzero.dist import broadcast_module, detect_device_type
 from fsdpzero.dist import init_distributed as init_distributed_env
 from fsdpzero.engine import Engine
 from fsdpzero.log import log_startup, setup_logging
-from fsdpzero.optim import check_optimizer, grad_path_kind, make_optimizer_factory, select_grad_path
+from fsdpzero.offload import build_offload_path
+from fsdpzero.optim import FSDPGradPath, GradPath, OptimizerFactory, check_optimizer, make_optimizer_factory
+from fsdpzero.optim.schedulers import build_scheduler
+from fsdpzero.optim.stage1 import build_stage1_path
 from fsdpzero.plan import Env, Plan
+from fsdpzero.plan.translate import build_plan
 from fsdpzero.precision import make_scaler, mp_policy, upcast_to_master
 from fsdpzero.sharding import build_mesh, is_meta, materialize, shard_home, shard_model
 
@@ -34,7 +38,6 @@ def make_plan(ds_config: Any, env: Env, context: dict | None = None) -> Plan:
     """A Plan as given, or translated from a ds_config (path, dict or JSON string) by the config layer."""
     if isinstance(ds_config, Plan):
         return ds_config
-    from fsdpzero.translate import build_plan
     return build_plan(ds_config, env, context=context or {}, strict=False)
 
 
@@ -64,7 +67,6 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
     plan = make_plan(ds_config, env, context)
     refuse_unsupported(plan)
     check_optimizer(plan, optimizer)
-    build_path = select_grad_path(plan)            # fails now, not after init, if the path is unavailable
     info = init_distributed_env(env.device_type)
     mesh = mesh if mesh is not None else build_mesh(plan, info.world_size, info.device_type)
 
@@ -83,14 +85,33 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
         materialize(model, info.device, full_state_dict, param_device=shard_home(plan, info.device))
     factory = make_optimizer_factory(plan, optimizer, device_type=info.device_type, original_params=original,
                                      param_groups=groups)
-    path = build_path(model, plan, factory, mesh)
+    path = build_grad_path(model, plan, factory, mesh)
     scheduler = _scheduler(plan, lr_scheduler, path.optimizer)
     engine = Engine(model, plan, path, lr_scheduler=scheduler, scaler=make_scaler(plan), device=info.device,
                     mesh=mesh, local_rank=info.local_rank)
-    log_startup(plan, {"world_size": info.world_size, "mesh": str(mesh), "grad_path": grad_path_kind(plan),
+    log_startup(plan, {"world_size": info.world_size, "mesh": str(mesh), "grad_path": grad_path_name(plan),
                        "blocks_sharded": len(blocks), "upcast_params": len(upcasts),
                        "optimizer": type(path.optimizer).__name__})
     return engine
+
+
+def grad_path_name(plan: Plan) -> str:
+    """Which gradient path runs this plan: "stage1", "offload" (CPU or NVMe) or "fsdp"."""
+    if plan.shard.stage == 1:
+        return "stage1"    # the stage-1 path reduces gradients itself, and offloads its own shards (cpu)
+    if plan.offload.optimizer_device in ("cpu", "nvme"):
+        return "offload"
+    return "fsdp"
+
+
+def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFactory, mesh=None) -> GradPath:
+    """The one place the gradient path is chosen (see fsdpzero.optim.grad_path for the contract)."""
+    name = grad_path_name(plan)
+    if name == "stage1":
+        return build_stage1_path(model, plan, make_optimizer, mesh)
+    if name == "offload":
+        return build_offload_path(model, plan, make_optimizer, mesh)
+    return FSDPGradPath(model, make_optimizer([p for p in model.parameters() if p.requires_grad]))
 
 
 def _param_groups(model_parameters) -> list[dict] | None:
@@ -110,7 +131,6 @@ def _scheduler(plan: Plan, client: Any, optimizer: torch.optim.Optimizer):
         return client if hasattr(client, "step") else client(optimizer)
     if plan.scheduler.type is None:
         return None
-    from fsdpzero.schedulers import build_scheduler
     return build_scheduler(plan.scheduler, optimizer)
 
 

@@ -74,3 +74,8 @@ def broadcast_module(module: torch.nn.Module, src: int = 0) -> None:
         return
     for t in list(module.parameters()) + list(module.buffers()):
         dist.broadcast(t.data, src=src)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard, any other tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t

@@ -16,7 +16,7 @@ from fsdpzero.log import StepPrinter, Timers
 from fsdpzero.loss_scaler import DeferredVerdict
 from fsdpzero.optim import GradPath, clip_factor
 from fsdpzero.plan import Plan
-from fsdpzero.precision import autocast, checks_overflow
+from fsdpzero.precision import DTYPES, autocast, checks_overflow
 
 
 class Engine(nn.Module):
@@ -45,7 +45,7 @@ class Engine(nn.Module):
         self._printer = StepPrinter(plan.batch.steps_per_print, self.timers)
         # Overflow checks without a host sync: the optimizer skips on the device, the fp16 scaler updates its scale
         # there too, and the host learns the verdict one step later (see _settle).
-        self._defer_verdict = (checks_overflow(plan) and getattr(path, "can_skip_on_device", lambda: False)()
+        self._defer_verdict = (checks_overflow(plan) and path.can_skip_on_device()
                                and (lr_scheduler is None or hasattr(lr_scheduler, "rewind"))
                                and os.environ.get("FSDPZERO_SYNC_OVERFLOW_CHECK") != "1")
         if self._defer_verdict and scaler is not None:
@@ -194,9 +194,7 @@ class Engine(nn.Module):
         """Afterwards the model holds the last step's weights: a path may still be moving them after step() (a
         stage-1 all-gather finished by the next forward, an overlapped CPU step). Saving calls it; so should any
         code that reads the parameters directly instead of through a forward or state_dict()."""
-        wait = getattr(self.grad_path, "wait", None)
-        if wait is not None:
-            wait()
+        self.grad_path.wait()
 
     # -- state for checkpoints ---------------------------------------------------------------------------------
     def client_state(self) -> dict:
@@ -208,26 +206,26 @@ class Engine(nn.Module):
                 "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, **options):
-        """DeepSpeed's signature; options: keep_last, async_save (see fsdpzero.checkpoint)."""
-        from fsdpzero.engine_checkpoint import save_engine
+        """DeepSpeed's signature; options: keep_last, async_save (see fsdpzero.checkpoint.dcp)."""
+        from fsdpzero.checkpoint.engine_state import save_engine
         self.wait_for_params()
         return save_engine(self, save_dir, tag, client_state, save_latest, **options)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
                         load_module_only=False):
         """-> (path, client_state); (None, None) when there is nothing to load, as DeepSpeed."""
-        from fsdpzero.engine_checkpoint import load_engine
+        from fsdpzero.checkpoint.engine_state import load_engine
         self._settle()          # a pending verdict belongs to the state being replaced, not to the loaded one
         return load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
 
     def save_16bit_model(self, save_dir, save_filename="model.safetensors", exclude_frozen_parameters=False):
-        """Consolidated weights in the compute dtype for from_pretrained (see fsdpzero.export)."""
-        from fsdpzero.export import save_16bit_model
+        """Consolidated weights in the compute dtype for from_pretrained (see fsdpzero.checkpoint.export)."""
+        from fsdpzero.checkpoint.export import save_16bit_model
         self.wait_for_params()
-        dtype = getattr(torch, self.plan.precision.param_dtype)
+        dtype = DTYPES[self.plan.precision.param_dtype]
         return save_16bit_model(self.module, save_dir, dtype=None if dtype == torch.float32 else dtype,
                                 filename=save_filename, exclude_frozen_parameters=exclude_frozen_parameters,
-                                param_swapper=getattr(self.grad_path, "param_swapper", None))
+                                param_swapper=self.grad_path.param_swapper)
 
     def load_client_state(self, state: dict) -> None:
         for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from fsdpzero.plan import Plan
+from fsdpzero.plan.report import fate_counts, fate_table
 
 log = logging.getLogger("fsdpzero")
 
@@ -36,9 +37,8 @@ def log_startup(plan: Plan, extra: dict) -> None:
         return
     log.info("effective plan:\n%s", json.dumps({**plan.to_dict(), **extra}, indent=1, default=str))
     if plan.decisions:
-        w = max(len(d.key) for d in plan.decisions)
-        rows = [f"  {d.key:<{w}}  {d.status:<12} {d.detail}" for d in plan.decisions]
-        log.info("config decisions (%d keys):\n%s", len(rows), "\n".join(rows))
+        counts = ", ".join(f"{n} {s}" for s, n in fate_counts(plan, show_all=True).items())
+        log.info("config keys (%s):\n%s", counts, fate_table(plan, show_all=True))
 
 
 class Timers:

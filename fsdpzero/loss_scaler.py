@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from fsdpzero.log import is_rank0
 from fsdpzero.plan import LossScalePlan
+from fsdpzero.dist import local_tensor
 
 log = logging.getLogger(__name__)
 
@@ -202,10 +203,6 @@ def make_loss_scaler(plan: LossScalePlan | None) -> DynamicLossScaler | StaticLo
                              plan.hysteresis, plan.consecutive_hysteresis)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # DTensor shard: each rank checks what it holds
-
-
 def found_inf(grads_or_norm: torch.Tensor | Iterable[torch.Tensor | None], process_group=None) -> bool:
     """True on every rank if any rank holds an inf/nan gradient (or a non-finite norm): one MAX all-reduce.
 
@@ -213,9 +210,9 @@ def found_inf(grads_or_norm: torch.Tensor | Iterable[torch.Tensor | None], proce
     locally and the verdict agreed over `process_group` (default: the world).
     """
     if isinstance(grads_or_norm, torch.Tensor):
-        tensors = [_local(grads_or_norm)]
+        tensors = [local_tensor(grads_or_norm)]
     else:
-        tensors = [_local(g) for g in grads_or_norm if g is not None]
+        tensors = [local_tensor(g) for g in grads_or_norm if g is not None]
     tensors = [t for t in tensors if t.numel() > 0]
     if tensors:
         # max |g| is non-finite iff some element is; a sum could overflow on large finite fp16 values.

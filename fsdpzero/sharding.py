@@ -9,7 +9,7 @@ Stage 0 is FSDP2 on a (world, 1) mesh, i.e. replicate across ranks and shard ove
 same `fully_shard` code then carries every stage, so bf16/fp16 `MixedPrecisionPolicy` with fp32 masters,
 `set_requires_gradient_sync` accumulation and the DTensor global grad norm work identically at stage 0; the
 all-reduce still overlaps backward per block, which is what DDP's buckets do. Stage 1 is left unwrapped: the
-stage-1 gradient path (fsdpzero.stage1_path) reduces gradients and shards the optimizer itself.
+stage-1 gradient path (fsdpzero.optim.stage1) reduces gradients and shards the optimizer itself.
 """
 from __future__ import annotations
 

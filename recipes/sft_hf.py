@@ -23,7 +23,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import fsdpzero.hf
-from fsdpzero.data import ByteTokenizer, HFTokenizer, InstructionDataset, build_loader
+from corpus import ByteTokenizer, HFTokenizer, InstructionDataset, build_loader
 from fsdpzero.monitor import Monitor
 from recipe_utils import RecipeError, ds_config_dict, rank_and_world, run_main, setup_run_dir, write_loss_curve
 

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import fsdpzero
-from fsdpzero.data import PackedLMDataset, build_loader
+from corpus import PackedLMDataset, build_loader
 from fsdpzero.monitor import Monitor
 from recipe_utils import (RecipeError, ds_config_dict, latest_checkpoint, rank_and_world, run_main, setup_run_dir,
                           write_loss_curve)

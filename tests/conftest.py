@@ -5,7 +5,16 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
+
+# The recipes are scripts run from their own folder (their modules import each other by bare name, as under
+# torchrun); tests import them the same way.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+# One build cache for the run: our ops and DeepSpeed's (the oracle's CPU Adam builds once, ~135 s on 2 cores).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".torch_extensions"))
 
 
 def pytest_collection_modifyitems(config, items):

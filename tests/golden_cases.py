@@ -1,5 +1,5 @@
-"""The GPU loss-parity cases shared by tests/assets/make_ds_golden.py (DeepSpeed writes the golden curves) and
-tests/test_gpu_golden.py (fsdpzero must follow them): a small Llama built from a config, fixed token batches, one
+"""The GPU loss-parity cases shared by tests/generators/make_ds_golden.py (DeepSpeed writes the golden curves) and
+tests/engine/test_gpu_golden.py (fsdpzero must follow them): a small Llama built from a config, fixed token batches, one
 ds_config per case, and the DeepSpeed-shaped loop both engines run unchanged.
 
 The data is a pool of POOL batches per rank cycled over the steps, so the model memorises it and the loss falls

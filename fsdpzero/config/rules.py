@@ -2,6 +2,8 @@
 adds because DeepSpeed would silently ignore a setting (offload_param below stage 3, NVMe without a path)."""
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 from fsdpzero.config.errors import Problem, did_you_mean
 from fsdpzero.config.schema import DSConfig
 
@@ -208,3 +210,18 @@ def _check_scheduler(name: str | None, params: dict, deferred: list[str]) -> lis
                                f"set scheduler.params.{key}" + (' (or "auto" with max_steps known)'
                                                                 if key == "total_num_steps" else "")))
     return out
+
+
+def canonical_optimizer(name: str | None, params: Mapping[str, Any]) -> str | None:
+    """DeepSpeed's optimizer name as the plan spells it: "adamw"/"adam" per adam_w_mode, DeepSpeed's own lower-cased,
+    a torch.optim class name kept exact."""
+    if name is None:
+        return None
+    low = name.lower()
+    if low == "adamw":
+        return "adamw"                          # DeepSpeed: "AdamW" is AdamW whatever adam_w_mode says
+    if low == "adam":
+        return "adamw" if params.get("adam_w_mode", True) else "adam"
+    if optimizer_kind(name) == "ds" or name in ("SGD", "Adagrad"):
+        return low
+    return name                                 # a torch.optim class name, kept exact

@@ -1,0 +1,92 @@
+"""Checkpoint conversion from the files alone, no process group: our DCP checkpoint -> consolidated safetensors
+(`dcp_to_safetensors`), a DeepSpeed checkpoint -> our layout (`deepspeed_to_ours`). `fsdpzero convert`
+(fsdpzero.cli.convert) is the command line over these.
+
+Our checkpoints are read tensor by tensor through DCP's reader (dcp.load(no_dist=True) into one shard's worth of
+empty tensors at a time), so memory stays near one output shard. A DeepSpeed checkpoint becomes our layout: state
+"train" = {"model": fp32 weights, "optim": AdamW state by parameter name}, plus counters and the loss scaler, so an
+engine (or ModelOptimizer + AdamW) resumes where DeepSpeed stopped.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def model_keys(metadata) -> dict[str, str]:
+    """DCP keys of model weights in one of our checkpoints -> parameter FQN (state/<name>/model/<fqn>)."""
+    out = {}
+    for key in metadata.state_dict_metadata:
+        parts = key.split("/")
+        if len(parts) == 4 and parts[0] == "state" and parts[2] == "model":
+            out[key] = parts[3]
+    return out
+
+
+def dcp_to_safetensors(ckpt_dir: str | Path, tag: str | None = None, out: str | Path | None = None, *,
+                       dtype=None, max_shard_size: int | str = "5GB") -> Path:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from fsdpzero.checkpoint.dcp import checkpoint_problems, resolve_tag
+    from fsdpzero.checkpoint.export import write_sharded
+    path = Path(ckpt_dir) if (Path(ckpt_dir) / ".metadata").is_file() and tag is None else resolve_tag(ckpt_dir, tag)
+    problems = checkpoint_problems(path)
+    if problems:
+        raise SystemExit(f"checkpoint {path} is incomplete:\n  " + "\n  ".join(problems))
+    meta = dcp.FileSystemReader(path).read_metadata()
+    keys = model_keys(meta)
+    if not keys:
+        raise SystemExit(f"{path}: no model weights (state/<name>/model/<fqn>) in this checkpoint")
+    by_fqn = {fqn: key for key, fqn in keys.items()}
+
+    def out_dtype(md):
+        return dtype if dtype is not None and md.properties.dtype.is_floating_point else md.properties.dtype
+
+    specs = [(fqn, out_dtype(meta.state_dict_metadata[key]), tuple(meta.state_dict_metadata[key].size))
+             for key, fqn in keys.items()]
+
+    def load(names):   # one dcp.load per output file: a file's tensors are in memory at once
+        buf = {by_fqn[n]: torch.empty(meta.state_dict_metadata[by_fqn[n]].size,
+                                      dtype=meta.state_dict_metadata[by_fqn[n]].properties.dtype) for n in names}
+        dcp.load(buf, checkpoint_id=path, no_dist=True)
+        return [buf[by_fqn[n]].to(out_dtype(meta.state_dict_metadata[by_fqn[n]])) for n in names]
+
+    out = Path(out) if out else path.parent / f"{path.name}-safetensors"
+    write_sharded(out, specs, load, max_shard_size=max_shard_size)
+    return out
+
+
+def deepspeed_to_ours(ds_dir: str | Path, tag: str | None = None, out: str | Path | None = None, *, to: str = "dcp",
+                      dtype=None, max_shard_size: int | str = "5GB", trainable_names: list[str] | None = None) -> Path:
+    from fsdpzero.checkpoint import deepspeed as ds_checkpoint
+    st = ds_checkpoint.training_state(ds_dir, tag, trainable_names)
+    tag = st["tag"]
+    if to in ("safetensors", "fp32"):
+        from fsdpzero.checkpoint.export import save_state_dict
+        out = Path(out) if out else Path(ds_dir) / f"{tag}-safetensors"
+        save_state_dict(st["weights"], out, dtype=dtype, max_shard_size=max_shard_size)
+        return out
+    import torch
+
+    from fsdpzero.checkpoint import dcp as ck
+    model, seen = {}, set()
+    for k, v in st["weights"].items():  # tied params arrive aliased; DCP wants one tensor per key
+        v = v.float() if v.is_floating_point() else v
+        model[k] = v.clone() if id(v) in seen else v.contiguous()
+        seen.add(id(v))
+    names = list(st["adam"])
+    if len(st["param_groups"]) != 1:
+        raise NotImplementedError(f"{ds_dir}: {len(st['param_groups'])} DeepSpeed param groups; only one is supported")
+    group = dict(st["param_groups"][0], params=names)
+    optim = {"state": {n: {k: (v.contiguous() if torch.is_tensor(v) else v) for k, v in s.items()}
+                       for n, s in st["adam"].items()}, "param_groups": [group]}
+    state = {"train": {"model": model, "optim": optim},
+             "counters": {**{k: v for k, v in st["counters"].items() if v is not None},
+                          "source": f"deepspeed:{Path(ds_dir).resolve()}:{tag}"}}
+    if st["loss_scaler"]:
+        state["loss_scaler"] = st["loss_scaler"]
+    out = Path(out) if out else Path(ds_dir) / "fsdpzero"
+    # DeepSpeed's client_state may hold anything; keep what JSON can carry
+    client = {k: v for k, v in st["client_state"].items() if isinstance(v, (int, float, str, bool, type(None)))}
+    ck.save_checkpoint(out, tag, state, client, save_rng=False, no_dist=True)  # this process writes it all
+    return out

@@ -1,0 +1,350 @@
+"""Sharded, atomic checkpoints in DeepSpeed's directory layout, through torch.distributed.checkpoint (DCP).
+
+    <save_dir>/latest                 the tag of the newest complete checkpoint (replaced atomically)
+    <save_dir>/<tag>/                 default tag "global_step{N}"
+        .metadata, __{rank}_0.distcp  DCP: every tensor, sharded as it was live; loads on any number of ranks
+        state.json                    every non-tensor value (hyperparameters, scheduler, scaler, counters)
+        client_state.json             the caller's client_state
+        rng_{rank}.safetensors        per-rank RNG states
+        fsdpzero_complete.json        the manifest, written last: files and sizes
+
+Crash safety: ranks write into <save_dir>/.tmp-<tag>/, rank 0 fsyncs, writes the manifest, renames the directory to
+<tag>, and only then replaces `latest` (write a temp file, fsync, rename); fsdpzero.checkpoint.files does that part.
+A crash at any point leaves `latest` naming the previous complete checkpoint. Nothing is pickled: tensors go to DCP,
+everything else to JSON (DCP would pickle non-tensor values and read them back with weights_only=False).
+This module is the flow: the state split into DCP tensors and JSON, saved (sync or async), loaded and resharded.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+# MANIFEST, checkpoint_problems and resolve_tag are imported from here too (engine_checkpoint, convert, tests)
+from fsdpzero.checkpoint.files import MANIFEST, checkpoint_problems, crash_point, finalize_checkpoint, resolve_tag
+from fsdpzero.checkpoint.stream import StreamingLoadPlanner, StreamingSavePlanner, materialize, streamed_state
+
+_SEP = "/"  # joins nested keys; FQNs contain dots, never slashes
+_pending: "PendingSave | None" = None
+_pending_registered = False
+_async_group = None  # background saves use their own process group, so they never interleave with training's
+
+
+class ModelOptimizer(Stateful):
+    """Model + optimizer as DCP state: FQN-keyed, sharded (DTensor) entries, so a load reshards N -> M ranks."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        if self.optimizer is None:
+            return {"model": get_state_dict(self.model, [])[0]}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if self.optimizer is None:
+            set_state_dict(self.model, [], model_state_dict=sd["model"], optim_state_dict={})
+            return
+        from fsdpzero.optim import keeping_impl_flags
+        with keeping_impl_flags(self.optimizer):
+            set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"],
+                           optim_state_dict=sd.get("optim", {}))
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+# ---- nested state <-> (flat tensors for DCP, JSON for the rest) -------------------------------------------------
+
+def _materialize(state: dict) -> dict:
+    return {k: (v.state_dict() if isinstance(v, Stateful) or hasattr(v, "load_state_dict") else v)
+            for k, v in state.items()}
+
+
+def _split(obj: Any, prefix: str, tensors: dict, where: str) -> Any:
+    """Move tensors into `tensors` (by path) and return the JSON-able remainder with a marker in their place."""
+    if isinstance(obj, torch.Tensor):
+        tensors[prefix] = obj
+        return {"__tensor__": prefix}
+    if isinstance(obj, dict):
+        for k in obj:
+            if not isinstance(k, (str, int)) or _SEP in str(k):
+                raise TypeError(f"checkpoint state key {where}{_SEP}{k!r}: keys must be str/int without {_SEP!r}")
+        return {"__dict__": [[k, _split(v, f"{prefix}{_SEP}{k}", tensors, f"{where}{_SEP}{k}")]
+                             for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        items = [_split(v, f"{prefix}{_SEP}{i}", tensors, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return {"__tuple__": items} if isinstance(obj, tuple) else items
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"checkpoint state {where} = {type(obj).__name__}: only tensors, numbers, strings, None, lists, "
+                    f"tuples and dicts can be saved (no pickle); convert it, e.g. to a tensor or a string")
+
+
+def _join(obj: Any, tensors: dict, live: Any = None) -> Any:
+    """Inverse of _split. Saved subtrees holding tensors that the live state does not have are left out (e.g. the
+    optimizer when loading the model only)."""
+    if isinstance(obj, list):
+        return [_join(v, tensors, live[i] if isinstance(live, (list, tuple)) and i < len(live) else None)
+                for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__tuple__" in obj:
+            return tuple(_join(v, tensors) for v in obj["__tuple__"])
+        out = {}
+        for k, v in obj["__dict__"]:
+            if isinstance(live, dict) and k not in live and "__tensor__" in json.dumps(v):
+                continue
+            out[k] = _join(v, tensors, live.get(k) if isinstance(live, dict) else None)
+        return out
+    return obj
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    version, mt, gauss = random.getstate()
+    out = {"torch_cpu": torch.get_rng_state(), "python_mt": torch.tensor(mt, dtype=torch.int64),
+           "python_meta": torch.tensor([version, gauss is not None, 0 if gauss is None else 1], dtype=torch.int64),
+           "python_gauss": torch.tensor([0.0 if gauss is None else gauss], dtype=torch.float64)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out.update({f"cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return out
+
+
+def _set_rng_state(st: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(st["torch_cpu"])
+    version, has_gauss, _ = st["python_meta"].tolist()
+    random.setstate((version, tuple(st["python_mt"].tolist()),
+                     float(st["python_gauss"][0]) if has_gauss else None))
+    cuda = [st[k] for k in sorted((k for k in st if k.startswith("cuda_")), key=lambda k: int(k[5:]))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda[:torch.cuda.device_count()])
+
+
+# ---- save -----------------------------------------------------------------------------------------------------
+
+WRITER_THREADS = int(os.environ.get("FSDPZERO_CKPT_WRITER_THREADS", "4"))
+
+
+class PendingSave:
+    """An async save in flight. result() waits for the data and finishes the checkpoint (rename, `latest`)."""
+
+    def __init__(self, future, finish):
+        self._future, self._finish, self._path = future, finish, None
+
+    def done(self) -> bool:
+        return self._path is not None or self._future.done()
+
+    def result(self) -> Path:
+        global _pending
+        if self._path is None:
+            self._future.result()
+            self._path = self._finish()
+            if _pending is self:
+                _pending = None
+        return self._path
+
+
+def wait_for_pending_save() -> Path | None:
+    """Block until the previous async save (if any) is complete on disk."""
+    return _pending.result() if _pending is not None else None
+
+
+def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_state: dict | None = None, *,
+                    step: int | None = None, save_latest: bool = True, keep_last: int | None = None,
+                    async_save: bool = False, save_rng: bool = True, no_dist: bool = False) -> Path | PendingSave:
+    """Save `state` ({name: Stateful | tensor | nested dict}) under <save_dir>/<tag>; collective over all ranks.
+
+    tag defaults to f"global_step{step}". With async_save the tensors are staged to CPU and written in the
+    background; the returned PendingSave's result() (or the next save) completes the checkpoint. no_dist: this
+    process alone writes the whole state (offline conversion), even if a process group exists.
+    """
+    global _pending
+    wait_for_pending_save()
+    if tag is None:
+        if step is None:
+            raise ValueError("save_checkpoint: pass tag=... or step=N (the default tag is f'global_step{N}')")
+        tag = f"global_step{step}"
+    tag = str(tag)
+    if not tag or "/" in tag or tag.startswith("."):
+        raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain directory name (no '/', not hidden)")
+    save_dir = Path(save_dir)
+    tmp = save_dir / f".tmp-{tag}"
+    distributed = dist.is_initialized() and not no_dist
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    tensors: dict[str, torch.Tensor] = {}
+    rest = _split(_materialize(state), "state", tensors, "state")
+    streamed = {k: s for k, t in tensors.items() if (s := streamed_state(t)) is not None}   # NVMe states
+    if async_save:   # staged up front anyway: read them now
+        tensors.update({k: materialize(tensors[k]) for k in streamed})
+        streamed = {}
+    client_json = json.dumps(_split(client_state or {}, "client", {}, "client_state"))  # no tensors allowed there
+    if rank == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of this tag
+        tmp.mkdir()
+        (tmp / "state.json").write_text(json.dumps(rest))
+        (tmp / "client_state.json").write_text(client_json)
+    if distributed:
+        dist.barrier()
+    if save_rng:
+        save_file(_rng_state(), tmp / f"rng_{rank}.safetensors")
+    crash_point("before_data")
+    # several writer threads per rank (a file each): one thread left a ~1B-model save disk-latency bound
+    writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=WRITER_THREADS)
+
+    def finish() -> Path:
+        crash_point("mid_write")
+        if rank == 0:
+            finalize_checkpoint(save_dir, tag, tmp, save_latest, keep_last, world)
+        return save_dir / tag
+
+    if async_save:
+        global _async_group, _pending_registered
+        if distributed and _async_group is None:
+            _async_group = dist.new_group(backend="gloo")
+        future = dcp.async_save(tensors, storage_writer=writer, process_group=_async_group, no_dist=not distributed)
+        if not _pending_registered:
+            atexit.register(wait_for_pending_save)  # a run that ends right after an async save still completes it
+            _pending_registered = True
+        _pending = PendingSave(future, finish)
+        return _pending
+    planner = None
+    if streamed:   # the serial loader: one streamed tensor per writer thread at a time (checkpoint_stream)
+        planner = StreamingSavePlanner(streamed)
+        writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=WRITER_THREADS, per_thread_copy_ahead=0)
+    try:
+        dcp.save(tensors, storage_writer=writer, planner=planner, no_dist=not distributed)
+    finally:
+        if planner is not None:
+            planner.finish()
+    if planner is not None:
+        _log_streamed("saved", planner)
+    path = finish()
+    if distributed:
+        dist.barrier()
+    return path
+
+
+def _log_streamed(what: str, planner) -> None:
+    b = planner.bytes
+    if _rank() == 0:
+        logging.getLogger("fsdpzero").info("checkpoint: %s %.2f GiB of on-disk state streamed, at most "
+                                           "%.1f MiB of it in memory at once (rank 0)", what, b.total / 2**30,
+                                           b.peak / 2**20)
+
+
+# ---- loading across layouts ------------------------------------------------------------------------------------
+
+def _full_where_layout_differs(template: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    """Entries saved with another shape of the same numel (a stage-1 flat (numel,) state against a stage 0/2/3
+    parameter-shaped one, either way) are read in full, in the saved dtype, into plain CPU tensors that replace them
+    in `template`; the live tensors are returned by key, for _copy_full_into after the load. Memory: every such entry
+    is held whole on every rank for the duration of the load (a one-time cost of a cross-layout resume: about 12
+    bytes per parameter for fp32 weights and two Adam moments)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    relaid = {}
+    for key, t in template.items():
+        md = saved.get(key)
+        if isinstance(md, TensorStorageMetadata) and tuple(md.size) != tuple(t.shape) and md.size.numel() == t.numel():
+            relaid[key] = t
+            template[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    return relaid
+
+
+@torch.no_grad()
+def _copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
+    """target <- full, reshaped to target's (global) shape; a DTensor takes only its own local piece, cut as DTensor
+    cuts it (torch.chunk along each sharded dim, mesh dim by mesh dim), with no communication."""
+    full, s = full.reshape(target.shape), streamed_state(target)   # s: an NVMe state, written to its swap file
+    if not hasattr(target, "to_local"):
+        if s is not None:
+            s.write(full.to(s.dtype).contiguous())
+        else:
+            target.copy_(full)
+        return
+    piece, coord = full, target.device_mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(target.placements):
+        if placement.is_shard():
+            dim = placement.dim
+            chunks = torch.chunk(piece, target.device_mesh.size(mesh_dim), dim=dim)
+            piece = chunks[coord[mesh_dim]] if coord[mesh_dim] < len(chunks) else piece.narrow(dim, 0, 0)
+        elif not placement.is_replicate():
+            raise NotImplementedError(f"loading a checkpoint entry into a DTensor placed {target.placements}")
+    local = torch.empty(s.local_shape, device="meta") if s is not None else target.to_local()
+    if piece.shape != local.shape:
+        raise RuntimeError(f"checkpoint entry of shape {tuple(full.shape)}: this rank's piece is {tuple(piece.shape)}, "
+                           f"its live shard {tuple(local.shape)}")
+    if s is not None:
+        s.write(piece.to(s.dtype).contiguous())
+    else:
+        local.copy_(piece)
+
+
+def load_checkpoint(load_dir: str | Path, tag: str | None = None, state: dict | None = None, *,
+                    load_rng: bool = True) -> tuple[Path, dict]:
+    """Load <load_dir>/<tag or latest> into `state` (same structure as saved; Stateful objects get
+    load_state_dict, dicts are updated in place). Reshards to the current world size. Returns (path, client_state).
+    Keys of `state` that the checkpoint lacks raise; keys left out of `state` are not loaded. A tensor saved in
+    another shape of the same size (another stage's optimizer layout) is read whole and cut to the live layout."""
+    path = resolve_tag(load_dir, tag)
+    problems = checkpoint_problems(path)
+    if problems:
+        raise FileNotFoundError(f"checkpoint {path} is incomplete:\n  " + "\n  ".join(problems))
+    saved = json.loads((path / "state.json").read_text())
+    state = state if state is not None else {}
+    saved_top = dict(saved["__dict__"])
+    missing = [k for k in state if k not in saved_top]
+    if missing:
+        raise KeyError(f"checkpoint {path} has no {missing}; it has {sorted(saved_top)}")
+    live = _materialize(state)
+    template: dict[str, torch.Tensor] = {}
+    _split({k: live[k] for k in state}, "state", template, "state")
+    relaid = _full_where_layout_differs(template, path)
+    streamed = {k: s for k, t in template.items() if (s := streamed_state(t)) is not None}   # NVMe states
+    planner = StreamingLoadPlanner(streamed) if streamed else None
+    dcp.load(template, checkpoint_id=path, planner=planner)
+    if planner is not None:
+        planner.finish()
+        _log_streamed("loaded", planner)
+    for key, target in relaid.items():
+        _copy_full_into(target, template[key])
+        template[key] = target
+    loaded = {k: _join(saved_top[k], template, live[k]) for k in state}
+    for k, target in state.items():
+        if isinstance(target, Stateful) or hasattr(target, "load_state_dict"):
+            target.load_state_dict(loaded[k])
+        elif isinstance(target, dict):
+            target.clear()
+            target.update(loaded[k])
+        elif isinstance(target, torch.Tensor):
+            target.copy_(loaded[k])
+        else:
+            raise TypeError(f"load_checkpoint: state[{k!r}] is a {type(target).__name__}; pass a Stateful, a dict "
+                            f"or a tensor so it can be loaded in place")
+    rng = path / f"rng_{_rank()}.safetensors"
+    manifest = json.loads((path / MANIFEST).read_text())
+    if load_rng and rng.is_file() and manifest["world_size"] == _world():
+        _set_rng_state(load_file(rng))
+    client = json.loads((path / "client_state.json").read_text())
+    return path, _join(client, {})
+

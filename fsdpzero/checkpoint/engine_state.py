@@ -1,0 +1,220 @@
+"""The Engine's checkpoints: DeepSpeed's engine.save_checkpoint / load_checkpoint on top of fsdpzero.checkpoint.dcp.
+
+State keys: "train" = {"model", "optim"} (what `fsdpzero convert --from deepspeed --to dcp` writes too), "engine" =
+the engine's counters, scheduler and loss scaler. A DeepSpeed save_dir given to load is converted once into
+<dir>/.fsdpzero-<tag>/ and loaded from there. Any stage loads any other stage's checkpoint (EngineState).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
+
+from fsdpzero.checkpoint.dcp import MANIFEST, PendingSave, checkpoint_problems, load_checkpoint, resolve_tag, save_checkpoint
+from fsdpzero.checkpoint.stream import streamed_state
+
+log = logging.getLogger(__name__)
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+class EngineState(Stateful):
+    """The engine's model + optimizer (through its gradient path) under the key "train", as the converter writes.
+
+    Loading, `saved_masters` says whether the checkpoint's optimizer state holds fp32 "master" entries (stage 1 and
+    offload write them; stage 0/2/3 and converted DeepSpeed checkpoints do not: their fp32 model weights are the
+    masters). When the checkpoint and the live path disagree, the fp32 weights cross over: a live master is read
+    from the saved model weight, or a live fp32 weight from the saved master. Shapes may differ too (stage 1 keeps
+    flat per-parameter states): fsdpzero.checkpoint.dcp.load_checkpoint reads those whole and cuts them to the live layout.
+    So any stage's checkpoint resumes on any other stage."""
+
+    def __init__(self, engine, with_optimizer: bool = True, saved_masters: bool | None = None):
+        self.engine, self.with_optimizer, self.saved_masters = engine, with_optimizer, saved_masters
+        self._crossed: str | None = None   # "to_masters" / "to_weights": how the last state_dict() moved masters
+        self._live_groups: list[dict] = []
+        self._swapper = None               # offload_param nvme's ParamSwapper when the shards stream
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        path = self.engine.grad_path   # NVMe states stream through DCP instead of being read into memory here
+        stream = path.streams_checkpoints and os.environ.get("FSDPZERO_CKPT_STREAM", "1") != "0"
+        # offload_param nvme: the param shards stream too, so no unit is brought back for the checkpoint (with
+        # the optimizer only: a module-only load must refresh the masters through load_state_dict's hooks)
+        self._swapper = path.param_swapper if stream and self.with_optimizer else None
+        with self._swapper.lazy() if self._swapper is not None else contextlib.nullcontext():
+            sd = {"model": get_model_state_dict(self.engine.module)}
+            slots = _stream_param_entries(sd["model"], self._swapper) if self._swapper is not None else {}
+            if not self.with_optimizer:
+                return sd
+            sd["optim"] = optim = path.state_dict(streaming=True) if stream else path.state_dict()
+        self._live_groups, self._crossed = optim.get("param_groups", []), None
+        state = optim.get("state", {})
+        live_masters = any("master" in entry for entry in state.values())
+        if self.saved_masters and slots:   # a load: each shard is written once, from its master
+            _drop_mastered(sd["model"], slots, state)
+        if self.saved_masters is None or live_masters == self.saved_masters:
+            return sd
+        if live_masters:     # fill the live masters from the saved fp32 model weights
+            for name, entry in state.items():
+                sd["model"][_clean_fqn(name)] = entry.pop("master")
+            self._crossed = "to_masters"
+        else:                # fill the live fp32 model weights from the saved masters
+            for name, entry in state.items():
+                entry["master"] = sd["model"].pop(_clean_fqn(name))
+            moved = {_data_ptr(entry["master"]) for entry in state.values()}
+            for key in [k for k, v in sd["model"].items() if _data_ptr(v) in moved]:
+                del sd["model"][key]   # a tied alias (lm_head of wte) would load the saved 16-bit copy over it
+            self._crossed = "to_weights"
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        from fsdpzero.optim import keeping_impl_flags
+        model, strict = sd["model"], self._crossed is None
+        if self.with_optimizer:
+            optim = sd["optim"]
+            if self._crossed == "to_masters":   # copies: loading the weights may refresh masters from them (offload)
+                for name, entry in optim["state"].items():
+                    entry["master"] = model.pop(_clean_fqn(name)).detach().clone()
+            elif self._crossed == "to_weights":
+                for name, entry in optim["state"].items():
+                    model[_clean_fqn(name)] = entry.pop("master")
+            for saved, live in zip(optim.get("param_groups", []), self._live_groups):
+                for key in ("params", "param_names"):   # torch groups list "params", stage 1's "param_names"
+                    if key in live:
+                        saved[key] = live[key]
+                    else:
+                        saved.pop(key, None)
+        if self._swapper is not None:   # the shards were written as DCP read them; no load_state_dict hooks
+            with self._swapper.lazy():
+                _load_buffers(self.engine.module, {k: v for k, v in model.items() if streamed_state(v) is None})
+                with keeping_impl_flags(self.engine.grad_path.optimizer):
+                    self.engine.grad_path.load_state_dict(optim)
+            return
+        set_model_state_dict(self.engine.module, model, options=StateDictOptions(strict=strict))
+        if self.with_optimizer:
+            with keeping_impl_flags(self.engine.grad_path.optimizer):
+                self.engine.grad_path.load_state_dict(optim)
+
+
+def _stream_param_entries(model_sd: dict, swapper) -> dict:
+    """Each swapped param shard's entry becomes a streamed one (read or written by DCP when it gets there).
+    Returns key -> the shard's (unit, index) in the swapper."""
+    slots = {k: swapper.slot(t) for k, t in model_sd.items() if isinstance(t, torch.Tensor)}
+    slots = {k: v for k, v in slots.items() if v is not None}
+    for key in slots:
+        model_sd[key] = swapper.streamed_shard(model_sd[key])
+    return slots
+
+
+def _drop_mastered(model_sd: dict, slots: dict, optim_state: dict) -> None:
+    """Loading a checkpoint that has masters, the shards they stream into (NVMeGradPath._master_loaded, or the
+    shard itself when it is its own fp32 master) need not be written from the saved weights too (aliases of a
+    tied weight included): the in-memory path's optimizer load overwrites them from the masters as well."""
+    mastered = {slots[_clean_fqn(name)] for name, entry in optim_state.items()
+                if streamed_state(entry.get("master")) is not None and _clean_fqn(name) in slots}
+    for key in [k for k, slot in slots.items() if slot in mastered]:
+        del model_sd[key]
+
+
+@torch.no_grad()
+def _load_buffers(module, entries: dict) -> None:
+    """The model entries that are not swapped params (persistent buffers), copied in place; FSDP2's and the
+    swapper's load_state_dict hooks would bring every unit into memory."""
+    buffers = {_clean_fqn(n): b for n, b in module.named_buffers()}
+    unknown = sorted(k for k in entries if k not in buffers)
+    if unknown:
+        raise RuntimeError(f"checkpoint load (offload_param nvme): {unknown[:5]} are neither swapped parameter "
+                           f"shards nor buffers of the model; set FSDPZERO_CKPT_STREAM=0 to load them the slow way")
+    for k, v in entries.items():
+        buffers[k].copy_(v.to_local() if hasattr(v, "to_local") else v)
+
+
+def _data_ptr(t) -> int:
+    return (t.to_local() if hasattr(t, "to_local") else t).data_ptr()
+
+
+def _has_optimizer_masters(path: Path) -> bool:
+    """Offload (and stage-1) checkpoints store each param's fp32 "master" with its optimizer state; a plain FSDP
+    checkpoint does not (its sharded fp32 model weights are the masters)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return any("/optim/state/" in k and k.endswith("/master") for k in keys)
+
+
+def save_engine(engine, save_dir, tag=None, client_state=None, save_latest=True, **options) -> Path | PendingSave:
+    state = {"train": EngineState(engine), "engine": engine.client_state()}
+    return save_checkpoint(save_dir, tag, state, client_state, step=engine.global_steps, save_latest=save_latest,
+                           **options)
+
+
+def _clean_fqn(name: str) -> str:
+    """Parameter name as the unwrapped model has it (activation-checkpoint and torch.compile wrappers removed)."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def _from_deepspeed(engine, load_dir: Path, tag: str | None) -> tuple[Path, str | None]:
+    """A DeepSpeed checkpoint dir: convert it once (rank 0) into <load_dir>/.fsdpzero-<tag>/, then load that.
+    The engine knows the trainable parameters in order, which makes stage-0 files exact."""
+    try:
+        path = resolve_tag(load_dir, tag)
+    except FileNotFoundError:
+        return load_dir, tag
+    if (path / MANIFEST).exists() or not any(path.glob("*_model_states.pt")):
+        return load_dir, tag
+    out = load_dir / f".fsdpzero-{path.name}"
+    if _rank0() and checkpoint_problems(out / path.name):
+        from fsdpzero.checkpoint.convert import deepspeed_to_ours
+        names = [_clean_fqn(n) for n, p in engine.module.named_parameters() if p.requires_grad]
+        deepspeed_to_ours(path, None, out, to="dcp", trainable_names=names)
+    if dist.is_initialized():
+        dist.barrier()
+    return out, path.name
+
+
+def load_engine(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
+                load_module_only=False) -> tuple[Path | None, dict | None]:
+    """DeepSpeed semantics: no `latest` and no tag -> warn, return (None, None). A checkpoint converted from
+    DeepSpeed (`fsdpzero convert --from deepspeed`) carries "counters"/"loss_scaler" instead of "engine"."""
+    load_dir, tag = _from_deepspeed(engine, Path(load_dir), tag)
+    try:
+        path = resolve_tag(load_dir, tag)
+    except FileNotFoundError as e:
+        if _rank0():
+            log.warning("%s", e)
+        return None, None
+    top = dict(json.loads((path / "state.json").read_text())["__dict__"]) if (path / "state.json").is_file() else {}
+    with_optim = load_optimizer_states and not load_module_only
+    state: dict = {"train": EngineState(engine, with_optim, _has_optimizer_masters(path))}
+    engine_state: dict = {}
+    if not load_module_only:
+        for key in ("engine", "counters", "loss_scaler"):
+            if key in top:
+                state[key] = engine_state.setdefault(key, {})
+    path, client = load_checkpoint(load_dir, path.name, state, load_rng=not load_module_only)
+    if "engine" in engine_state:
+        saved = engine_state["engine"]
+        if not load_lr_scheduler_states:
+            saved = {**saved, "lr_scheduler": None}
+        engine.load_client_state(saved)
+    elif "counters" in engine_state:
+        c = engine_state["counters"]
+        engine.global_steps, engine.global_samples = c.get("global_steps", 0), c.get("global_samples", 0)
+        engine.skipped_steps = c.get("skipped_steps", 0)
+        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+        if engine.loss_scaler is not None and "loss_scaler" in engine_state:
+            own = engine.loss_scaler.state_dict()
+            engine.loss_scaler.load_state_dict({**own, **{k: v for k, v in engine_state["loss_scaler"].items()
+                                                          if k in own}})
+    return path, client

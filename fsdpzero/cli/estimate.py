@@ -1,0 +1,222 @@
+"""`fsdpzero estimate MODEL_OR_CONFIG [--gpus N --nodes M --gpu-memory GiB]`: memory for params, gradients and
+optimizer states under every ZeRO stage and offload option, before renting a GPU.
+
+The model is built on the meta device from a transformers config (no weights, no download). Two numbers per option:
+- `deepspeed`: DeepSpeed's own estimate -- the table its estimate_zero2/zero3_model_states_mem_needs_all_live print
+  (same formulas, same 1.5 buffer factor on CPU), so a DeepSpeed user sees the figures they know; tested equal.
+- `fsdpzero`: what fsdpzero allocates on FSDP2 (fp32 master weights, grads and Adam states sharded by stage; the
+  unsharded working set of the compute dtype on top). This is the column the GPU test checks against measured
+  `max_memory_allocated`, and the one the "fits" verdict uses.
+Both exclude activations and the CUDA context: leave headroom for them (they grow with micro-batch x sequence).
+
+Symbols: P parameters; N = gpus x nodes ranks; B the largest transformer block (FSDP2 unit); R the parameters outside
+blocks (embeddings, head, final norm: the root unit); c the compute dtype's bytes (2 for bf16/fp16, 4 for fp32).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+GiB = 2**30
+
+# Shapes of a few public models (their config.json values), so `fsdpzero estimate llama-3-8b` needs no file.
+EXAMPLES: dict[str, dict] = {
+    "gpt2": dict(model_type="gpt2", n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024),
+    "gpt2-xl": dict(model_type="gpt2", n_embd=1600, n_layer=48, n_head=25, vocab_size=50257, n_positions=1024),
+    "llama-0.9b": dict(model_type="llama", hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                       num_attention_heads=16, num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False),
+    "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    "llama-3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+    "llama-2-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                        num_attention_heads=64, num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False),
+}
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    total: int           # P, shared (tied) parameters counted once
+    largest_layer: int   # DeepSpeed's "largest layer": most parameters owned directly by one module
+    largest_block: int   # B: the biggest transformer block (fully_shard unit)
+    root: int            # R: parameters outside the blocks
+
+
+@dataclass(frozen=True)
+class Row:
+    stage: int
+    option: str          # "none" | "offload_optimizer=cpu" | "offload_param+optimizer=cpu" | "...=nvme"
+    zero_init: bool | None
+    gpu: float           # bytes per GPU, fsdpzero
+    cpu_node: float      # bytes of host memory per node, fsdpzero
+    ds_gpu: float | None = None   # DeepSpeed's estimate (None: DeepSpeed gives none for this option)
+    ds_cpu_node: float | None = None
+
+
+def counts_of(model) -> ModelCounts:
+    params = {id(p): p.numel() for p in model.parameters()}       # by identity: meta tensors share data_ptr 0
+    largest_layer = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    block_names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in block_names]
+    in_blocks = {id(p): p.numel() for b in blocks for p in b.parameters()}
+    largest_block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
+    total = sum(params.values())
+    return ModelCounts(total, largest_layer, largest_block, total - sum(in_blocks.values()))
+
+
+def load_model_config(name_or_path: str):
+    """A transformers config from config.json (file or folder), a shipped conf/model/*.yaml name, or EXAMPLES."""
+    from transformers import AutoConfig, CONFIG_MAPPING
+    p = Path(name_or_path).expanduser()
+    if p.is_dir() and (p / "config.json").is_file():
+        p = p / "config.json"
+    if p.is_file():
+        return AutoConfig.from_pretrained(str(p.parent) if p.name == "config.json" else str(p))
+    shipped = Path(__file__).resolve().parents[2] / "conf" / "model" / f"{name_or_path}.yaml"   # a source checkout
+    if shipped.is_file():
+        import yaml
+        import transformers
+        d = yaml.safe_load(shipped.read_text())
+        cls = getattr(transformers, d.pop("_target_").rsplit(".", 1)[1])
+        return cls(**d)
+    if name_or_path in EXAMPLES:
+        d = dict(EXAMPLES[name_or_path])
+        return CONFIG_MAPPING[d.pop("model_type")](**d)
+    names = sorted(EXAMPLES) + sorted(q.stem for q in shipped.parent.glob("*.yaml"))
+    raise ValueError(f"{name_or_path!r} is neither a config.json (file or folder) nor a known example "
+                     f"({', '.join(names)})")
+
+
+def count_model(name_or_path: str) -> ModelCounts:
+    import torch
+    from transformers import AutoModelForCausalLM
+    config = load_model_config(name_or_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return counts_of(model)
+
+
+# DeepSpeed's formulas (runtime/zero/stage_1_and_2.py and stage3.py, 0.19.8), restated: bytes.
+def deepspeed_zero2(P: int, gpus: int, nodes: int, cpu_offload: bool, buf: float = 1.5) -> tuple[int, int]:
+    """(cpu bytes per node, gpu bytes per GPU) for stage 1/2."""
+    n = gpus * nodes
+    if cpu_offload:
+        return int(P * max(4 * n, 16) * buf), int(2 * P)
+    return int(P * 4 * gpus * buf), int(2 * P + int(18 * P / n))
+
+
+def deepspeed_zero3(P: int, largest_layer: int, gpus: int, nodes: int, cpu_offload: bool, offload_params: bool,
+                    zero_init: bool, buf: float = 1.5) -> tuple[int, int]:
+    """(cpu bytes per node, gpu bytes per GPU) for stage 3."""
+    n, per_node = gpus * nodes, 1 / nodes
+    layer = 4 * largest_layer
+    if cpu_offload and offload_params:
+        gpu = layer
+        cpu = P * 18 * per_node * buf if zero_init else P * max(4 * gpus, 18 * per_node) * buf
+    elif cpu_offload:
+        gpu = layer + int(2 * P / n)
+        cpu = P * 16 * per_node * buf if zero_init else P * max(4 * gpus, 16 * per_node) * buf
+    else:
+        gpu = layer + int(18 * P / n)
+        cpu = largest_layer * 4 * gpus * buf if zero_init else P * 4 * gpus * buf
+    return int(cpu), int(gpu)
+
+
+def fsdpzero_bytes(c: ModelCounts, stage: int, option: str, n: int, gpus: int, compute_bytes: int) -> tuple[int, int]:
+    """(gpu bytes, host bytes per node) for model states on FSDP2: fp32 params 4 + grads 4 + Adam 8 bytes/param,
+    sharded as the stage says; plus the unsharded working set in the compute dtype."""
+    P, B, R, cb = c.total, c.largest_block, c.root, compute_bytes
+    working3 = cb * (R + 3 * B)         # root unit gathered + current and prefetched block + one block's grads
+    if stage == 0:   # the (W, 1) mesh keeps the compute-dtype copy of every param alive through the step
+        gpu, host = 16 * P + (cb * P if cb < 4 else 0) + cb * B, 0
+    elif stage == 1:
+        gpu, host = 8 * P + 8 * P // n + cb * B, 0
+    elif stage == 2:
+        # unsharded params live from forward into backward while the grads are still None (zero_grad frees them)
+        # and each block's go as its grad shard arrives: the peak is the larger of that and the optimizer step
+        gpu, host = max(16 * P // n, 12 * P // n + cb * P) + cb * B, 0
+    else:
+        gpu, host = 16 * P // n + working3, 0
+    if option == "offload_optimizer=cpu":               # params and grads stay on the GPU; Adam + fp32 grad copy host
+        gpu, host = gpu - 8 * P // n, 12 * P // n * gpus
+    elif option.startswith("offload_param+optimizer"):  # CPUOffloadPolicy: all sharded state in host memory
+        gpu = (cb * P + cb * B) if stage == 2 else working3
+        host = 0 if option.endswith("nvme") else 16 * P // n * gpus
+    return int(gpu), int(host)
+
+
+def table(c: ModelCounts, gpus: int = 1, nodes: int = 1, compute_bytes: int = 2, buf: float = 1.5) -> list[Row]:
+    n = gpus * nodes
+    rows = []
+    g, h = fsdpzero_bytes(c, 0, "none", n, gpus, compute_bytes)
+    rows.append(Row(0, "none", None, g, h))
+    for stage in (1, 2):
+        for option, off in (("offload_optimizer=cpu", True), ("none", False)):
+            g, h = fsdpzero_bytes(c, stage, option, n, gpus, compute_bytes)
+            ds_cpu, ds_gpu = deepspeed_zero2(c.total, gpus, nodes, off, buf)
+            rows.append(Row(stage, option, None, g, h, ds_gpu, ds_cpu))
+    for option, off, off_p in (("offload_param+optimizer=cpu", True, True), ("offload_optimizer=cpu", True, False),
+                               ("none", False, False)):
+        g, h = fsdpzero_bytes(c, 3, option, n, gpus, compute_bytes)
+        for zero_init in (True, False):
+            ds_cpu, ds_gpu = deepspeed_zero3(c.total, c.largest_layer, gpus, nodes, off, off_p, zero_init, buf)
+            rows.append(Row(3, option, zero_init, g, h, ds_gpu, ds_cpu))
+    g, h = fsdpzero_bytes(c, 3, "offload_param+optimizer=nvme", n, gpus, compute_bytes)
+    rows.append(Row(3, "offload_param+optimizer=nvme", None, g, h))
+    return rows
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("model", help="config.json (or its folder), a conf/model name, or one of: "
+                        + ", ".join(sorted(EXAMPLES)))
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    parser.add_argument("--gpu-memory", type=float, default=None, help="GiB per GPU: mark the options that fit")
+    parser.add_argument("--cpu-memory", type=float, default=None, help="GiB of host memory per node, likewise")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="compute dtype")
+    parser.add_argument("--buffer-factor", type=float, default=1.5, help="DeepSpeed's additional_buffer_factor")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args) -> int:
+    import sys
+    if args.gpus < 1 or args.nodes < 1:
+        print(f"error: --gpus {args.gpus} --nodes {args.nodes}: both must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        c = count_model(args.model)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rows = table(c, args.gpus, args.nodes, 4 if args.dtype == "fp32" else 2, args.buffer_factor)
+
+    def fits(r: Row) -> bool | None:
+        if args.gpu_memory is None and args.cpu_memory is None:
+            return None
+        return ((args.gpu_memory is None or r.gpu <= args.gpu_memory * GiB)
+                and (args.cpu_memory is None or r.cpu_node <= args.cpu_memory * GiB))
+
+    if args.json:
+        print(json.dumps({"model": args.model, "counts": c.__dict__, "gpus": args.gpus, "nodes": args.nodes,
+                          "rows": [dict(r.__dict__, fits=fits(r)) for r in rows]}, indent=2))
+        return 0
+    gb = lambda x: "      -" if x is None else f"{x / GiB:7.2f}"  # noqa: E731
+    print(f"{args.model}: {c.total / 1e6:.1f}M params (largest layer {c.largest_layer / 1e6:.1f}M, largest block "
+          f"{c.largest_block / 1e6:.1f}M, outside blocks {c.root / 1e6:.1f}M); {args.nodes} node(s) x {args.gpus} "
+          f"GPU(s); compute {args.dtype}; GiB, model states only (no activations)")
+    print(" stage | option                        | init | fsdpzero GPU | host/node | DeepSpeed GPU | host/node"
+          + (" | fits" if fits(rows[0]) is not None else ""))
+    for r in rows:
+        init = "  -  " if r.zero_init is None else ("meta " if r.zero_init else "full ")
+        verdict = fits(r)
+        print(f"   {r.stage}   | {r.option:29} | {init}|      {gb(r.gpu)} |   {gb(r.cpu_node)} |       {gb(r.ds_gpu)}"
+              f" |   {gb(r.ds_cpu_node)}" + ("" if verdict is None else (" | yes" if verdict else " | no")))
+    if fits(rows[0]) is not None:
+        ok = [r for r in rows if fits(r)]
+        best = min(ok, key=lambda r: (r.stage, r.option != "none", r.gpu)) if ok else None
+        print("fits: " + (f"stage {best.stage} with {best.option} is the least sharded option that fits"
+                          if best else "no option fits: add GPUs or nodes, or use NVMe offload on a bigger host"))
+    print("init: meta = sharded/meta-device init (DeepSpeed zero_init=1, fsdpzero.hf.from_pretrained_sharded); "
+          "full = every rank builds the whole model first (only changes DeepSpeed's host figure)")
+    return 0

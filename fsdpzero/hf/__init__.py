@@ -1,0 +1,6 @@
+"""The Hugging Face wing: `from fsdpzero.hf import Trainer, TrainingArguments` runs a DeepSpeed Trainer script on
+fsdpzero; `from_pretrained` loads a model sharded from the first byte; `generate` keeps ranks in step. Needs the
+`[hf]` extra (transformers, accelerate)."""
+from fsdpzero.hf.trainer import (  # noqa: F401
+    Trainer, TrainingArguments, from_pretrained, generate, load_sharded_safetensors, trainer_context,
+)

@@ -1,0 +1,297 @@
+"""ZeRO-Offload on FSDP2: `offload_optimizer.device: cpu` (stages 1-3) and, with it, `offload_param.device: cpu`.
+
+The gradient path for the engine (contract: fsdpzero.optim.GradPath). The model arrives fully_shard-ed; this module
+keeps, for every local shard, an fp32 master and the Adam states in CPU memory and steps them with the
+fused CPU Adam of fsdpzero/ops/csrc/cpu_adam.cpp, which reads the low-precision gradient and writes the low-precision param in
+the same pass. The device keeps only low-precision shards (`model.to(param_dtype)` after the masters are taken).
+
+One optimizer step, with params on an accelerator:
+    backward          as each FSDP unit's reduce-scatter is issued (its post-backward), D2H of its sharded grads on
+                      a side stream behind it, one event per chunk (a chunk: one FSDP unit's params,
+                      <= sub_group_size and <= CHUNK elements; units in forward order, root first). Stage-2 units
+                      have already freed their device shards after forward (the pinned out buffers hold them).
+    finish_gradients  D2H of whatever was not hooked
+    grad_norm         from the device grads (global, collective) while the copies run
+    scale_grads_      nothing is touched: 1/loss_scale and the clip coefficient are folded into the kernel's read
+    step              device-stepped chunks (offload_optimizer.ratio < 1) first, with torch's fused Adam; then for
+                      each CPU chunk: wait its D2H, CPU step into pinned low-precision buffers, queue the H2D on a
+                      second side stream, so the copy of chunk k overlaps the step of chunk k+1
+Clipping and fp16 overflow: the norm is taken on the device from the reduced shards *before* any CPU step, so a
+skipped step (inf/nan) never touches the masters and clipping is exact; the cost is that the CPU step cannot start
+until backward has finished (no speculative stepping).
+
+With `offload_param: cpu` (stage 3, FSDP2 CPUOffloadPolicy, set by sharding.shard_model) the shards and their grads
+already live on the CPU: nothing is copied, the kernel reads the CPU grad and writes the param shard in place. The
+shards are cast to the low-precision dtype, so FSDP2's per-all-gather H2D carries 2 bytes/param instead of 4.
+
+FSDPZERO_OFFLOAD_OVERLAP=1: step() returns at once and a worker thread steps the chunks while the next forward
+runs; a pre-forward hook on each FSDP unit waits for that unit's chunks (see OffloadGradPath).
+
+Threads: torchrun sets OMP_NUM_THREADS=1, which makes the CPU step ~6x slower. With an accelerator the CPU step gets
+usable cores / local ranks threads (FSDPZERO_OFFLOAD_THREADS overrides); FSDPZERO_OFFLOAD_BIND=1 also pins each
+local rank to its own slice of cores.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+from fsdpzero.offload.chunks import CHUNK, Entry, chunk_layout
+from fsdpzero.offload.path import OffloadGradPath
+from fsdpzero.optim.factory import OptimizerFactory
+from fsdpzero.plan import Plan
+from fsdpzero.dist import local_tensor
+from fsdpzero.precision import DTYPES
+
+log = logging.getLogger("fsdpzero")
+
+
+def cpu_threads(local_world_size: int) -> int:
+    """Threads for the CPU step: FSDPZERO_OFFLOAD_THREADS, else this process's usable cores / local ranks."""
+    if os.environ.get("FSDPZERO_OFFLOAD_THREADS"):
+        return max(1, int(os.environ["FSDPZERO_OFFLOAD_THREADS"]))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, local_world_size))
+
+
+def bind_cores(local_rank: int, local_world_size: int) -> None:
+    """Pin this rank to its own contiguous slice of the usable cores (DeepSpeed's --bind_cores_to_rank)."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // max(1, local_world_size))
+    mine = cores[local_rank * per:(local_rank + 1) * per] or cores
+    os.sched_setaffinity(0, mine)
+
+
+def _hyper_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Adam-family hyperparameters of each group of the configured optimizer, for CPUAdam."""
+    from fsdpzero.optim import AdamNoBiasCorrection
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, AdamNoBiasCorrection)) and \
+            type(optimizer).__name__ not in ("CPUAdam", "CPUAdamW"):
+        raise NotImplementedError(
+            f"offload_optimizer.device = cpu runs Adam/AdamW on the CPU; the configured optimizer is "
+            f"{type(optimizer).__name__}. Use \"type\": \"AdamW\" (or \"Adam\"), or remove offload_optimizer")
+    groups = []
+    for g in optimizer.param_groups:
+        if g.get("amsgrad"):
+            raise NotImplementedError("optimizer.params.amsgrad = true is not supported with offload_optimizer; "
+                                      "set it to false")
+        adamw = bool(g.get("decoupled_weight_decay", g.get("adamw", isinstance(optimizer, torch.optim.AdamW))))
+        groups.append(dict(params=list(g["params"]), lr=float(g["lr"]), betas=tuple(g["betas"]), eps=g["eps"],
+                           weight_decay=g["weight_decay"], decoupled_weight_decay=adamw,
+                           bias_correction=not isinstance(optimizer, AdamNoBiasCorrection)
+                           and g.get("bias_correction", True)))
+    return groups
+
+
+def _units(model: nn.Module, names: list[str]) -> list[tuple[nn.Module | None, list[str]]]:
+    """Parameter names grouped by the FSDP module that all-gathers them, in forward order (the root's own params
+    first: embeddings are used first). One unit (None) when the model is not fully_shard-ed."""
+    from torch.distributed.fsdp import FSDPModule
+    prefixes = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not prefixes:
+        return [(None, names)]
+    owned: dict[str, list[str]] = {n: [] for n, _ in prefixes}
+    for name in names:
+        owner = max((n for n, _ in prefixes if n == "" or name.startswith(n + ".")), key=len)
+        owned[owner].append(name)
+    return [(m, owned[n]) for n, m in prefixes if owned[n]]
+
+
+def _nvme_stand_in(local, stage, on_accel, low, pin):
+    """(tensor NVMeAdam updates, grad_buf, out_buf) for one shard under offload_optimizer nvme. Staged: the pinned
+    out buffer. CPU shards cast to low precision below: a CPU buffer copied into the shard after each step (the
+    cast replaces the shard). fp32 CPU shards: the shard itself, stepped in place (its own master, as with cpu)."""
+    if stage:
+        dtype = low if on_accel else local.dtype
+        grad_buf = torch.empty(local.shape, dtype=dtype, pin_memory=pin)
+        out_buf = torch.empty(local.shape, dtype=dtype, pin_memory=pin)
+        if dtype == torch.float32:
+            out_buf.copy_(local)
+        return out_buf, grad_buf, out_buf
+    final = low if low != torch.float32 else local.dtype
+    if final == torch.float32:
+        return local, None, None
+    return torch.empty(local.shape, dtype=final), None, None
+
+
+def device_stepped(units: list[list[tuple[str, int]]], chunk_size: int, ratio: float) -> set[str]:
+    """offload_optimizer.ratio < 1: the names whose optimizer step stays on the device. The CPU keeps the last
+    chunks in forward order, about `ratio` of the elements (a chunk goes to the CPU when its middle element falls in
+    that fraction): the next forward needs them last, so the CPU has the most time for them when it overlaps.
+    (DeepSpeed keeps the first int(ratio * n) sub-groups on the CPU; which ones does not change the result.)"""
+    if ratio >= 1.0:
+        return set()
+    chunks = chunk_layout(units, chunk_size)
+    numel = {n: k for unit in units for n, k in unit}
+    sizes = [sum(numel[n] for n in c) for c in chunks]
+    budget, seen, device = ratio * sum(sizes), 0, set()
+    for names, size in zip(reversed(chunks), reversed(sizes)):
+        if seen + size / 2 > budget:
+            device.update(names)
+        seen += size
+    return device
+
+
+def drop_shards_default(plan: Plan) -> bool:
+    """Free the device shards of stage-2 units between forward and the step (offload_fsdp.DroppableShards): on
+    with CUDA and no gradient accumulation (each extra micro-batch would copy them back H2D for its all-gather).
+    FSDPZERO_OFFLOAD_DROP_SHARDS=0 turns it off, =1 forces it on (also on CPU, for tests)."""
+    env = os.environ.get("FSDPZERO_OFFLOAD_DROP_SHARDS")
+    if env is not None:
+        return env == "1"
+    return torch.cuda.is_available() and plan.batch.gradient_accumulation_steps == 1
+
+
+def _param_swapper(model: nn.Module, plan: Plan, entries: list[Entry]):
+    """offload_param nvme: the CPU shards go to disk (fsdpzero.offload.param_swapper). A stand-in NVMeAdam steps becomes
+    a view of its shard's storage, so it is swapped with the shard instead of being a second copy in memory."""
+    from fsdpzero.offload.param_swapper import param_swapper_from_plan
+    from fsdpzero.offload.fsdp_state import fsdp_units, lazy_init, own_resizable_storages
+    lazy_init(model)                           # FSDP2 re-pads (replaces) the shards at lazy init: do it first
+    own_resizable_storages(fsdp_units(model))  # resize_(0) evicts; FSDP2's pinned shards refuse it
+    with torch.no_grad():
+        for e in entries:
+            local = local_tensor(e.param)
+            if e.master is not local and e.master.dtype == local.dtype and e.grad_buf is None:
+                e.master.set_(local)
+    return param_swapper_from_plan(model, plan)
+
+
+def overlap_default() -> bool:
+    """FSDPZERO_OFFLOAD_OVERLAP=1 overlaps the CPU step with the next forward (see OffloadGradPath)."""
+    return os.environ.get("FSDPZERO_OFFLOAD_OVERLAP", "0") == "1"
+
+
+def build_offload_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFactory, mesh=None,
+                       *, stage: bool | None = None, overlap: bool | None = None) -> OffloadGradPath:
+    """The offload gradient path over an already fully_shard-ed model. `stage` forces (True) or forbids (False)
+    staging through CPU buffers; default: stage exactly when the shards live on an accelerator. `overlap`: step
+    the CPU side in a worker thread while the next forward runs (default: overlap_default())."""
+    from fsdpzero.ops import CPUAdam
+    if plan.offload.optimizer_device not in ("cpu", "nvme"):
+        raise NotImplementedError(f"offload_optimizer.device = {plan.offload.optimizer_device!r}: only \"cpu\" and "
+                                  "\"nvme\" are handled here")
+    nvme = plan.offload.optimizer_device == "nvme"   # masters and moments on disk: fsdpzero.offload.nvme_adam
+    ratio = float(plan.offload.ratio)
+    if ratio < 1.0 and (nvme or plan.offload.param_device != "none"):
+        raise NotImplementedError(
+            f"zero_optimization.offload_optimizer.ratio = {ratio} is supported with offload_optimizer.device = cpu "
+            f"and the params on the accelerator; got offload_optimizer.device = {plan.offload.optimizer_device!r}, "
+            f"offload_param.device = {plan.offload.param_device!r}. Set ratio to 1.0 or remove offload_param")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError("offload: the model has no trainable parameters")
+    from fsdpzero.ops import cpu_adam
+    cpu_adam.available_impls()   # JIT-build the op now (DeepSpeed builds its ops at initialize), not in step 1
+    on_accel = local_tensor(named[0][1]).device.type != "cpu"   # else CPU-only, or offload_param put the shards there
+    stage = on_accel if stage is None else stage
+    threads = torch.get_num_threads()
+    if torch.cuda.is_available():
+        local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if os.environ.get("FSDPZERO_OFFLOAD_BIND") == "1":
+            bind_cores(local_rank, local_world)
+        threads = cpu_threads(local_world)
+        torch.set_num_threads(threads)
+    # Only the copy buffers take part in DMA: they are pinned whenever there is an accelerator (pageable H2D was
+    # measured 8x slower). Masters and states never leave the CPU and stay pageable, whatever pin_memory says;
+    # pin_memory matters for offload_param (FSDP2 CPUOffloadPolicy, see sharding.py).
+    pin = torch.cuda.is_available()
+    low = DTYPES[plan.precision.param_dtype]
+    hyper = _hyper_groups(make_optimizer([p for _, p in named]))   # the factory maps params by model order
+    units = _units(model, [n for n, _ in named])
+    order = {n: i for i, n in enumerate(n for _, ns in units for n in ns)}
+    named.sort(key=lambda np_: order[np_[0]])                        # then step them in forward order
+    chunk = max(1, min(int(plan.offload.sub_group_size), CHUNK))
+    local_numel = {n: local_tensor(p).numel() for n, p in named}
+    on_device = device_stepped([[(n, local_numel[n]) for n in ns] for _, ns in units], chunk, ratio)
+    if on_device and any(not g["bias_correction"] for g in hyper):
+        raise NotImplementedError("zero_optimization.offload_optimizer.ratio < 1 steps part of the model with "
+                                  "torch's Adam, which always applies bias correction; set "
+                                  "optimizer.params.bias_correction to true or ratio to 1.0")
+    entries, master_of, initial, device_states = [], {}, {}, {}
+    with torch.no_grad():
+        for name, p in named:
+            local = local_tensor(p)
+            if nvme:   # NVMeAdam steps a CPU tensor with the param's final dtype; its fp32 master goes to disk
+                master, grad_buf, out_buf = _nvme_stand_in(local, stage, on_accel, low, pin)
+                initial[id(master)] = local
+                entries.append(Entry(name, p, master, grad_buf, out_buf))
+                master_of[id(p)] = master
+                continue
+            if name in on_device:   # ratio < 1: an fp32 master and its states next to the param, stepped there
+                master = local.detach().to(torch.float32, copy=True)
+                optimizer_state = {"step": torch.zeros((), dtype=torch.float32, device=master.device
+                                                       if master.device.type == "cuda" else "cpu"),
+                                   "exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master)}
+                device_states[master] = optimizer_state
+                entries.append(Entry(name, p, master, None, None, on_device=True))
+                master_of[id(p)] = master
+                continue
+            if stage or local.dtype != torch.float32:   # a separate fp32 master, taken before any cast below
+                master = local.detach().to("cpu", torch.float32, copy=True)
+            else:
+                master = local                          # fp32 CPU shard: stepped in place
+            grad_buf = out_buf = None
+            if stage:
+                dtype = low if on_accel else local.dtype
+                grad_buf = torch.empty(local.shape, dtype=dtype, pin_memory=pin)
+                out_buf = torch.empty(local.shape, dtype=dtype, pin_memory=pin)
+            entries.append(Entry(name, p, master, grad_buf, out_buf))
+            master_of[id(p)] = master
+        if nvme:    # written to disk now, while `initial` still holds the fp32 weights
+            for g in hyper:
+                g["params"] = [master_of[id(p)] for p in g["params"]]
+            from fsdpzero.offload.nvme_adam import nvme_optimizer
+            optimizer = nvme_optimizer(hyper, plan, initial)
+            initial.clear()
+        if low != torch.float32 and (on_accel or not stage):
+            model.to(low)   # device (or CPU-offloaded) shards become low precision; FSDP2 re-registers them
+            now = dict(model.named_parameters())
+            for e in entries:
+                e.param = now[e.name]   # .to() may replace the Parameter objects
+        if not nvme:
+            for e in entries:           # the out buffer always holds the exact current shard (drop_shards)
+                if e.out_buf is not None:
+                    e.out_buf.copy_(local_tensor(e.param))
+    if not nvme:
+        for g in hyper:
+            g["params"] = [master_of[id(p)] for p in g["params"]]
+        optimizer = CPUAdam(hyper)
+        for master, st in device_states.items():   # CPUAdam only holds them (state_dict, schedulers' groups)
+            optimizer.state[master] = st
+    by_name = {e.name: e for e in entries}
+    path_class = OffloadGradPath
+    if nvme:
+        from fsdpzero.offload.nvme_path import NVMeGradPath as path_class
+    swap_params = plan.offload.param_device == "nvme" and plan.shard.stage == 3 and units[0][0] is not None
+    overlap = (overlap_default() if overlap is None else overlap) and not swap_params   # one thread swaps
+    path = path_class(model, optimizer, [(m, [by_name[n] for n in ns]) for m, ns in units], chunk,
+                      threads=threads, overlap=overlap,
+                      drop_shards=not nvme and drop_shards_default(plan),
+                      early_d2h=os.environ.get("FSDPZERO_OFFLOAD_EARLY_D2H", "1") == "1",
+                      speculate_max_norm=_speculate_max_norm(plan, entries, nvme or swap_params))
+    if swap_params:
+        path.param_swapper = _param_swapper(model, plan, entries)
+    log.info("offload: %d params, %.1f M elements on this rank, %d chunks, %d CPU threads, staged=%s, pinned "
+             "copy buffers=%s, "
+             "overlap=%s, speculative step=%s, device-stepped chunks=%d (ratio %s)", len(entries),
+             sum(e.master.numel() for e in entries) / 1e6, len(path.chunks), threads, stage, pin, path.overlap,
+             path.spec is not None, len(path.device_chunks), ratio)
+    return path
+
+
+def _speculate_max_norm(plan: Plan, entries, nvme: bool) -> float | None:
+    """gradient_clipping when the CPU step may run speculatively during backward (fsdpzero.offload.speculate),
+    else None: not with fp16 loss scaling (the grad factor is never 1.0), not with NVMe (the optimizer states and,
+    with offload_param nvme, the shards' residency belong to the swappers), and only when the shadow buffers fit in
+    host memory."""
+    from fsdpzero.offload import speculate as offload_speculate
+    staged = [e for e in entries if e.grad_buf is not None and not e.on_device]
+    if not (offload_speculate.enabled_by_env() and staged and plan.precision.loss_scale is None and not nvme):
+        return None
+    if not offload_speculate.fits_in_host(staged, int(os.environ.get("LOCAL_WORLD_SIZE", 1))):
+        return None
+    return float(plan.batch.gradient_clipping)

@@ -1,0 +1,195 @@
+"""The one module of fsdpzero that touches FSDP2's private state (torch's _fully_shard internals: `_get_fsdp_state`,
+`_fsdp_param_group`, `_sharded_param_data`, `_local_tensor`, ...). Everything else reads public API and calls these;
+tests/project/test_layout.py fails if a private name appears anywhere else. What is reached for, and why:
+
+- after_reduce(module, fn): fn(event) after the unit's post-backward has issued its reduce-scatter; `event` (None
+  on CPU or when nothing was reduced) completes when the sharded grads hold their values. The offload path starts
+  each unit's D2H there, during backward, instead of all of them after backward.
+- consumer_streams(module): the streams that read a unit's shards (compute and FSDP2's all-gather streams).
+- param_groups(module): the unit's FSDP param groups on any torch 2.11-2.14; fsdp_params(module), their params.
+- fsdp_units(model), fsdp_prefetch_depth(units), own_resizable_storages(units): what offload_param nvme's swapper
+  (fsdpzero.offload.param_swapper) needs: the units in forward order, how far FSDP2 prefetches, shards it can resize_(0).
+- lazy_init(model), forward_prefetch_units(module): FSDP2 re-pads the shards at lazy init, so whoever keeps
+  references to them runs it first; the units a unit's pre-forward explicitly prefetches.
+- shard_data(fsdp_param), shard_local(fsdp_param): a param's padded CPU shard (whose storage is swapped to disk) and
+  its unpadded local tensor.
+- DroppableShards: a unit that keeps its params unsharded from forward to the end of backward (stage 2,
+  reshard_after_forward=False) does not read its low-precision shards again before the next step, and the offload
+  path keeps an exact copy of every shard in its pinned out buffer. So the device storage of those shards is freed
+  after the unit's forward and allocated again when the step copies the new values in: 2 bytes/param of device
+  memory less during forward and backward (DeepSpeed's stage 2 has no sharded copy next to the full params either).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+def param_group(module: nn.Module):
+    state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+    return getattr(state, "_fsdp_param_group", None) if state is not None else None
+
+
+def param_groups(module: nn.Module) -> list:
+    """All FSDP param groups of a unit: torch >= 2.13 keeps a list (_fsdp_param_groups), 2.11/2.12 one group."""
+    state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+    if state is None:
+        return []
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return list(groups)
+
+
+def consumer_streams(module: nn.Module | None) -> list:
+    """The compute stream and FSDP2's all-gather streams of the unit (its copy-in reads the shards on its own
+    streams): whatever fills a unit's shards must be waited for on all of them."""
+    state = module._get_fsdp_state() if module is not None and hasattr(module, "_get_fsdp_state") else None
+    ctx = getattr(state, "_comm_ctx", None)
+    return [torch.cuda.current_stream()] + [getattr(ctx, n) for n in (
+        "all_gather_copy_in_stream", "all_gather_stream") if hasattr(ctx, n)]
+
+
+def after_reduce(module: nn.Module, fn: Callable[[object], None]) -> bool:
+    """Call fn(post-reduce event) after each post-backward of the unit that reduced its grads. False when the unit
+    has no FSDP param group to hook (or this torch lacks the internals: the D2H then runs after backward)."""
+    group = param_group(module)
+    if group is None or not all(hasattr(group, a) for a in ("post_backward", "reduce_grads", "_post_reduce_event")):
+        return False
+    original = group.post_backward
+    on_cuda = getattr(group, "device", torch.device("cpu")).type == "cuda"
+
+    def post_backward(*args, **kwargs):
+        out = original(*args, **kwargs)
+        event = getattr(group, "_post_reduce_event", None)
+        if group.reduce_grads and (event is not None or not on_cuda):   # no event: nothing was reduced
+            fn(event)
+        return out
+    group.post_backward = post_backward   # FSDP2 calls it through the instance (autograd node, final callback)
+    return True
+
+
+def keeps_unsharded(module: nn.Module) -> bool:
+    """True for a unit that does not reshard after forward (its shards are not read during backward)."""
+    group = param_group(module)
+    try:
+        return (group is not None and group.post_forward_mesh_info is None and len(group.fsdp_params) > 0
+                and all(isinstance(fp._sharded_param_data, torch.Tensor) and not fp.offload_to_cpu
+                        and fp.sharded_param._local_tensor.untyped_storage() is not None
+                        for fp in group.fsdp_params))
+    except AttributeError:   # another torch's internals: keep the shards
+        return False
+
+
+class DroppableShards:
+    """The padded shard storages of one FSDP unit, freed and allocated again (their views stay valid)."""
+
+    def __init__(self, module: nn.Module):
+        self.group = param_group(module)
+        self.shards = []   # (padded 1-D shard, its storage, bytes, valid elements), read at each drop
+        self.dropped = False
+
+    def needs_all_gather(self) -> bool:
+        return not self.group.is_unsharded
+
+    def drop(self) -> None:
+        if not self.dropped:   # FSDP2 may re-create a shard (lazy init, .to()): take the live ones each time
+            self.shards = [(fp._sharded_param_data, fp._sharded_param_data.untyped_storage(),
+                            fp._sharded_param_data.untyped_storage().nbytes(), fp.sharded_param._local_tensor.numel())
+                           for fp in self.group.fsdp_params]
+            for _, storage, _, _ in self.shards:
+                storage.resize_(0)
+            self.dropped = True
+
+    @torch.no_grad()
+    def allocate(self) -> None:
+        """Storage back (contents undefined but the padding, which is zeroed: the all-gather sends it)."""
+        if self.dropped:
+            for padded, storage, nbytes, valid in self.shards:
+                storage.resize_(nbytes)
+                if valid < padded.numel():
+                    padded[valid:].zero_()
+            self.dropped = False
+
+
+@torch.no_grad()   # runs in a forward pre-hook, with grad mode on
+def restore_from(entries, stream) -> torch.cuda.Event | None:
+    """Copy each entry's out buffer (the exact current low-precision shard) into its device shard on `stream`."""
+    ctx = torch.cuda.stream(stream) if stream is not None else None
+    if ctx is not None:
+        stream.wait_stream(torch.cuda.current_stream())   # the storage was just allocated on the current stream
+        with ctx:
+            for e in entries:
+                e.param.to_local().copy_(e.out_buf, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
+    for e in entries:
+        (e.param.to_local() if hasattr(e.param, "to_local") else e.param).copy_(e.out_buf)
+    return None
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The fully_shard-ed modules in forward order: the root first (its pre-forward runs first), then the others in
+    module order."""
+    from torch.distributed.fsdp import FSDPModule
+    return [m for _, m in model.named_modules() if isinstance(m, FSDPModule)]
+
+
+def fsdp_params(module: nn.Module) -> list:
+    return [fp for g in param_groups(module) for fp in g.fsdp_params]
+
+
+@torch.no_grad()
+def own_resizable_storages(units: list[nn.Module]) -> None:
+    """Give each shard a fresh, pageable storage that can be resized: FSDP2 pins shards with Tensor.pin_memory(),
+    whose storages refuse resize_(); and a pinned storage freed by resize_(0) only goes back to torch's pinned
+    cache (rounded up to a power of two), never to the OS, so eviction would save nothing. Both aliases FSDP2 keeps
+    are re-pointed (the padded _sharded_param_data and the DTensor's _local_tensor): call this before anything
+    else holds a view. FSDP2 is told the shards are unpinned (CPUOffloadPolicy(pin_memory=False) for them): its
+    load_state_dict hook would otherwise re-pin _local_tensor into a copy, splitting the two aliases, and its
+    gradient D2H then lands in exact-size pageable memory instead of power-of-two pinned blocks (synchronously)."""
+    pinned = False
+    for module in units:
+        for fp in fsdp_params(module):
+            old = fp._sharded_param_data.untyped_storage()
+            pinned = pinned or fp._sharded_param_data.is_pinned()
+            fresh = torch.empty(old.nbytes(), dtype=torch.uint8).untyped_storage()
+            fresh.copy_(old)
+            for t in (fp._sharded_param_data, fp.sharded_param._local_tensor):
+                t.set_(fresh, t.storage_offset(), t.size(), t.stride())
+            fp.pin_memory = False
+    if pinned and hasattr(torch._C, "_host_emptyCache"):
+        torch._C._host_emptyCache()      # FSDP2's pinned originals, now unused, back to the OS
+
+
+def fsdp_prefetch_depth(units: list[nn.Module]) -> int:
+    """How many units FSDP2 unshards ahead of the current one: the explicit prefetch lists set by
+    fsdpzero.sharding.set_prefetch, else 1 (its implicit backward prefetch)."""
+    states = [m._get_fsdp_state() for m in units]
+    return max([1] + [len(getattr(s, a, ())) for s in states
+                      for a in ("_states_to_forward_prefetch", "_states_to_backward_prefetch")])
+
+
+def lazy_init(model: nn.Module) -> None:
+    """FSDP2's lazy init of the root state now (it replaces the shards by padded ones)."""
+    model._get_fsdp_state()._lazy_init()
+
+
+def forward_prefetch_modules(module: nn.Module) -> list[nn.Module]:
+    """The modules whose unshard this unit's pre-forward issues (set_modules_to_forward_prefetch)."""
+    state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+    return [s._modules[0] for s in getattr(state, "_states_to_forward_prefetch", [])]
+
+
+def shard_data(fsdp_param) -> torch.Tensor:
+    """The FSDPParam's padded local shard (the local DTensor is a view of the same storage)."""
+    return fsdp_param._sharded_param_data
+
+
+def shard_local(fsdp_param) -> torch.Tensor:
+    """The FSDPParam's local shard as the model's DTensor parameter holds it (unpadded)."""
+    return fsdp_param.sharded_param._local_tensor

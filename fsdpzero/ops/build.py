@@ -1,0 +1,50 @@
+"""JIT-building of the C++ ops with torch.utils.cpp_extension + ninja, cached inside the project.
+
+`load_op(name, sources)` returns the loaded library (ops registered through TORCH_LIBRARY become `torch.ops.<ns>`)
+or None, warning once, when no compiler/ninja is usable: callers then take their pure-torch reference path.
+FSDPZERO_NO_BUILD=1 forces the reference path (used by tests of the fallback).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+
+
+def extensions_dir() -> Path:
+    """Build cache: $TORCH_EXTENSIONS_DIR; else, in a source checkout, <repo>/.torch_extensions; else (an installed
+    wheel) torch's per-user cache. Not ~/.cache for a checkout: that would be shared between its venvs and torches."""
+    env = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if env:
+        root = Path(env)
+    else:
+        repo = CSRC.parents[2]
+        if (repo / "pyproject.toml").is_file():
+            root = repo / ".torch_extensions"
+        else:
+            root = Path(os.path.expanduser("~/.cache/torch_extensions/fsdpzero"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+@lru_cache(maxsize=None)
+def load_op(name: str, sources: tuple[str, ...], extra_cflags: tuple[str, ...] = (),
+            extra_ldflags: tuple[str, ...] = ()):
+    if os.environ.get("FSDPZERO_NO_BUILD") == "1":
+        return None
+    try:
+        from torch.utils import cpp_extension
+        build_dir = extensions_dir() / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(name=name, sources=[str(CSRC / s) for s in sources],
+                           extra_cflags=["-O3", *extra_cflags], extra_ldflags=list(extra_ldflags),
+                           build_directory=str(build_dir), is_python_module=False, verbose=False)
+        return name
+    except Exception as exc:  # no compiler, no ninja, failed build: fall back loudly, once
+        warnings.warn(f"fsdpzero: could not build the C++ op {name!r} ({type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0] if str(exc) else ''}); using the pure-torch reference path",
+                      RuntimeWarning, stacklevel=2)
+        return None

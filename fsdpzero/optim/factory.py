@@ -1,0 +1,142 @@
+"""The optimizer: the DeepSpeed `optimizer` section (or a client optimizer) as a function
+`params -> torch.optim.Optimizer`, so whoever owns the parameters (FSDP2 shards, a stage-1 flat shard, CPU copies
+for offload) builds the optimizer over *its* tensors. `check_optimizer` raises DeepSpeed's optimizer errors before
+any process group exists.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from fsdpzero.plan import Plan
+
+OptimizerFactory = Callable[[Any], torch.optim.Optimizer]   # params (or param-group dicts) -> optimizer
+
+
+# DeepSpeed runs these under ZeRO without `zero_allow_untested_optimizer` (torch Adam/AdamW/Adagrad and its own
+# fused/CPU Adam, Adagrad, Lion); every other optimizer needs the flag at stage >= 1.
+_ZERO_TESTED = ("adam", "adamw", "adagrad", "lion")
+_DS_ONLY_KEYS = ("torch_adam", "adam_w_mode", "adamw_mode", "bias_correction", "legacy_fusion", "set_grad_none")
+
+
+def check_optimizer(plan: Plan, client: Any = None) -> None:
+    """Errors DeepSpeed raises about the optimizer, raised before any process group exists."""
+    opt = plan.optimizer
+    if opt.type is None and client is None:
+        raise ValueError("config key 'optimizer' is missing and no optimizer was passed: add an \"optimizer\" "
+                         "section (e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-4}}) or pass optimizer=...")
+    if plan.shard.stage >= 1 and not opt.zero_allow_untested_optimizer:
+        name = _client_name(client) if client is not None else opt.type
+        if name.lower() not in _ZERO_TESTED and name not in ("Adam", "AdamW", "Adagrad"):
+            raise ValueError(
+                f"optimizer {name!r} is not one DeepSpeed tests with ZeRO (stage {plan.shard.stage}); DeepSpeed "
+                "refuses it unless the config sets \"zero_allow_untested_optimizer\": true. Add that key to run it.")
+    if opt.type is not None and opt.type not in ("adam", "adamw", "lamb", "sgd", "adagrad") \
+            and not hasattr(torch.optim, opt.type):
+        raise ValueError(f"config key 'optimizer.type' = {opt.type!r} is neither a DeepSpeed optimizer nor a "
+                         "torch.optim class; use e.g. \"AdamW\", \"Lamb\", \"SGD\", or a torch.optim class name")
+
+
+def _client_name(client: Any) -> str:
+    if isinstance(client, torch.optim.Optimizer):
+        return type(client).__name__
+    return getattr(client, "__name__", type(client).__name__)
+
+
+def make_optimizer_factory(plan: Plan, client: Any = None, *, device_type: str = "cpu",
+                           original_params: list[torch.Tensor] | None = None,
+                           param_groups: list[dict] | None = None) -> OptimizerFactory:
+    """Returns `params -> optimizer`, where params are the trainable parameters in model order (FSDP2 shards,
+    or whatever tensors a gradient path optimises in their place).
+
+    The client's `model_parameters` groups and a client optimizer instance were built over the *original*
+    parameters (`original_params`, same order); they are re-pointed at the new tensors by position. A client
+    optimizer is rebound in place, so a client LR scheduler built on it keeps working. A callable client is
+    called with the params, as DeepSpeed does."""
+    def remap(params) -> list[dict] | list[torch.Tensor]:
+        params = list(params)
+        if original_params is None:
+            return params
+        if len(params) != len(original_params):
+            raise ValueError(f"expected {len(original_params)} trainable tensors, got {len(params)}")
+        new_of = {id(o): n for o, n in zip(original_params, params)}
+        if param_groups is None:
+            return params
+        return [{**{k: v for k, v in g.items() if k != "params"},
+                 "params": [new_of[id(p)] for p in g["params"] if id(p) in new_of]} for g in param_groups]
+
+    if client is not None:
+        if isinstance(client, torch.optim.Optimizer):
+            def rebind(params):
+                params = list(params)
+                if original_params is None or client.state:
+                    raise ValueError("the client optimizer must be fresh (no state) and built over the model's "
+                                     "parameters")
+                new_of = {id(o): n for o, n in zip(original_params, params)}
+                for g in client.param_groups:
+                    g["params"] = [new_of[id(p)] for p in g["params"] if id(p) in new_of]
+                return client
+            return rebind
+        return lambda params: client(remap(params))
+    opt = plan.optimizer
+    kwargs = {k: v for k, v in opt.params.items() if k not in _DS_ONLY_KEYS}
+    name = opt.type
+    if name in ("adam", "adamw"):
+        adamw = opt.adam_w_mode if name == "adam" else True
+        if not opt.torch_adam:   # DeepSpeed's FusedAdam / CPUAdam default to no weight decay; torch's AdamW to 0.01
+            kwargs.setdefault("weight_decay", 0.0)
+        if not opt.params.get("bias_correction", True):
+            return lambda params: AdamNoBiasCorrection(remap(params), adamw=adamw, **kwargs)
+        cls = torch.optim.AdamW if adamw else torch.optim.Adam
+        return lambda params: cls(remap(params), **_fast_impl(kwargs, device_type, fused_ok=True))
+    if name == "lamb":
+        from fsdpzero.optim.lamb import Lamb
+        lamb_kwargs = {k: v for k, v in opt.params.items() if k == "bias_correction" or k not in _DS_ONLY_KEYS}
+        return lambda params: Lamb(remap(params), **lamb_kwargs)
+    cls = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}.get(name) or getattr(torch.optim, name)
+    fast = name in ("sgd", "adagrad")
+    return lambda params: cls(remap(params), **(_fast_impl(kwargs, device_type) if fast else kwargs))
+
+
+def _fast_impl(kwargs: dict, device_type: str, fused_ok: bool = False) -> dict:
+    """Fused Adam/AdamW kernels (CUDA and CPU; they run on DTensor shards), else multi-tensor foreach, unless the
+    user chose."""
+    if "fused" in kwargs or "foreach" in kwargs:
+        return kwargs
+    if fused_ok and not kwargs.get("amsgrad") and device_type in ("cuda", "cpu"):
+        return {**kwargs, "fused": True}
+    return {**kwargs, "foreach": True}
+
+
+class AdamNoBiasCorrection(torch.optim.Optimizer):
+    """DeepSpeed's FusedAdam with `bias_correction: false`: Adam/AdamW without the 1/(1-beta^t) factors."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adamw=True, **unused):
+        if unused.pop("amsgrad", False):
+            raise ValueError("optimizer.params.amsgrad = true is not supported with bias_correction = false")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw=adamw))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for g in self.param_groups:
+            beta1, beta2 = g["betas"]
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                grad, st = p.grad, self.state[p]
+                if not st:
+                    st["step"] = torch.zeros((), dtype=torch.float32)
+                    st["exp_avg"] = torch.zeros_like(p)
+                    st["exp_avg_sq"] = torch.zeros_like(p)
+                st["step"] += 1
+                if g["weight_decay"]:
+                    if g["adamw"]:
+                        p.mul_(1 - g["lr"] * g["weight_decay"])
+                    else:
+                        grad = grad.add(p, alpha=g["weight_decay"])
+                st["exp_avg"].lerp_(grad, 1 - beta1)
+                st["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                p.addcdiv_(st["exp_avg"], st["exp_avg_sq"].sqrt().add_(g["eps"]), value=-g["lr"])
+        return loss

@@ -1,0 +1,191 @@
+"""The gradient path: the one narrow interface between the engine and "where gradients go and how the optimizer
+consumes them". The engine never touches gradients itself; per optimizer step it calls
+
+    for each micro-step:  path.set_sync(is_boundary); loss.backward()
+    at the boundary:      path.finish_gradients()
+                          norm = path.grad_norm()             # global L2 over every rank, of the *scaled* grads
+                          if finite: path.scale_grads_(f)     # unscale and clip in one multiply
+                                     path.step(found_inf)     # found_inf only when path.can_skip_on_device()
+                          path.zero_grad()
+
+`path.optimizer` is what LR schedulers drive (its `param_groups` carry lr and betas); `state_dict()` /
+`load_state_dict()` give the optimizer state in a form DCP can save (DTensors or plain local tensors).
+
+Implementations, chosen by one explicit dispatch in `fsdpzero.api.build_grad_path`: `FSDPGradPath` here (ZeRO 0/2/3
+on FSDP2: reduction happens inside backward), `fsdpzero.optim.stage1.Stage1GradPath` (stage 1 over
+fsdpzero.ops.stage1) and the CPU/NVMe offload paths of `fsdpzero.offload`. How the model is laid out for each path
+is decided by `fsdpzero.sharding.shard_model`: stage 1 leaves the module unwrapped (replicated plain tensors; the
+stage-1 path reduces gradients in `finish_gradients`), the others get `fully_shard`.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from fsdpzero.dist import local_tensor
+
+
+class GradPath:
+    """What the engine (and the checkpoint and export code) may call on a gradient path; nothing else is reached
+    for. All calls are collective where noted. Subclasses implement the abstract ones."""
+
+    optimizer: torch.optim.Optimizer   # schedulers set lr/betas on optimizer.param_groups
+    param_swapper = None               # offload_param nvme: the ParamSwapper that export and checkpoints read through
+    streams_checkpoints = False        # state_dict(streaming=True) gives on-disk states for DCP to stream
+
+    def set_sync(self, sync: bool) -> None:
+        """Before each micro-step's backward: False on off-boundary micro-steps (accumulate locally, no comm)."""
+        raise NotImplementedError
+
+    def finish_gradients(self) -> None:
+        """After the boundary backward: make the gradients the optimizer will read complete (collective)."""
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of all gradients across all ranks, as a 0-dim fp32 tensor; inf/nan on overflow
+        (collective: every rank gets the same value, so the skip decision agrees)."""
+        raise NotImplementedError
+
+    def scale_grads_(self, factor: torch.Tensor | float) -> None:
+        """grads *= factor, a float or a 0-dim device tensor (unscale by 1/loss_scale and clip, in one pass)."""
+        raise NotImplementedError
+
+    def can_skip_on_device(self) -> bool:
+        """True when step(found_inf) skips an overflowed step on the device, so the engine needs no host sync."""
+        return False
+
+    def step(self, found_inf: torch.Tensor | None = None) -> None:
+        """Optimizer step (after it, the model's parameters hold the updated weights, or will once wait() returns).
+        found_inf: a 0-dim tensor, 1.0 to skip; given only when can_skip_on_device()."""
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        """Drop the gradients (set to None)."""
+        raise NotImplementedError
+
+    def wait(self) -> None:
+        """Afterwards the model's parameters hold the last step's values (a path may still be moving them)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer state for checkpoints (DCP-saveable)."""
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of state_dict."""
+        raise NotImplementedError
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FSDP2 path: stages 0 (replicate mesh), 2 and 3. FSDP2 reduces (reduce-scatter / all-reduce) inside backward.
+
+class FSDPGradPath(GradPath):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model = model
+        self.optimizer = optimizer
+        self._params = [p for p in model.parameters() if p.requires_grad]
+
+    def set_sync(self, sync: bool) -> None:
+        # FSDP2: skip reduce-scatter/all-reduce on off-boundary micro-steps; grads accumulate unsharded locally.
+        self.model.set_requires_gradient_sync(sync)
+
+    def finish_gradients(self) -> None:
+        pass  # the boundary backward already reduced everything
+
+    def grad_norm(self) -> torch.Tensor:
+        return global_grad_norm(self._params)
+
+    @torch.no_grad()
+    def scale_grads_(self, factor: torch.Tensor | float) -> None:
+        if isinstance(factor, float) and factor == 1.0:
+            return
+        grads = [local_tensor(p.grad) for p in self._params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor)
+
+    def can_skip_on_device(self) -> bool:
+        return skips_on_device(self.optimizer)
+
+    def step(self, found_inf: torch.Tensor | None = None) -> None:
+        step_unless(self.optimizer, found_inf)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        with keeping_impl_flags(self.optimizer):   # the saver's flags (a converted DeepSpeed state: none) are not ours
+            set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Fused torch Adam/AdamW/SGD read a `found_inf` tensor and skip the whole update on the device (they also undo
+    their step count), so an overflow verdict needs no host sync before the step."""
+    return (isinstance(optimizer, (torch.optim.Adam, torch.optim.SGD))   # groups, not defaults: a loaded state
+            and all(g.get("fused") for g in optimizer.param_groups))       # dict can turn `fused` off
+
+
+# How an optimizer runs, not what it computes: torch's load_state_dict copies these from the saved groups, so a
+# converted DeepSpeed state or another device's checkpoint would silently switch fused Adam off (slow single-tensor
+# path, and no device-side overflow skip: skips_on_device reads the live groups).
+IMPL_FLAGS = ("fused", "foreach", "capturable", "differentiable")
+
+
+@contextlib.contextmanager
+def keeping_impl_flags(optimizer: torch.optim.Optimizer):
+    """Around an optimizer-state load: afterwards each param group has the implementation flags it had before (the
+    ones make_optimizer_factory chose), and fused/capturable groups get their `step` counters on the params' device
+    (a state saved unfused keeps them on the CPU, where those kernels cannot read them)."""
+    own = [{k: g[k] for k in IMPL_FLAGS if k in g} for g in optimizer.param_groups]
+    yield
+    for g, flags in zip(optimizer.param_groups, own):
+        for key in IMPL_FLAGS:
+            if key in flags:
+                g[key] = flags[key]
+            else:
+                g.pop(key, None)
+        if not (g.get("fused") or g.get("capturable")):
+            continue
+        for p in g["params"]:
+            st = optimizer.state.get(p, {})
+            step = st.get("step")
+            if torch.is_tensor(step) and step.device != p.device:
+                st["step"] = step.to(p.device, torch.float32)
+
+
+def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None = None) -> None:
+    """optimizer.step(), skipped on the device where the 0-dim `found_inf` is 1.0 (see skips_on_device)."""
+    if found_inf is None:
+        optimizer.step()
+        return
+    optimizer.found_inf = found_inf
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
+
+
+def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of all grads, over all shards (DTensor grads reduce over their mesh). fp32, same on every rank."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return norm.float()
+
+
+def clip_factor(norm: torch.Tensor | float, max_norm: float) -> torch.Tensor | float:
+    """DeepSpeed / torch clipping coefficient max_norm / (norm + 1e-6), never above 1 (1.0 when clipping is off).
+    A tensor norm gives a tensor (stays on the device: no host sync); a float norm gives a float."""
+    if max_norm <= 0:
+        return 1.0
+    if isinstance(norm, torch.Tensor):
+        return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    return min(1.0, max_norm / (norm + 1e-6))

@@ -1,0 +1,120 @@
+"""Stage 1 in the engine: fsdpzero.optim's GradPath over fsdpzero/ops/stage1/optimizer.py's Stage1Optimizer.
+
+`zero_optimization.stage: 1` routes here (fsdpzero.api.build_grad_path). The model stays unwrapped: parameters are
+replicated, and the stage-1 optimizer reduce-scatters gradients at the boundary, steps its shard and all-gathers.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdpzero.ops.stage1 import Stage1Optimizer
+from fsdpzero.optim.grad_path import GradPath, skips_on_device
+from fsdpzero.precision import DTYPES
+
+
+_ELEMENTWISE = {"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta",
+                "AdamNoBiasCorrection", "CPUAdam", "DeepSpeedCPUAdam"}   # update of an element needs only that element
+
+
+# Speed-ups; "0" turns one off, "1" on (A/B runs: bench/stage1.py's *_legacy configs). All keep the result within
+# float rounding of the plain schedule (the stage-0 parity tests hold either way; see docs/stage1.md).
+KNOBS = {"ramp_buckets": "FSDPZERO_STAGE1_RAMP_BUCKETS",         # small first/last buckets: short exposed ends
+         "fold_grad_scale": "FSDPZERO_STAGE1_FOLD_GRAD_SCALE",   # clip/unscale factor inside the fused step
+         "pipeline_step": "FSDPZERO_STAGE1_PIPELINE_STEP",       # fused Adam bucket by bucket, under the all-gather
+         "forward_allgather": "FSDPZERO_STAGE1_FORWARD_ALLGATHER"}  # the all-gather finishes under the next forward
+# Off unless asked for: after step() returns, parameters read directly (p.norm(), model.weight.clone(), a
+# DeepSpeed-oracle comparison) would be stale until the next forward or wait_for_params(); DeepSpeed's stage 1
+# returns with them updated. Worth ~1% on 2x H200 (BENCHMARKS.md).
+OFF_BY_DEFAULT = {"forward_allgather"}
+
+
+def knobs_from_env() -> dict[str, bool]:
+    return {key: os.environ.get(env, "0" if key in OFF_BY_DEFAULT else "1") != "0" for key, env in KNOBS.items()}
+
+
+class Stage1GradPath(GradPath):
+    """fsdpzero.optim.GradPath over a Stage1Optimizer: the engine drives the reduce / norm / scale / update steps
+    (clipping, loss scaling and the skip decision stay in the engine)."""
+
+    def __init__(self, stage1: Stage1Optimizer):
+        self.stage1, self.optimizer = stage1, stage1.optimizer
+
+    def set_sync(self, sync: bool) -> None:
+        self.stage1.set_gradient_sync(sync)
+
+    def finish_gradients(self) -> None:
+        self.stage1.reduce_gradients()
+
+    def grad_norm(self) -> torch.Tensor:
+        return self.stage1.grad_norm()
+
+    def scale_grads_(self, factor) -> None:
+        if not (isinstance(factor, float) and factor == 1.0):
+            self.stage1.scale_grads_(factor)
+
+    def can_skip_on_device(self) -> bool:
+        return skips_on_device(self.optimizer)
+
+    def step(self, found_inf: torch.Tensor | None = None) -> None:
+        # on a device-side skip the masters stay as they were, so the all-gather rewrites the same parameters
+        if found_inf is not None:
+            self.optimizer.found_inf = found_inf
+        try:
+            self.stage1.update_params()
+        finally:
+            if found_inf is not None:
+                del self.optimizer.found_inf
+
+    def zero_grad(self) -> None:
+        self.stage1.zero_grad()
+
+    def wait(self) -> None:
+        """The model's parameters hold the last step's values (the all-gather may still be in flight after step())."""
+        self.stage1.wait_for_params()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.stage1.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stage1.load_state_dict(state)
+
+
+def build_stage1_path(model: nn.Module, plan, make_optimizer: Callable, mesh=None) -> Stage1GradPath:
+    """`zero_optimization.stage: 1`: the engine's optimizer (config section or client) over the whole parameters,
+    then sharded by Stage1Optimizer.wrap. The model stays unwrapped; its parameters are cast to the plan's
+    param_dtype after the fp32 masters are taken."""
+    if plan.offload.optimizer_device not in ("none", "cpu"):
+        raise ValueError(f"zero_optimization.offload_optimizer.device = {plan.offload.optimizer_device!r} with stage "
+                         "1 is not supported: use \"cpu\", or stage 2/3 for NVMe offload")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    dtype = DTYPES[plan.precision.param_dtype]
+    for p in model.parameters():   # frozen weights compute in the same dtype (DeepSpeed casts the whole module)
+        if not p.requires_grad and p.is_floating_point():
+            p.data = p.data.to(dtype)
+    optimizer = make_optimizer([p for _, p in named])
+    if type(optimizer).__name__ not in _ELEMENTWISE and (not dist.is_initialized() or dist.get_rank() == 0):
+        logging.getLogger("fsdpzero").warning(
+            "fsdpzero: ZeRO stage 1 gives %s one flat tensor per param group and rank, as DeepSpeed's ZeRO 1/2 do; "
+            "per-tensor quantities (LAMB trust ratios, ...) are then taken over that flat shard and results differ "
+            "from stage 0", type(optimizer).__name__)
+    shard, precision, offload = plan.shard, plan.precision, plan.offload
+    knobs = knobs_from_env()
+    forward_allgather = knobs.pop("forward_allgather")
+    stage1 = Stage1Optimizer.wrap(
+        optimizer, {id(p): n for n, p in named}, process_group=mesh.get_group() if mesh is not None else None,
+        param_dtype=dtype, reduce_dtype=DTYPES[precision.reduce_dtype],
+        reduce_bucket_size=shard.reduce_bucket_size, allgather_bucket_size=shard.allgather_bucket_size,
+        overlap_comm=bool(shard.overlap_comm), master_device="cpu" if offload.optimizer_device == "cpu" else None,
+        **knobs)
+    if forward_allgather:   # the model's forward pre-hooks wait for their buckets; saving and loading wait for all
+        stage1.defer_allgather_to_forward(model)
+    # weights loaded without the optimizer (load_module_only, load_optimizer_states=False) become the masters; a
+    # following optimizer load then restores the exact fp32 masters from the checkpoint
+    model.register_load_state_dict_post_hook(lambda *_: stage1.refresh_masters())
+    return Stage1GradPath(stage1)

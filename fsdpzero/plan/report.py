@@ -1,0 +1,36 @@
+"""The fate report: one table of the config's keys, their values and fates, shared by `fsdpzero migrate` and the
+engine's startup log, so the two never disagree."""
+from __future__ import annotations
+
+import json
+
+from fsdpzero.plan.types import Plan
+
+STATUSES = ("mapped", "approximated", "noop", "unsupported")
+
+
+def _short(value) -> str:
+    s = json.dumps(value, default=str)
+    return s if len(s) <= 28 else s[:25] + "..."
+
+
+def fate_rows(plan: Plan, show_all: bool = False) -> list:
+    """The decisions shown: the keys the config set, or every key DeepSpeed reads when show_all."""
+    return [d for d in plan.decisions if d.explicit or show_all]
+
+
+def fate_table(plan: Plan, show_all: bool = False) -> str:
+    """key | value | fate | how, one line a key; defaulted keys (show_all) are marked `(default)`."""
+    rows = fate_rows(plan, show_all)
+    kw = max([len(d.key) for d in rows] + [3])
+    vw = max([len(_short(d.value)) for d in rows] + [5])
+    lines = [f"{'key':<{kw}}  {'value':<{vw}}  {'fate':<12}  how"]
+    for d in rows:
+        lines.append(f"{d.key:<{kw}}  {_short(d.value):<{vw}}  {d.status:<12}  {d.detail}"
+                     + ("" if d.explicit else "  (default)"))
+    return "\n".join(lines)
+
+
+def fate_counts(plan: Plan, show_all: bool = False) -> dict[str, int]:
+    rows = fate_rows(plan, show_all)
+    return {s: sum(d.status == s for d in rows) for s in STATUSES}

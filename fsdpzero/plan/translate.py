@@ -1,0 +1,297 @@
+"""Pure translation: validated DeepSpeed config + Env -> Plan, with a Decision for every key.
+
+No torch, no process group: `fsdpzero migrate` runs this on a laptop. `build_plan` is load + "auto" + batch
+triad + translate in one call, which is what the engine uses.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Mapping
+
+from pydantic import BaseModel
+
+from fsdpzero.config import ConfigError, DSConfig, Problem, load_config, resolve_batch
+from fsdpzero.config.load import model_of
+from fsdpzero.config.rules import SCHEDULERS, canonical_optimizer, optimizer_kind
+from fsdpzero.plan.fates import UNKNOWN_FATE, decide
+from fsdpzero.plan import (ActivationCheckpointPlan, AioPlan, BatchPlan, CheckpointPlan, Decision, Env,
+                           LossScalePlan, MonitorPlan, OffloadPlan, OptimizerPlan, Plan, PrecisionPlan,
+                           SchedulerPlan, ShardPlan)
+
+_DT = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", None: None}
+# DeepSpeed-only optimizer params: consumed here (plan fields) or meaningless outside DeepSpeed's kernels
+_DS_ONLY_OPT_PARAMS = ("torch_adam", "adam_w_mode", "fp32_optimizer_states", "set_grad_none")
+
+
+def build_plan(source: Any, env: Env | None = None, *, context: Mapping[str, Any] | None = None,
+               strict: bool = False, hf_defaults: bool = False) -> Plan:
+    env = env or Env()
+    ctx = dict(context or {})
+    ctx.setdefault("world_size", env.world_size)
+    return translate(load_config(source, context=ctx, hf_defaults=hf_defaults, strict=strict), env)
+
+
+def translate(cfg: DSConfig, env: Env) -> Plan:
+    """Raises ConfigError only for what depends on the environment (batch triad, mesh shape)."""
+    train, micro, ga = resolve_batch(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+                                     cfg.gradient_accumulation_steps, env.world_size)
+    z = cfg.zero_optimization
+    W = env.world_size
+    if z.mics_shard_size > 0 and (W % z.mics_shard_size or z.mics_shard_size > W):
+        raise ConfigError(Problem("zero_optimization.mics_shard_size",
+                                  f"{z.mics_shard_size} does not divide the world size {W}",
+                                  "use a divisor of the world size, e.g. the GPUs per node "
+                                  f"({env.ranks_per_node})"))
+    hpz = z.zero_hpz_partition_size
+    if z.stage == 3 and hpz > 1 and (W % hpz or hpz > W):
+        raise ConfigError(Problem("zero_optimization.zero_hpz_partition_size",
+                                  f"{hpz} does not divide the world size {W} (FSDP2's reshard_after_forward=int "
+                                  "needs a divisor)", f"use the GPUs per node ({env.ranks_per_node}) or 1"))
+    plan = Plan(env=env, shard=_shard(cfg, env), precision=_precision(cfg), offload=_offload(cfg),
+                optimizer=_optimizer(cfg), scheduler=_scheduler(cfg),
+                batch=BatchPlan(train_batch_size=train, micro_batch_size=micro, gradient_accumulation_steps=ga,
+                                gradient_clipping=float(cfg.gradient_clipping),
+                                gradient_predivide_factor=float(cfg.gradient_predivide_factor),
+                                prescale_gradients=cfg.prescale_gradients, steps_per_print=cfg.steps_per_print,
+                                wall_clock_breakdown=cfg.wall_clock_breakdown or bool(
+                                    cfg.flops_profiler and cfg.flops_profiler.enabled),
+                                dataloader_drop_last=cfg.dataloader_drop_last),
+                activation_checkpointing=_activation(cfg), checkpoint=_checkpoint(cfg), monitor=_monitor(cfg),
+                decisions=tuple(decisions(cfg, env)))
+    return plan
+
+
+# ---------------------------------------------------------------- plan sections
+def _shard(cfg: DSConfig, env: Env) -> ShardPlan:
+    z = cfg.zero_optimization
+    reshard: bool | int = z.stage == 3
+    if z.stage == 3 and z.zero_hpz_partition_size > 1:
+        reshard = z.zero_hpz_partition_size
+    if z.mics_shard_size > 0:
+        k = z.mics_shard_size
+        mesh, names = (env.world_size // k, k), ("replicate", "shard")
+    else:
+        mesh, names = (env.world_size,), ("dp",)
+    # prefetch depth: how many ~block-sized units fit in the budget; the engine refines it with block sizes
+    depth = 1 if z.prefetch_bucket_size > 0 else 0
+    return ShardPlan(stage=z.stage, reshard_after_forward=reshard, mesh_shape=mesh, mesh_dim_names=names,
+                     prefetch_depth=depth, prefetch_bucket_size=z.prefetch_bucket_size,
+                     param_persistence_threshold=z.param_persistence_threshold,
+                     reduce_bucket_size=z.reduce_bucket_size, allgather_bucket_size=z.allgather_bucket_size,
+                     overlap_comm=bool(z.overlap_comm), ignore_unused_parameters=z.ignore_unused_parameters,
+                     gather_16bit_weights_on_model_save=z.gather_16bit_weights_on_model_save)
+
+
+def _precision(cfg: DSConfig) -> PrecisionPlan:
+    fp16, bf16 = cfg.fp16, cfg.bf16
+    model = "float16" if fp16.enabled else "bfloat16" if bf16.enabled else "float32"
+    param = _DT[cfg.data_types.param_dtype] if cfg.data_types and cfg.data_types.param_dtype else model
+    reduce = _DT[cfg.communication_data_type] or model
+    master = ("float16" if fp16.enabled and fp16.fp16_master_weights_and_grads else
+              "bfloat16" if bf16.enabled and bf16.bf16_master_weights_and_grads else "float32")
+    states = "bfloat16" if bf16.enabled and bf16.bf16_optimizer_states else "float32"
+    scaler = None
+    if fp16.enabled:
+        scaler = LossScalePlan(loss_scale=float(fp16.loss_scale), initial_scale_power=fp16.initial_scale_power,
+                               loss_scale_window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
+                               consecutive_hysteresis=fp16.consecutive_hysteresis,
+                               min_loss_scale=float(fp16.min_loss_scale))
+    autocast = None
+    if cfg.torch_autocast is not None and cfg.torch_autocast.enabled:
+        autocast = _DT[cfg.torch_autocast.dtype] or "bfloat16"
+    return PrecisionPlan(param_dtype=param, reduce_dtype=reduce, master_dtype=master, optimizer_state_dtype=states,
+                         loss_scale=scaler, check_grad_overflow=bool(bf16.enabled and bf16.check_grad_overflow),
+                         autocast_dtype=autocast)
+
+
+def _offload(cfg: DSConfig) -> OffloadPlan:
+    z = cfg.zero_optimization
+    op, oo = z.offload_param, z.offload_optimizer
+    aio = cfg.aio
+    return OffloadPlan(
+        optimizer_device=oo.device if oo else "none", param_device=op.device if op else "none",
+        pin_memory=(oo.pin_memory if oo and oo.device != "none" else op.pin_memory if op else True),
+        optimizer_nvme_path=oo.nvme_path if oo else None, param_nvme_path=op.nvme_path if op else None,
+        buffer_count=oo.buffer_count if oo else 4, param_buffer_count=op.buffer_count if op else 5,
+        param_buffer_size=op.buffer_size if op else 100_000_000, max_in_cpu=op.max_in_cpu if op else 1_000_000_000,
+        ratio=oo.ratio if oo else 1.0, sub_group_size=z.sub_group_size,
+        aio=AioPlan(**aio.model_dump(include=set(AioPlan.__dataclass_fields__))) if aio else AioPlan())
+
+
+def _optimizer(cfg: DSConfig) -> OptimizerPlan:
+    opt = cfg.optimizer
+    if opt is None or opt.type is None:
+        return OptimizerPlan(zero_allow_untested_optimizer=cfg.zero_allow_untested_optimizer)
+    params = {k: v for k, v in opt.params.items() if k not in _DS_ONLY_OPT_PARAMS}
+    if "betas" in params:
+        params["betas"] = list(params["betas"])
+    return OptimizerPlan(type=canonical_optimizer(opt.type, opt.params), params=params,
+                         torch_adam=bool(opt.params.get("torch_adam", False)),
+                         adam_w_mode=bool(opt.params.get("adam_w_mode", True)) or opt.type.lower() == "adamw",
+                         zero_allow_untested_optimizer=cfg.zero_allow_untested_optimizer)
+
+
+def _scheduler(cfg: DSConfig) -> SchedulerPlan:
+    sch = cfg.scheduler
+    if sch is None or sch.type is None:
+        return SchedulerPlan()
+    params = dict(sch.params)
+    for key, default in SCHEDULERS.get(sch.type, {}).items():
+        if key not in params and key not in cfg.deferred and default != "required":
+            params[key] = default
+    if sch.type == "WarmupLR" and params.get("warmup_max_lr") is None and cfg.optimizer is not None:
+        lr = cfg.optimizer.params.get("lr")     # DeepSpeed >= 0.17.2: WarmupLR peaks at the optimizer's lr
+        if lr is not None:
+            params["warmup_max_lr"] = lr
+    if sch.type == "OneCycle":
+        params["cycle_second_step_size"] = params["cycle_second_step_size"] or params["cycle_first_step_size"]
+        if params["cycle_second_stair_count"] is None:
+            params["cycle_second_stair_count"] = params["cycle_first_stair_count"]
+    return SchedulerPlan(type=sch.type, params=params, deferred=tuple(cfg.deferred))
+
+
+def _activation(cfg: DSConfig) -> ActivationCheckpointPlan:
+    ac = cfg.activation_checkpointing
+    if ac is None:
+        return ActivationCheckpointPlan()
+    return ActivationCheckpointPlan(enabled=True, cpu_checkpointing=ac.cpu_checkpointing,
+                                    number_checkpoints=ac.number_checkpoints)
+
+
+def _checkpoint(cfg: DSConfig) -> CheckpointPlan:
+    c = cfg.checkpoint
+    if c is None:
+        return CheckpointPlan()
+    return CheckpointPlan(tag_validation=c.tag_validation.lower(), load_universal=c.load_universal,
+                          use_node_local_storage=c.use_node_local_storage,
+                          async_save=bool(c.writer and c.writer.decoupled))
+
+
+def _monitor(cfg: DSConfig) -> MonitorPlan:
+    def on(section):
+        return section.model_dump() if section is not None and section.enabled else None
+    return MonitorPlan(tensorboard=on(cfg.tensorboard), csv_monitor=on(cfg.csv_monitor), wandb=on(cfg.wandb),
+                       comet=on(cfg.comet))
+
+
+# ---------------------------------------------------------------- decisions
+@functools.lru_cache(maxsize=None)
+def schema_paths(model: type[BaseModel] = DSConfig, prefix: str = "") -> tuple[str, ...]:
+    """Every canonical dotted key of the schema (DeepSpeed's documented spelling)."""
+    out: list[str] = []
+    for name, f in model.model_fields.items():
+        key = prefix + (f.alias or name)
+        out.append(key)
+        sub = model_of(f.annotation)
+        if sub is not None:
+            out += schema_paths(sub, key + ".")
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _canonical(path: str) -> tuple[str, bool]:
+    """User spelling -> (canonical spelling, known to the schema)."""
+    model: Any = DSConfig
+    parts, out = path.split("."), []
+    for i, part in enumerate(parts):
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return ".".join(out + parts[i:]), True     # inside a free-form dict (optimizer.params.lr)
+        hit = next(((n, f) for n, f in model.model_fields.items() if part in (n, f.alias)), None)
+        if hit is None:
+            return path, False
+        out.append(hit[1].alias or hit[0])
+        model = model_of(hit[1].annotation) or hit[1].annotation
+    return ".".join(out), True
+
+
+def _value(cfg: DSConfig, canonical: str) -> Any:
+    node: Any = cfg
+    for part in canonical.split("."):
+        if isinstance(node, BaseModel):
+            name = next((n for n, f in type(node).model_fields.items() if part in (n, f.alias)), part)
+            node = getattr(node, name, None)
+        elif isinstance(node, dict):
+            node = node.get(part)
+        else:
+            return None
+    return node.model_dump(by_alias=True) if isinstance(node, BaseModel) else node
+
+
+def _defaulted(cfg: DSConfig) -> list[str]:
+    """Canonical keys the user did not write but whose DeepSpeed default applies: the top level and every field
+    of each section present in the config (or always present: zero_optimization, fp16, bf16)."""
+    out = []
+    for name, f in DSConfig.model_fields.items():
+        if model_of(f.annotation) is None:
+            out.append(f.alias or name)
+    for section in ("zero_optimization", "fp16", "bf16", *[k for k in cfg.raw if k in DSConfig.model_fields]):
+        sub = model_of(DSConfig.model_fields[section].annotation)
+        if sub is None:
+            continue
+        for p in schema_paths(sub, section + "."):
+            parent = p.rsplit(".", 1)[0]
+            if parent in _FREE_FORM:
+                continue                            # the section is one row
+            if parent == section or _value(cfg, parent) is not None:
+                out.append(p)
+    return list(dict.fromkeys(out))
+
+
+def decisions(cfg: DSConfig, env: Env) -> list[Decision]:
+    out: list[Decision] = []
+    seen = set()
+    autos = cfg.autos
+    unknown = cfg.unknown_keys
+    for path in cfg.explicit_keys:
+        if not _is_row(cfg, path):
+            continue
+        canon, known = _canonical(path)
+        if path in unknown or not known:
+            out.append(Decision(key=path, value=unknown.get(path), status=UNKNOWN_FATE[0],
+                                detail=UNKNOWN_FATE[1]))
+            continue
+        if any(path.startswith(u + ".") for u in unknown):
+            continue
+        value = _value(cfg, canon)
+        status, detail = decide(canon, value, cfg, env)
+        if path in autos:
+            detail += f' ["auto" <- {autos[path][1]}]'
+        out.append(Decision(key=path, value=_jsonable(value), status=status, detail=detail))
+        seen.add(canon)
+    for canon in _defaulted(cfg):
+        if canon in seen:
+            continue
+        value = _value(cfg, canon)
+        status, detail = decide(canon, value, cfg, env)
+        out.append(Decision(key=canon, value=_jsonable(value), status=status, detail=detail, explicit=False))
+    for key in cfg.deferred:
+        out.append(Decision(key=f"scheduler.params.{key}", value="auto", status="mapped",
+                            detail="filled by the trainer from the number of training steps", explicit=True))
+    return out
+
+
+def _is_row(cfg: DSConfig, path: str) -> bool:
+    """One table row per leaf the user wrote; a section of a free-form or unknown dict is one row."""
+    if "." in path and any(path.startswith(p + ".") for p in _FREE_FORM + tuple(cfg.unknown_keys)):
+        return False
+    node: Any = cfg.raw
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    if isinstance(node, dict) and node and path not in cfg.unknown_keys and path not in _FREE_FORM:
+        return False
+    return True
+
+
+# Sections listed as one row: free-form dicts, and whole features that are either off or unsupported.
+_FREE_FORM = ("pipeline", "data_efficiency", "autotuning", "datastates", "expert_parallel",
+              "zero_optimization.zenflow", "weight_quantization")
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    return str(v)

@@ -1,0 +1,180 @@
+"""The plan: what a DeepSpeed config becomes under FSDP2.
+
+Frozen dataclasses, produced by the pure function `fsdpzero.plan.translate.translate(config, env)` and consumed by the
+engine. Nothing here imports torch or torch.distributed: dtypes are strings ("float32", "bfloat16", "float16") so
+`fsdpzero migrate` stays fast and the plan serialises to JSON as it is.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Status = Literal["mapped", "approximated", "noop", "unsupported"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Env:
+    """Where the plan will run. Pure data: `fsdpzero migrate --world-size 8` builds one without any GPU."""
+    world_size: int = 1
+    nodes: int = 1
+    device_type: Literal["cpu", "cuda"] = "cpu"
+
+    @property
+    def ranks_per_node(self) -> int:
+        return max(1, self.world_size // max(1, self.nodes))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """The fate of one DeepSpeed key: printed once at start and in `fsdpzero migrate`."""
+    key: str                      # dotted path, e.g. "zero_optimization.stage3_prefetch_bucket_size"
+    value: Any
+    status: Status
+    detail: str                   # one line naming the FSDP2 API or ops/ component that carries it (or why not)
+    explicit: bool = True         # False when the value is DeepSpeed's default, not written by the user
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardPlan:
+    stage: int = 0                                  # 0 replicate, 1 ops stage-1 optimizer, 2/3 fully_shard
+    reshard_after_forward: bool | int = False       # stage 3: True; hpZ: int group size; stage 2: False
+    mesh_shape: tuple[int, ...] = (1,)              # (dp,) or (replicate, shard) for MiCS / hybrid
+    mesh_dim_names: tuple[str, ...] = ("dp",)
+    prefetch_depth: int = 1                         # modules prefetched ahead, from stage3_prefetch_bucket_size
+    prefetch_bucket_size: int = 50_000_000          # elements (DeepSpeed counts elements, not bytes)
+    param_persistence_threshold: int = 100_000      # modules with fewer params stay unsharded (stage 3)
+    reduce_bucket_size: int = 500_000_000           # elements; real knob for stage 0 (DDP) and stage 1
+    allgather_bucket_size: int = 500_000_000        # elements; real knob for stage 1
+    overlap_comm: bool = False
+    ignore_unused_parameters: bool = True
+    gather_16bit_weights_on_model_save: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossScalePlan:
+    """DeepSpeed's fp16 DynamicLossScaler settings (static when loss_scale > 0)."""
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionPlan:
+    param_dtype: DType = "float32"          # compute dtype of the all-gathered params (MixedPrecisionPolicy)
+    reduce_dtype: DType = "float32"         # communication_data_type (DeepSpeed default: the model dtype)
+    master_dtype: DType = "float32"         # DeepSpeed always keeps fp32 masters unless bf16_master_weights...
+    optimizer_state_dtype: DType = "float32"  # bf16.bf16_optimizer_states -> "bfloat16"
+    loss_scale: LossScalePlan | None = None  # set iff fp16
+    check_grad_overflow: bool = False       # bf16: skip steps with inf/nan grads (DeepSpeed >= 0.19.3 default)
+    autocast_dtype: DType | None = None     # torch_autocast section
+
+
+@dataclass(frozen=True, kw_only=True)
+class AioPlan:
+    block_size: int = 1_048_576
+    queue_depth: int = 8
+    intra_op_parallelism: int = 1
+    single_submit: bool = False
+    overlap_events: bool = True
+    use_gds: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadPlan:
+    optimizer_device: Literal["none", "cpu", "nvme"] = "none"
+    param_device: Literal["none", "cpu", "nvme"] = "none"
+    pin_memory: bool = True
+    optimizer_nvme_path: str | None = None
+    param_nvme_path: str | None = None
+    buffer_count: int = 4                   # optimizer swap buffers
+    param_buffer_count: int = 5
+    param_buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+    ratio: float = 1.0
+    sub_group_size: int = 1_000_000_000
+    aio: AioPlan = field(default_factory=AioPlan)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerPlan:
+    """type is canonical lower-case for DeepSpeed's own ("adamw", "adam", "lamb", "sgd", "adagrad", "lion"),
+    or the exact torch.optim class name for anything else; None means the client supplies the optimizer."""
+    type: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)   # kwargs, DeepSpeed-only keys removed
+    torch_adam: bool = False
+    adam_w_mode: bool = True
+    zero_allow_untested_optimizer: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerPlan:
+    type: str | None = None                 # "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"
+    params: dict[str, Any] = field(default_factory=dict)   # DeepSpeed's defaults filled in
+    deferred: tuple[str, ...] = ()          # params given as "auto" that the trainer fills from the step count
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchPlan:
+    train_batch_size: int = 1
+    micro_batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    gradient_clipping: float = 1.0          # DeepSpeed >= 0.19.3 default
+    gradient_predivide_factor: float = 1.0
+    prescale_gradients: bool = False
+    steps_per_print: int | None = None
+    wall_clock_breakdown: bool = False
+    dataloader_drop_last: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationCheckpointPlan:
+    enabled: bool = False                   # HF gradient_checkpointing or the section's presence
+    cpu_checkpointing: bool = False
+    number_checkpoints: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointPlan:
+    tag_validation: Literal["ignore", "warn", "fail"] = "warn"
+    load_universal: bool = False
+    use_node_local_storage: bool = False
+    async_save: bool = False
+    keep_last: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class MonitorPlan:
+    tensorboard: dict[str, Any] | None = None
+    csv_monitor: dict[str, Any] | None = None
+    wandb: dict[str, Any] | None = None
+    comet: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    env: Env = field(default_factory=Env)
+    shard: ShardPlan = field(default_factory=ShardPlan)
+    precision: PrecisionPlan = field(default_factory=PrecisionPlan)
+    offload: OffloadPlan = field(default_factory=OffloadPlan)
+    optimizer: OptimizerPlan = field(default_factory=OptimizerPlan)
+    scheduler: SchedulerPlan = field(default_factory=SchedulerPlan)
+    batch: BatchPlan = field(default_factory=BatchPlan)
+    activation_checkpointing: ActivationCheckpointPlan = field(default_factory=ActivationCheckpointPlan)
+    checkpoint: CheckpointPlan = field(default_factory=CheckpointPlan)
+    monitor: MonitorPlan = field(default_factory=MonitorPlan)
+    decisions: tuple[Decision, ...] = ()
+
+    @property
+    def unsupported(self) -> list[Decision]:
+        return [d for d in self.decisions if d.status == "unsupported"]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready; the decisions are reported separately by `fsdpzero migrate`."""
+        d = dataclasses.asdict(self)
+        d.pop("decisions")
+        return d

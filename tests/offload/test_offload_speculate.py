@@ -1,0 +1,144 @@
+"""The speculative CPU step of the offload path (fsdpzero/offload/speculate.py) on 2 gloo ranks, staged through
+buffers as on a GPU. Speculation may only change *when* the CPU works, never a bit of the result: every run equals
+the same run without it (FSDPZERO_OFFLOAD_SPECULATE=0, the default) exactly (losses and final params), across steps that commit (factor
+1.0), steps that clip (dropped), a skipped step (backward, no step), an lr changed between backward and step, the
+early stop on the partial norm, and the overlapped step. The counters prove each branch ran."""
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdpzero.offload import build as offload
+from fsdpzero.optim import clip_factor
+from fsdpzero.plan import BatchPlan, OffloadPlan, Plan
+from tests.multirank import run_distributed
+from tests.offload.test_offload import HYPER
+from tests.offload.test_offload_pipeline import _stage2_model
+
+NEVER, ALWAYS = 1e9, 1e-3   # clip thresholds: never clips / always clips on this model
+# per step: (clip used by the step, skip the step, halve the lr after backward)
+SCHEDULE = [(NEVER, False, False), (ALWAYS, False, False), (NEVER, False, False), (NEVER, True, False),
+            (NEVER, False, False), (NEVER, False, True), (ALWAYS, False, False), (NEVER, False, False)]
+
+
+def _run(speculate, overlap, plan_clip, drain=True):
+    os.environ["FSDPZERO_OFFLOAD_SPECULATE"] = "1" if speculate else "0"
+    model = _stage2_model()
+    plan = Plan(offload=OffloadPlan(optimizer_device="cpu", sub_group_size=700),
+                batch=BatchPlan(gradient_clipping=plan_clip))
+    path = offload.build_offload_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER), stage=True,
+                                   overlap=overlap)
+    assert (path.spec is not None) == speculate
+    if speculate:   # a slow speculative worker: zero_grad() and the step come while it is still behind backward
+        step_param = path.optimizer.step_param
+        path.optimizer.step_param = lambda *a, **k: (k.get("into") is not None and time.sleep(0.01),
+                                                     step_param(*a, **k))
+    gen = torch.Generator().manual_seed(300 + dist.get_rank())
+    losses, outcomes = [], []
+    for clip, skip, halve_lr in SCHEDULE:
+        x, y = torch.randn(6, 7, generator=gen), torch.randn(6, 5, generator=gen)
+        path.set_sync(True)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        path.finish_gradients()
+        if speculate and drain:  # every chunk speculated before the step: the outcome does not depend on timing
+            path.spec.drain()
+        if halve_lr:             # e.g. a hand-written lr rule between backward and step
+            for g in path.optimizer.param_groups:
+                g["lr"] = g["lr"] * 0.5
+        path.scale_grads_(clip_factor(path.grad_norm(), clip))
+        before = path.spec.stats["entries_committed"] if speculate else 0
+        if not skip:
+            path.step()
+        path.zero_grad()
+        if speculate:
+            path.wait()
+            outcomes.append((path.spec.last, path.spec.stats["entries_committed"] - before))
+        losses.append(loss.item())
+    path.wait()
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    stats = dict(path.spec.stats) if path.spec is not None else {}
+    path.close()
+    return losses, full, outcomes, stats
+
+
+def _scenario(rank, world, overlap, plan_clip):
+    torch.set_num_threads(1)   # the worker threads add their own OpenMP teams: keep 2 ranks within 2 cores
+    return _run(False, overlap, plan_clip), _run(True, overlap, plan_clip), _run(True, overlap, plan_clip, False)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["inline", "overlap"])
+def test_speculation_commits_drops_and_changes_nothing(overlap):
+    for (ref_losses, ref, _, _), drained, timed in run_distributed(_scenario, 2, overlap, NEVER, timeout=180):
+        for losses, got, _, _ in (drained, timed):   # the worker's progress at step() changes nothing
+            assert losses == ref_losses
+            assert all(torch.equal(got[k], ref[k]) for k in ref)
+        outcomes, stats = drained[2], drained[3]
+        # drained: every entry is committed where the factor was 1.0 and the lr unchanged, none when the lr
+        # changed after backward (made with the old lr) or the step clipped or was skipped
+        entries = max(k for _, k in outcomes)
+        assert entries > 0 and [outcomes[i] for i in (0, 2, 4, 7)] == [("committed", entries)] * 4, outcomes
+        assert outcomes[5] == ("committed", 0), outcomes
+        assert [outcomes[i] for i in (1, 3, 6)] == [("dropped", 0)] * 3, outcomes
+        assert stats["entries_committed"] > 0 and stats["stopped_early"] == 0
+
+
+def test_partial_norm_stops_speculation_early():
+    """gradient_clipping far below this model's norms: this rank's partial sum of squares already proves the step
+    will clip, so the worker stops stepping; the results are still those of the run without speculation."""
+    for (ref_losses, ref, _, _), (losses, got, outcomes, stats), _ in run_distributed(_scenario, 2, False, ALWAYS,
+                                                                                        timeout=180):
+        assert losses == ref_losses
+        assert all(torch.equal(got[k], ref[k]) for k in ref)
+        assert stats["stopped_early"] >= 6 and stats["entries_committed"] == 0
+
+
+@pytest.mark.gpu
+def test_speculation_on_gpu_is_bit_identical(one_rank_nccl):
+    """1 GPU, bf16 shards: grads land through the D2H stream and its events, the worker waits on them, and the
+    committed buffers go back H2D. Bit-identical to FSDPZERO_OFFLOAD_SPECULATE=0, with commits and drops."""
+    import dataclasses
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from fsdpzero.plan import PrecisionPlan
+    from tests.offload.test_offload import Net
+
+    def run(speculate):
+        os.environ["FSDPZERO_OFFLOAD_SPECULATE"] = "1" if speculate else "0"
+        torch.manual_seed(0)
+        model = Net(d=256, n=4).cuda()
+        mesh = init_device_mesh("cuda", (1,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+        plan = dataclasses.replace(Plan(), offload=OffloadPlan(optimizer_device="cpu", sub_group_size=100_000),
+                                   precision=PrecisionPlan(param_dtype="bfloat16"),
+                                   batch=BatchPlan(gradient_clipping=NEVER))
+        path = offload.build_offload_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER), overlap=True)
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        losses = []
+        for clip, skip, _ in SCHEDULE:
+            x = torch.randn(32, 7, device="cuda", generator=gen)
+            y = torch.randn(32, 5, device="cuda", generator=gen)
+            loss = nn.functional.mse_loss(model(x).float(), y)
+            loss.backward()
+            path.finish_gradients()
+            path.scale_grads_(clip_factor(path.grad_norm(), clip))
+            if not skip:
+                path.step()
+            path.zero_grad()
+            losses.append(loss.item())
+        path.wait()
+        stats = dict(path.spec.stats) if path.spec is not None else {}
+        return losses, {n: p.full_tensor().float().cpu() for n, p in model.named_parameters()}, stats
+
+    (ref_losses, ref, _), (losses, got, stats) = run(False), run(True)
+    assert losses == ref_losses
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+    assert stats["entries_committed"] > 0 and stats["dropped"] >= 2

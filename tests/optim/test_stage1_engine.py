@@ -1,0 +1,130 @@
+"""ZeRO stage 1 through the engine (`fsdpzero.wrap` with a stage-1 plan) against stage 0 and the unsharded run.
+
+2 gloo ranks, tiny HF Llama/GPT-2 from tests/engine_cases.py, gradient clipping 1.0. Stage 1 must give stage 0's
+loss trajectory and final parameters: fp32 <= 1e-5 against the unsharded reference and against stage 0 (the engine
+suite's tolerance), bf16 <= 2e-2.
+"""
+import dataclasses
+
+import pytest
+import transformers  # noqa: F401  imported before forking the ranks
+
+from fsdpzero.api import wrap
+from fsdpzero.plan import LossScalePlan, OffloadPlan
+from tests.engine_cases import batches, build_model, engine_losses, full_params, make_plan, reference_run
+from tests.multirank import run_distributed
+
+STEPS = 6
+
+
+def _train(rank, world, kind, plan_kwargs, steps):
+    plan_kwargs = dict(plan_kwargs)
+    offload = plan_kwargs.pop("offload", "none")
+    plan = make_plan(world=world, **plan_kwargs)
+    plan = dataclasses.replace(plan, offload=OffloadPlan(optimizer_device=offload, pin_memory=False))
+    # SGD is outside DeepSpeed's ZeRO-tested list: the config needs zero_allow_untested_optimizer, as with DeepSpeed
+    plan = dataclasses.replace(plan, optimizer=dataclasses.replace(plan.optimizer, zero_allow_untested_optimizer=True))
+    data = batches(steps, plan.batch.gradient_accumulation_steps, plan.batch.micro_batch_size * world)
+    engine = wrap(build_model(kind), plan)
+    losses = engine_losses(engine, data, rank, world)
+    return {"losses": losses, "params": full_params(engine.module), "steps": engine.global_steps,
+            "path": type(engine.grad_path).__name__, "skipped": engine.skipped_steps,
+            "dtype": str(next(engine.module.parameters()).dtype)}
+
+
+def test_stage1_with_offload_optimizer_reduces_gradients():
+    """offload_optimizer at stage 1 goes through the stage-1 path (masters on the CPU): gradients are still reduced
+    across ranks, so the result is stage 0's (without the routing, ranks would silently diverge)."""
+    s1 = _run("llama", dict(stage=1, gas=2, offload="cpu"), steps=3)
+    s0 = _run("llama", dict(stage=0, gas=2), steps=3)
+    assert s1[0]["path"] == "Stage1GradPath"
+    assert max(abs(a - b) for a, b in zip(s1[0]["losses"], s0[0]["losses"])) <= 1e-5
+    assert _max_diff(s1[0]["params"], s0[0]["params"]) <= 1e-5 and _max_diff(s1[1]["params"], s1[0]["params"]) == 0
+
+
+def _run(kind, plan_kwargs, steps=STEPS):
+    return run_distributed(_train, 2, kind, plan_kwargs, steps, timeout=300)
+
+
+def _max_diff(a, b):
+    return max((a[k] - b[k].float()).abs().max().item() for k in b)
+
+
+CASES = [
+    ("llama", dict(gas=4), 1e-5),
+    ("gpt2", dict(gas=1, opt="sgd", opt_params={"lr": 1e-2, "momentum": 0.9, "weight_decay": 0.01}), 1e-5),
+    ("llama", dict(gas=2, opt="adagrad", opt_params={"lr": 1e-2}), 1e-5),
+    ("llama", dict(gas=2, dtype="bfloat16"), 2e-2),
+]
+
+
+@pytest.mark.parametrize("kind,kw,tol", CASES, ids=["llama-adamw-gas4", "gpt2-sgd", "llama-adagrad", "llama-bf16"])
+def test_stage1_matches_stage0(kind, kw, tol):
+    s1 = _run(kind, dict(stage=1, **kw))
+    s0 = _run(kind, dict(stage=0, **kw))
+    assert s1[0]["path"] == "Stage1GradPath" and s1[0]["steps"] == STEPS
+    assert s1[0]["dtype"] == ("torch.bfloat16" if kw.get("dtype") == "bfloat16" else "torch.float32")
+    assert max(abs(a - b) for a, b in zip(s1[0]["losses"], s0[0]["losses"])) <= tol
+    assert _max_diff(s1[0]["params"], s0[0]["params"]) <= tol
+    assert _max_diff(s1[1]["params"], s1[0]["params"]) == 0.0          # replicated: every rank holds the same
+    if kw.get("opt", "adamw") == "adamw" and "dtype" not in kw:
+        plan = make_plan(stage=1, **kw)
+        data = batches(STEPS, plan.batch.gradient_accumulation_steps, plan.batch.micro_batch_size * 2)
+        ref_losses, ref_params = reference_run(kind, data, clip=1.0)
+        assert max(abs(a - b) for a, b in zip(s1[0]["losses"], ref_losses)) <= tol
+        assert _max_diff(s1[0]["params"], ref_params) <= tol
+
+
+def test_stage1_fp16_loss_scaling_matches_stage0():
+    """fp16 params with fp32 masters and DeepSpeed's dynamic loss scaler (the first steps overflow at 2^16 and are
+    skipped on both stages alike)."""
+    kw = dict(gas=2, dtype="float16", reduce_dtype="float32",
+              fp16=LossScalePlan(initial_scale_power=16, loss_scale_window=2, hysteresis=1))
+    s1 = _run("gpt2", dict(stage=1, **kw), steps=4)
+    s0 = _run("gpt2", dict(stage=0, **kw), steps=4)
+    assert s1[0]["dtype"] == "torch.float16" and s1[0]["skipped"] == s0[0]["skipped"]
+    assert max(abs(a - b) for a, b in zip(s1[0]["losses"], s0[0]["losses"])) <= 2e-2
+    assert _max_diff(s1[0]["params"], s0[0]["params"]) <= 2e-2
+
+
+@pytest.mark.parametrize("save_world,load_world", [(2, 1), (1, 2)])
+def test_stage1_engine_checkpoint_reshards(tmp_path, save_world, load_world):
+    """engine.save_checkpoint at stage 1 on N ranks, load_checkpoint on M: the continuation matches a straight run
+    (fp16 with the dynamic loss scaler, gas 2: the checkpoint suite's setup)."""
+    from tests.checkpoint.test_engine_checkpoint import HALF, _first_half, _second_half, _straight
+    ref_losses, ref_params = run_distributed(_straight, 2, 1, timeout=180)[0][:2]
+    run_distributed(_first_half, save_world, 1, str(tmp_path), timeout=180)
+    second, params = run_distributed(_second_half, load_world, 1, str(tmp_path), timeout=180)[0][:2]
+    assert max(abs(a - b) for a, b in zip(second, ref_losses[HALF:])) <= 1e-6
+    assert _max_diff(params, ref_params) <= 1e-5
+
+
+def _forward_allgather_rank(rank, world, enabled, save_dir):
+    """3 steps (gas 2, clip 1.0, fp32), save_checkpoint right after the last engine.step(), then a
+    fresh engine with other weights loads it. FSDPZERO_STAGE1_FORWARD_ALLGATHER is read when the engine is built."""
+    import os
+    os.environ["FSDPZERO_STAGE1_FORWARD_ALLGATHER"] = "1" if enabled else "0"
+    plan = make_plan(stage=1, gas=2, world=world)
+    data = batches(3, 2, plan.batch.micro_batch_size * world)
+    engine = wrap(build_model("llama"), plan)
+    losses = engine_losses(engine, data, rank, world)
+    in_flight = len(engine.grad_path.stage1.param_gather.in_flight)
+    engine.save_checkpoint(save_dir)
+    params = full_params(engine.module)
+    fresh = wrap(build_model("llama", seed=5), plan)
+    fresh.load_checkpoint(save_dir)
+    loaded = full_params(fresh.module)
+    return {"losses": losses, "params": params, "in_flight": in_flight, "loaded": loaded}
+
+
+def test_forward_allgather_switch_is_bit_identical_and_saving_waits(tmp_path):
+    """FSDPZERO_STAGE1_FORWARD_ALLGATHER=1 (the all-gather finished by the next forward) against the default (=0,
+    finished inside step()): the same losses and weights bit for bit; a checkpoint saved right after step() holds
+    the updated weights."""
+    on = run_distributed(_forward_allgather_rank, 2, True, str(tmp_path / "on"), timeout=300)
+    off = run_distributed(_forward_allgather_rank, 2, False, str(tmp_path / "off"), timeout=300)
+    assert on[0]["in_flight"] > 0 and off[0]["in_flight"] == 0   # the switch really defers
+    assert on[0]["losses"] == off[0]["losses"]
+    assert _max_diff(on[0]["params"], off[0]["params"]) == 0.0 and _max_diff(on[1]["params"], on[0]["params"]) == 0
+    for r in on + off:   # what the checkpoint saved right after step() is the final weights of the plain run
+        assert _max_diff(r["loaded"], off[0]["params"]) == 0.0

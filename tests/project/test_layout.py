@@ -1,0 +1,148 @@
+"""The house rules the folder layout promises, checked on the source (AST and text, no imports):
+
+- the import graph of fsdpzero has no cycle (imports inside functions count: they are arrows too);
+- fsdpzero.ops never imports the rest of the library, and the library never imports its CLI;
+- no private name (`_x`) is imported from another module: a name that crosses modules is public in its wing;
+- FSDP2's private state is touched in one module only (fsdpzero/offload/fsdp_state.py).
+"""
+from __future__ import annotations
+
+import ast
+import re
+import tokenize
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PKG = ROOT / "fsdpzero"
+FSDP_STATE = PKG / "offload" / "fsdp_state.py"
+# torch's private _fully_shard state, as attribute or getattr name
+FSDP_PRIVATE = re.compile(r"\b(_get_fsdp_state|_fsdp_param_groups?|_sharded_param_data|_local_tensor|_lazy_init|"
+                          r"_states_to_(forward|backward)_prefetch|_post_reduce_event|_comm_ctx|_fully_shard|"
+                          r"_fsdp_param|_unsharded_param|_reshard_after_forward|_post_forward_indices)\b")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def _imports(name: str, path: Path) -> list[tuple[str, list[str], int]]:
+    """(imported module, names taken from it, line) for every import in the file, relative ones resolved."""
+    out = []
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, [], node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            out.append((base, [a.name for a in node.names], node.lineno))
+    return out
+
+
+def _targets(module: str, names: list[str]) -> list[str]:
+    """The fsdpzero modules an import reaches: `from a.b import c` is a.b.c when c is a module, else a.b."""
+    if not (module == "fsdpzero" or module.startswith("fsdpzero.")):
+        return []
+    subs = [f"{module}.{n}" for n in names if f"{module}.{n}" in MODULES]
+    if subs and len(subs) == len(names):
+        return subs
+    return subs + [module] if module in MODULES else subs
+
+
+def _graph() -> dict[str, set[str]]:
+    return {name: {t for mod, names, _ in _imports(name, path) for t in _targets(mod, names) if t != name}
+            for name, path in MODULES.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def test_the_wings_exist():
+    wings = {p.name for p in PKG.iterdir() if (p / "__init__.py").is_file()}
+    assert {"config", "plan", "optim", "offload", "checkpoint", "cli", "hf", "ops"} <= wings
+    assert len(MODULES) > 50
+
+
+def test_no_import_cycle():
+    cycle = _cycle(_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_cycle_finder_finds_one():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_ops_never_import_the_library():
+    bad = [f"{name}:{line} imports {mod}" for name, path in MODULES.items() if name.startswith("fsdpzero.ops")
+           for mod, _, line in _imports(name, path)
+           if (mod == "fsdpzero" or mod.startswith("fsdpzero.")) and not mod.startswith("fsdpzero.ops")]
+    assert not bad, bad
+
+
+def test_library_never_imports_the_cli():
+    bad = [f"{name}:{line} imports {mod}" for name, path in MODULES.items() if not name.startswith("fsdpzero.cli")
+           for mod, names, line in _imports(name, path)
+           if any(t.startswith("fsdpzero.cli") for t in _targets(mod, names))]
+    assert not bad, bad
+
+
+def test_no_private_name_crosses_modules():
+    bad = [f"{name}:{line} takes {n} from {mod}" for name, path in MODULES.items()
+           for mod, names, line in _imports(name, path) if mod.startswith("fsdpzero")
+           for n in names if n.startswith("_") and not n.startswith("__")]
+    assert not bad, bad
+
+
+def _fsdp_private_uses(path: Path) -> list[str]:
+    """Code that names FSDP2 private state: an identifier (attribute, import) or a string that is exactly such a
+    name (getattr, hasattr). Comments and docstrings may mention them."""
+    uses = []
+    with tokenize.open(path) as f:
+        for tok in tokenize.generate_tokens(f.readline):
+            text = tok.string
+            if tok.type == tokenize.STRING:
+                text = text.strip("\"'rbfRBF")
+            if tok.type in (tokenize.NAME, tokenize.STRING) and FSDP_PRIVATE.fullmatch(text):
+                uses.append(f"{path.relative_to(ROOT)}:{tok.start[0]}: {tok.line.strip()}")
+    return uses
+
+
+def test_fsdp2_private_state_in_one_module():
+    assert len(_fsdp_private_uses(FSDP_STATE)) >= 10, "the pattern no longer matches what fsdp_state.py touches"
+    bad = [use for path in MODULES.values() if path != FSDP_STATE for use in _fsdp_private_uses(path)]
+    assert not bad, "FSDP2 private state outside fsdpzero/offload/fsdp_state.py:\n" + "\n".join(bad)
+
+
+def test_every_module_is_in_a_package():
+    loose = [str(p) for p in MODULES.values() if not (p.parent / "__init__.py").is_file()]
+    assert not loose, f"not inside a package, so the wheel would miss them: {loose}"
