@@ -16,10 +16,7 @@ from fsdpzero.dist import broadcast_module, detect_device_type
 from fsdpzero.dist import init_distributed as init_distributed_env
 from fsdpzero.engine import Engine
 from fsdpzero.log import log_startup, setup_logging
-from fsdpzero.offload import build_offload_path
 from fsdpzero.optim import FSDPGradPath, GradPath, OptimizerFactory, check_optimizer, make_optimizer_factory
-from fsdpzero.optim.schedulers import build_scheduler
-from fsdpzero.optim.stage1 import build_stage1_path
 from fsdpzero.plan import Env, Plan
 from fsdpzero.plan.translate import build_plan
 from fsdpzero.precision import make_scaler, mp_policy, upcast_to_master
@@ -105,11 +102,14 @@ def grad_path_name(plan: Plan) -> str:
 
 
 def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFactory, mesh=None) -> GradPath:
-    """The one place the gradient path is chosen (see fsdpzero.optim.grad_path for the contract)."""
+    """The one place the gradient path is chosen (see fsdpzero.optim.grad_path for the contract). Each branch
+    imports its wing only when taken: a plain FSDP run never loads the offload or stage-1 code."""
     name = grad_path_name(plan)
     if name == "stage1":
+        from fsdpzero.optim.stage1 import build_stage1_path
         return build_stage1_path(model, plan, make_optimizer, mesh)
     if name == "offload":
+        from fsdpzero.offload import build_offload_path
         return build_offload_path(model, plan, make_optimizer, mesh)
     return FSDPGradPath(model, make_optimizer([p for p in model.parameters() if p.requires_grad]))
 
@@ -131,6 +131,7 @@ def _scheduler(plan: Plan, client: Any, optimizer: torch.optim.Optimizer):
         return client if hasattr(client, "step") else client(optimizer)
     if plan.scheduler.type is None:
         return None
+    from fsdpzero.optim.schedulers import build_scheduler
     return build_scheduler(plan.scheduler, optimizer)
 
 

@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-# MANIFEST, checkpoint_problems and resolve_tag are imported from here too (engine_checkpoint, convert, tests)
+# MANIFEST, checkpoint_problems and resolve_tag are imported from here too (engine_state, convert, tests)
 from fsdpzero.checkpoint.files import MANIFEST, checkpoint_problems, crash_point, finalize_checkpoint, resolve_tag
 from fsdpzero.checkpoint.stream import StreamingLoadPlanner, StreamingSavePlanner, materialize, streamed_state
 
@@ -228,7 +228,7 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
         _pending = PendingSave(future, finish)
         return _pending
     planner = None
-    if streamed:   # the serial loader: one streamed tensor per writer thread at a time (checkpoint_stream)
+    if streamed:   # the serial loader: one streamed tensor per writer thread at a time (stream.py)
         planner = StreamingSavePlanner(streamed)
         writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=WRITER_THREADS, per_thread_copy_ahead=0)
     try:

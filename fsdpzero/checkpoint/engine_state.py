@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from fsdpzero.checkpoint.dcp import MANIFEST, PendingSave, checkpoint_problems, load_checkpoint, resolve_tag, save_checkpoint
 from fsdpzero.checkpoint.stream import streamed_state
+from fsdpzero.dist import local_tensor
 
 log = logging.getLogger(__name__)
 
@@ -136,11 +137,11 @@ def _load_buffers(module, entries: dict) -> None:
         raise RuntimeError(f"checkpoint load (offload_param nvme): {unknown[:5]} are neither swapped parameter "
                            f"shards nor buffers of the model; set FSDPZERO_CKPT_STREAM=0 to load them the slow way")
     for k, v in entries.items():
-        buffers[k].copy_(v.to_local() if hasattr(v, "to_local") else v)
+        buffers[k].copy_(local_tensor(v))
 
 
 def _data_ptr(t) -> int:
-    return (t.to_local() if hasattr(t, "to_local") else t).data_ptr()
+    return local_tensor(t).data_ptr()
 
 
 def _has_optimizer_masters(path: Path) -> bool:

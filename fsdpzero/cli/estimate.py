@@ -217,6 +217,6 @@ def run(args) -> int:
         best = min(ok, key=lambda r: (r.stage, r.option != "none", r.gpu)) if ok else None
         print("fits: " + (f"stage {best.stage} with {best.option} is the least sharded option that fits"
                           if best else "no option fits: add GPUs or nodes, or use NVMe offload on a bigger host"))
-    print("init: meta = sharded/meta-device init (DeepSpeed zero_init=1, fsdpzero.hf.from_pretrained_sharded); "
+    print("init: meta = sharded/meta-device init (DeepSpeed zero_init=1, fsdpzero.hf.from_pretrained); "
           "full = every rank builds the whole model first (only changes DeepSpeed's host figure)")
     return 0

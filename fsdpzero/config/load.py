@@ -314,12 +314,7 @@ def load_config(source: Any, *, context: Mapping[str, Any] | None = None, hf_def
         problems += rules.check(cfg, raw, deferred)
     if problems:
         raise ConfigError(problems)
-    cfg._raw = raw
-    cfg._notes = notes
-    cfg._explicit = tuple(explicit)
-    cfg._unknown = unknown
-    cfg._autos = resolved
-    cfg._deferred = tuple(deferred)
+    cfg.record_load(raw=raw, notes=notes, explicit=explicit, unknown=unknown, autos=resolved, deferred=deferred)
     return cfg
 
 

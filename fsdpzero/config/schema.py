@@ -287,6 +287,12 @@ class DSConfig(Lenient):
     _deferred: tuple = PrivateAttr(default=())                # scheduler params the trainer must fill
     _notes: list = PrivateAttr(default_factory=list)          # warnings: renamed aliases, ignored keys, ...
 
+    def record_load(self, *, raw: dict, notes: list, explicit, unknown: dict, autos: dict, deferred) -> None:
+        """What load_config learned beyond the fields: the normalised dict, the user's keys, unknown keys, resolved
+        autos, deferred scheduler params and warnings (read back through the properties below)."""
+        self._raw, self._notes, self._explicit = raw, notes, tuple(explicit)
+        self._unknown, self._autos, self._deferred = unknown, autos, tuple(deferred)
+
     @property
     def raw(self) -> dict:
         return self._raw

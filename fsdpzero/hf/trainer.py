@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -181,8 +182,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
 class Trainer(transformers.Trainer):
     """`transformers.Trainer` running the DeepSpeed config of `args.deepspeed` (use this module's
     TrainingArguments) or `ds_config=` on fsdpzero: sharding, precision policy, optimizer and scheduler come from
-    the config; the Trainer keeps its loop, data, logging and evaluation. Checkpoints: save_only_model=True
-    (or save_strategy="no"), as transformers requires for models sharded at load time."""
+    the config; the Trainer keeps its loop, data, logging and evaluation. `save_model` writes a from_pretrained
+    folder through the engine's streamed export; checkpoints hold DeepSpeed's layout (global_stepN/ + latest) next to
+    the Trainer's own files, and resume_from_checkpoint reloads them."""
 
     def __init__(self, model: nn.Module = None, args: transformers.TrainingArguments = None, *pos,
                  ds_config: Any = None, **kwargs):
@@ -199,7 +201,14 @@ class Trainer(transformers.Trainer):
         sharded = self.engine.module
         sharded._is_distributed_loading_by_transformers = True   # no DDP wrap, no .to(): FSDP2 owns placement
         kwargs["optimizers"] = (_EngineOptimizer(self.engine), self.engine.lr_scheduler)
-        super().__init__(sharded, args, *pos, **kwargs)
+        # transformers refuses full checkpoints of models sharded at load time because it cannot save their optimizer
+        # state; here the engine saves and resumes it (save_model, _save_optimizer_and_scheduler below), so the
+        # refusal is stepped around for the constructor only and the user's save_only_model is kept.
+        save_only_model, args.save_only_model = args.save_only_model, True
+        try:
+            super().__init__(sharded, args, *pos, **kwargs)
+        finally:
+            args.save_only_model = save_only_model
 
     @contextlib.contextmanager
     def _defer_fsdp_gradient_reduction(self):
@@ -218,6 +227,60 @@ class Trainer(transformers.Trainer):
         norm = path.grad_norm()
         path.scale_grads_(clip_factor(norm, self.args.max_grad_norm))
         return norm
+
+    # -- saving and resuming: the engine writes, streamed and sharded; the Trainer keeps its own files --------------
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """A Hugging Face folder plain `from_pretrained` loads (safetensors in the compute dtype + config), written
+        by the engine's streamed export: one full tensor at a time on rank 0, never the whole model. At stage 3 with
+        `stage3_gather_16bit_weights_on_model_save: false`, as DeepSpeed: no weights, the full engine checkpoint
+        instead (`fsdpzero convert DIR --to safetensors` recovers them). Collective: every rank calls it."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        plan = self.engine.plan
+        if plan.shard.stage == 3 and not plan.shard.gather_16bit_weights_on_model_save:
+            if self.args.should_save:
+                logging.getLogger("fsdpzero").warning(
+                    "stage3_gather_16bit_weights_on_model_save=false: saving the full checkpoint to %s instead of "
+                    "model weights; `fsdpzero convert %s --to safetensors` writes them", output_dir, output_dir)
+            self._save_engine_checkpoint(output_dir)
+            self._engine_checkpoint_in = output_dir
+        else:
+            self.engine.save_16bit_model(output_dir)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """DeepSpeed's layout inside the Trainer's checkpoint-N/: global_stepN/ (model, optimizer, scheduler and
+        engine counters, sharded DCP) and `latest`, as transformers + DeepSpeed write it."""
+        if getattr(self, "_engine_checkpoint_in", None) == output_dir:   # save_model already wrote it
+            self._engine_checkpoint_in = None
+            return
+        self._save_engine_checkpoint(output_dir)
+
+    def _save_engine_checkpoint(self, output_dir: str) -> None:
+        """The Trainer drives the gradient path itself, so the engine's counters follow the Trainer's state: the tag
+        is global_step<Trainer step>, as DeepSpeed's is under the Trainer."""
+        engine = self.engine
+        engine.global_steps = self.state.global_step
+        engine.global_samples = self.state.global_step * engine.train_batch_size()
+        engine.micro_steps = self.state.global_step * engine.gradient_accumulation_steps()
+        engine.save_checkpoint(output_dir, tag=f"global_step{self.state.global_step}")
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """resume_from_checkpoint: the engine reloads model, optimizer, scheduler and its counters from the
+        checkpoint's global_stepN/ (any stage or world size); the Trainer then reads its state and RNG files."""
+        path, _ = self.engine.load_checkpoint(resume_from_checkpoint)
+        if path is None:
+            raise ValueError(f"resume_from_checkpoint={resume_from_checkpoint!r}: no engine checkpoint there (no "
+                             "`latest` / global_stepN); checkpoints saved with save_only_model=True hold weights "
+                             "only and cannot resume training, as with DeepSpeed")
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Nothing to do: _load_from_checkpoint restored them with the model."""
 
     def _get_grad_norm(self, model, grad_norm=None):
         if grad_norm is None:

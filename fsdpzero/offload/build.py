@@ -136,7 +136,7 @@ def device_stepped(units: list[list[tuple[str, int]]], chunk_size: int, ratio: f
 
 
 def drop_shards_default(plan: Plan) -> bool:
-    """Free the device shards of stage-2 units between forward and the step (offload_fsdp.DroppableShards): on
+    """Free the device shards of stage-2 units between forward and the step (fsdp_state.DroppableShards): on
     with CUDA and no gradient accumulation (each extra micro-batch would copy them back H2D for its all-gather).
     FSDPZERO_OFFLOAD_DROP_SHARDS=0 turns it off, =1 forces it on (also on CPU, for tests)."""
     env = os.environ.get("FSDPZERO_OFFLOAD_DROP_SHARDS")

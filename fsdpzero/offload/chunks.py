@@ -57,7 +57,7 @@ def offload_state_dict(entries, optimizer, by_master) -> dict:
     (CPU local shards) so DCP saves each rank's own shard; plus the param groups' hyperparameters."""
     state = {}
     for e in entries:
-        st = optimizer._state(e.master)   # created (zeros, step 0) before the first step: DCP loads
+        st = optimizer.state_for(e.master)   # created (zeros, step 0) before the first step: DCP loads
         tensors = {k: st[k] for k in ("exp_avg", "exp_avg_sq")}  # into this dict in place
         tensors["master"] = e.master
         state[e.name] = {"step": st["step"], **{k: shard_like(e.param, v) for k, v in tensors.items()}}
@@ -71,7 +71,7 @@ def load_offload_state_dict(entries, optimizer, sd: dict) -> None:
     names = {e.name: e for e in entries}
     for name, saved in sd["state"].items():
         e = names[name]
-        st = optimizer._state(e.master)
+        st = optimizer.state_for(e.master)
         st["step"] = saved["step"].to(st["step"].device, torch.float32, copy=True)
         for k in ("exp_avg", "exp_avg_sq"):
             st[k].copy_(local_tensor(saved[k]).view(st[k].shape))

@@ -9,7 +9,7 @@ tests/project/test_layout.py fails if a private name appears anywhere else. What
 - param_groups(module): the unit's FSDP param groups on any torch 2.11-2.14; fsdp_params(module), their params.
 - fsdp_units(model), fsdp_prefetch_depth(units), own_resizable_storages(units): what offload_param nvme's swapper
   (fsdpzero.offload.param_swapper) needs: the units in forward order, how far FSDP2 prefetches, shards it can resize_(0).
-- lazy_init(model), forward_prefetch_units(module): FSDP2 re-pads the shards at lazy init, so whoever keeps
+- lazy_init(model), forward_prefetch_modules(module): FSDP2 re-pads the shards at lazy init, so whoever keeps
   references to them runs it first; the units a unit's pre-forward explicitly prefetches.
 - shard_data(fsdp_param), shard_local(fsdp_param): a param's padded CPU shard (whose storage is swapped to disk) and
   its unpadded local tensor.
@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from fsdpzero.dist import local_tensor
 
 
 def param_group(module: nn.Module):
@@ -128,7 +129,7 @@ def restore_from(entries, stream) -> torch.cuda.Event | None:
             done.record(stream)
         return done
     for e in entries:
-        (e.param.to_local() if hasattr(e.param, "to_local") else e.param).copy_(e.out_buf)
+        local_tensor(e.param).copy_(e.out_buf)
     return None
 
 

@@ -24,7 +24,7 @@ import threading
 
 import torch
 
-from fsdpzero.offload.swapdir import MARKER, SWAP_ROOT, SwapDir, close_swap_io, is_swap_dir, remove_stale_swap_dirs  # noqa: F401
+from fsdpzero.offload.swapdir import SwapDir, close_swap_io
 from fsdpzero.ops.aio import ALIGN, AioConfig, AioHandle, aligned_empty
 from fsdpzero.ops.cpu_adam import adam_step_
 from fsdpzero.dist import local_tensor
@@ -345,7 +345,10 @@ class NVMeAdam(torch.optim.Optimizer):
             self._drain()
         except (OSError, AttributeError):
             pass
-        close_swap_io(self)
+        handles = (getattr(self, "_reader", None), getattr(self, "_writer", None))
+        file = getattr(self, "_file", None)
+        self._reader = self._writer = self._file = None
+        close_swap_io(handles, file, getattr(self, "swap_dir", None))
 
     def __del__(self):
         try:

@@ -95,7 +95,7 @@ class NVMeGradPath(OffloadGradPath):
 
     def _streams_params(self) -> bool:
         """offload_param nvme inside the swapper's lazy(): checkpoints stream the param shards too."""
-        return self.param_swapper is not None and self.param_swapper._lazy > 0
+        return self.param_swapper is not None and self.param_swapper.lazy_depth > 0
 
     @torch.no_grad()
     def _master_loaded(self, e, master: torch.Tensor) -> None:

@@ -42,6 +42,7 @@ from fsdpzero.offload.fsdp_state import (fsdp_params, fsdp_prefetch_depth, fsdp_
                                          own_resizable_storages, shard_data, shard_local)
 from fsdpzero.offload.swapdir import SwapDir, close_swap_io
 from fsdpzero.ops.aio import ALIGN, AioConfig, AioHandle, padded_nbytes
+from fsdpzero.dist import local_tensor
 
 log = logging.getLogger("fsdpzero")
 MALLOC_TRIM_BYTES = 64 << 20      # evicted bytes between two malloc_trim calls (one call: ~0.1-5 ms)
@@ -283,8 +284,13 @@ class ParamSwapper:
 
     def slot(self, t: torch.Tensor) -> tuple[int, int] | None:
         """(unit, shard) of the swapped shard whose storage `t` (a param, its DTensor or local view) uses."""
-        local = t.to_local() if hasattr(t, "to_local") else t
+        local = local_tensor(t)
         return self._slots.get(local.untyped_storage()._cdata)
+
+    @property
+    def lazy_depth(self) -> int:
+        """> 0 inside lazy(): the shards stay where they are and checkpoints stream them."""
+        return self._lazy
 
     def _shard_tensor(self, k: int, i: int) -> torch.Tensor:
         return shard_local(self.units[k].shards[i])
@@ -383,7 +389,10 @@ class ParamSwapper:
         for h in getattr(self, "_hooks", []):
             h.remove()
         self._hooks = []
-        close_swap_io(self)
+        handles = (getattr(self, "_reader", None), getattr(self, "_writer", None))
+        file = getattr(self, "_file", None)
+        self._reader = self._writer = self._file = None
+        close_swap_io(handles, file, getattr(self, "swap_dir", None))
 
 
 def param_swapper_from_plan(model: nn.Module, plan) -> ParamSwapper:

@@ -391,7 +391,7 @@ class OffloadGradPath(GradPath):
         for e in self.entries:
             e.param.grad = None
 
-    def state_dict(self) -> dict:
+    def state_dict(self, streaming: bool = False) -> dict:
         """Per parameter name: step, exp_avg, exp_avg_sq and the fp32 master, as DTensors placed like the param
         (CPU local shards) so DCP saves each rank's own shard; plus the param groups' hyperparameters."""
         self._join()

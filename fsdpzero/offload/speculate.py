@@ -192,7 +192,7 @@ class Speculator:
     @torch.no_grad()
     def commit(self, entry) -> None:
         """The entry's speculative step becomes its state: live <-> shadow (master, moments, out buffer)."""
-        state = self.optimizer._state(entry.master)
+        state = self.optimizer.state_for(entry.master)
         shadow = self.shadow[id(entry.master)]
         for live, spec in zip((entry.master, state["exp_avg"], state["exp_avg_sq"], entry.out_buf), shadow):
             _swap_storage(live, spec)

@@ -138,19 +138,17 @@ def _remove_swap_dir(path: Path) -> None:
         pass
 
 
-def close_swap_io(owner) -> None:
-    """Close an owner's `_reader`/`_writer` aio handles, its `_file` and its `swap_dir` (each at most once; pending
-    write errors are moot at teardown). Shared by the NVMe optimizer and the parameter swapper."""
-    for name in ("_reader", "_writer"):
-        handle = getattr(owner, name, None)
-        setattr(owner, name, None)
+def close_swap_io(handles, file, swap_dir) -> None:
+    """Close an owner's aio handles, its swap file and its swap directory (pending write errors are moot at
+    teardown). The owner drops its references first, so each is closed at most once. Shared by the NVMe optimizer
+    and the parameter swapper."""
+    for handle in handles:
         if handle is not None:
             try:
                 handle.close()
             except OSError:
                 pass
-    if getattr(owner, "_file", None) is not None:
-        owner._file.close()
-        owner._file = None
-    if hasattr(owner, "swap_dir"):
-        owner.swap_dir.close()
+    if file is not None:
+        file.close()
+    if swap_dir is not None:
+        swap_dir.close()

@@ -15,8 +15,9 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 
 
 def extensions_dir() -> Path:
-    """Build cache: $TORCH_EXTENSIONS_DIR; else, in a source checkout, <repo>/.torch_extensions; else (an installed
-    wheel) torch's per-user cache. Not ~/.cache for a checkout: that would be shared between its venvs and torches."""
+    """Build cache: $TORCH_EXTENSIONS_DIR; else, in a source checkout, <repo>/.torch_extensions (not ~/.cache, shared
+    between venvs); else (an installed wheel) a per-user cache tagged with the Python and torch versions, since a
+    library built against one torch must not be loaded by another."""
     env = os.environ.get("TORCH_EXTENSIONS_DIR")
     if env:
         root = Path(env)
@@ -25,7 +26,12 @@ def extensions_dir() -> Path:
         if (repo / "pyproject.toml").is_file():
             root = repo / ".torch_extensions"
         else:
-            root = Path(os.path.expanduser("~/.cache/torch_extensions/fsdpzero"))
+            import sys
+
+            import torch
+            cache = Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"))
+            tag = f"py{sys.version_info[0]}{sys.version_info[1]}_torch{torch.__version__}"
+            root = cache / "torch_extensions" / "fsdpzero" / tag
     root.mkdir(parents=True, exist_ok=True)
     return root
 

@@ -144,7 +144,7 @@ class CPUAdam(torch.optim.Optimizer):
         self.impl = _resolve(impl)
         self._group_of: dict[int, dict] = {}
 
-    def _state(self, param):
+    def state_for(self, param):
         state = self.state[param]
         if not state:
             local = _local(param)
@@ -162,7 +162,7 @@ class CPUAdam(torch.optim.Optimizer):
         return state
 
     def _update(self, param, grad, out, group, grad_scale=1.0, into=None):
-        state = self._state(param)
+        state = self.state_for(param)
         for key in ("exp_avg", "exp_avg_sq", "master"):  # load_state_dict casts states to the param's dtype
             if key in state and state[key].dtype != torch.float32:
                 state[key] = state[key].float()

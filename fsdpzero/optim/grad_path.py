@@ -68,8 +68,9 @@ class GradPath:
     def wait(self) -> None:
         """Afterwards the model's parameters hold the last step's values (a path may still be moving them)."""
 
-    def state_dict(self) -> dict[str, Any]:
-        """Optimizer state for checkpoints (DCP-saveable)."""
+    def state_dict(self, streaming: bool = False) -> dict[str, Any]:
+        """Optimizer state for checkpoints (DCP-saveable). streaming (only when streams_checkpoints): on-disk
+        states as entries DCP reads and writes a tensor at a time (fsdpzero.checkpoint.stream)."""
         raise NotImplementedError
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -113,7 +114,7 @@ class FSDPGradPath(GradPath):
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, streaming: bool = False) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
         return get_optimizer_state_dict(self.model, self.optimizer)
 

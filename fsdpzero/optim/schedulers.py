@@ -107,7 +107,10 @@ class DeepSpeedSchedule(LRScheduler):
         return {"last_batch_iteration": self.last_epoch}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Also what get_last_lr() reports: the rate of the restored step, not the one this object was built at
+        (the Trainer logs it before the next step; a resumed run logs what the uninterrupted run logged)."""
         self.last_epoch = state_dict["last_batch_iteration"]
+        self._last_lr = list(self.get_lr())
 
 
 class WarmupLR(DeepSpeedSchedule):

@@ -78,7 +78,7 @@ class Stage1GradPath(GradPath):
         """The model's parameters hold the last step's values (the all-gather may still be in flight after step())."""
         self.stage1.wait_for_params()
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, streaming: bool = False) -> dict[str, Any]:
         return self.stage1.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

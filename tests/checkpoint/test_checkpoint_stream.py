@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 from fsdpzero.checkpoint import dcp as checkpoint
 from fsdpzero.dist import local_tensor
 from fsdpzero.offload import nvme_adam as nvme
+from fsdpzero.offload import swapdir
 from tests.multirank import run_distributed
 
 
@@ -131,7 +132,7 @@ def test_nvme_checkpoint_streams_and_reshards(tmp_path):
     for k, v in a.items():
         if isinstance(v, torch.Tensor):
             assert torch.equal(v, b[k]), k
-    nvme.remove_stale_swap_dirs(nvme_path)
+    swapdir.remove_stale_swap_dirs(nvme_path)
 
 
 def _gpu_run(rank, world, nvme_path, save_dir, params):
@@ -238,4 +239,4 @@ def test_param_nvme_checkpoint_streams_shards(tmp_path, shards):
     assert sorted(a) == sorted(b)
     for k, v in a.items():
         assert torch.equal(v, b[k]), k
-    nvme.remove_stale_swap_dirs(nvme_path)
+    swapdir.remove_stale_swap_dirs(nvme_path)

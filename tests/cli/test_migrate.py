@@ -166,3 +166,31 @@ def test_emitted_experiment_composes_to_the_same_plan(tmp_path, name):
     if "optimizer" not in original:             # documented: the recipe's AdamW
         assert got.pop("optimizer")["type"] == "adamw" and want.pop("optimizer")["type"] is None
     assert got == want
+
+
+def test_startup_log_shows_the_same_fate_report_as_migrate():
+    """One renderer (fsdpzero.plan.report): the engine's startup block and `fsdpzero migrate --all` print the same
+    table for the same config and launch."""
+    import logging
+
+    from fsdpzero.log import log_startup
+    from fsdpzero.plan import Env
+    from fsdpzero.plan.translate import build_plan
+    path = HERE / "ds_configs" / "dsex_bf16_master_weight_full.json"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["migrate", str(path), "--all", "--world-size", "2", "--device", "cpu"]) == 0
+    table = out.getvalue().split("\n\n")[0].strip()
+    assert table.startswith("key") and len(table.splitlines()) > 10
+
+    logger, seen = logging.getLogger("fsdpzero"), io.StringIO()
+    handler, level = logging.StreamHandler(seen), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        plan = build_plan(str(path), Env(world_size=2, device_type="cpu"), strict=False)
+        log_startup(plan, {"world_size": 2})
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert table in seen.getvalue()

@@ -19,6 +19,7 @@ from fsdpzero.offload.nvme_adam import NVMeAdam, SwapDir, nvme_optimizer_from_pl
 from fsdpzero.plan import OffloadPlan, OptimizerPlan, Plan
 from fsdpzero.ops.aio import AioConfig
 from fsdpzero.ops.cpu_adam import CPUAdam
+from fsdpzero.offload import swapdir
 from tests.multirank import run_distributed
 from tests.ops.test_aio import _in_child
 
@@ -67,10 +68,10 @@ def test_matches_cpu_adam_bit_exact(tmp_path, dtype, sub_group_size, buffer_coun
         for k in st:
             assert torch.equal(st[k], sb["state"][i][k]), (i, k)
     swap = b.swap_dir.path
-    assert swap.exists() and (swap / nvme.MARKER).exists() and nvme.is_swap_dir(swap)
+    assert swap.exists() and (swap / swapdir.MARKER).exists() and swapdir.is_swap_dir(swap)
     assert len(list(swap.parent.iterdir())) == 1
     b.close()
-    assert not swap.exists() and not (tmp_path / nvme.SWAP_ROOT).exists()
+    assert not swap.exists() and not (tmp_path / swapdir.SWAP_ROOT).exists()
 
 
 def test_state_dict_round_trip(tmp_path):
@@ -154,7 +155,7 @@ def test_not_enough_free_space(tmp_path, monkeypatch):
                                       r"bytes") as e:
         NVMeAdam(_params(torch.float32), nvme_path=tmp_path)
     assert e.value.errno == errno.ENOSPC
-    assert not (tmp_path / nvme.SWAP_ROOT).exists()                     # nothing left behind
+    assert not (tmp_path / swapdir.SWAP_ROOT).exists()                     # nothing left behind
 
 
 def test_real_small_file_system(tmp_path):
@@ -166,7 +167,7 @@ def test_real_small_file_system(tmp_path):
     try:
         with pytest.raises(OSError, match=r"needs \d+ bytes .* swap space, the file system has \d+ bytes"):
             NVMeAdam(_params(torch.float32), nvme_path=mnt)
-        assert not (mnt / nvme.SWAP_ROOT).exists()
+        assert not (mnt / swapdir.SWAP_ROOT).exists()
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
 
@@ -180,7 +181,7 @@ def test_write_limit_hit_during_setup(tmp_path):
         return "constructed"
     msg = _in_child(attempt)
     assert msg.startswith("OSError: [Errno 27] fsdpzero aio: write of") and "optimizer_states.swp" in msg, msg
-    assert not (tmp_path / nvme.SWAP_ROOT).exists()
+    assert not (tmp_path / swapdir.SWAP_ROOT).exists()
 
 
 def test_killed_mid_step_leaves_nothing_after_next_start(tmp_path, monkeypatch):
@@ -201,21 +202,21 @@ def test_killed_mid_step_leaves_nothing_after_next_start(tmp_path, monkeypatch):
         os._exit(3)
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-    stale = list((tmp_path / nvme.SWAP_ROOT).iterdir())
+    stale = list((tmp_path / swapdir.SWAP_ROOT).iterdir())
     assert len(stale) == 1 and f".{pid}." in stale[0].name and stale[0].name.endswith(".rank0")
     assert any(stale[0].iterdir())
     opt = NVMeAdam(_params(torch.float32), nvme_path=tmp_path)            # the next start
-    assert list((tmp_path / nvme.SWAP_ROOT).iterdir()) == [opt.swap_dir.path]
+    assert list((tmp_path / swapdir.SWAP_ROOT).iterdir()) == [opt.swap_dir.path]
     opt.close()
-    assert not (tmp_path / nvme.SWAP_ROOT).exists()
+    assert not (tmp_path / swapdir.SWAP_ROOT).exists()
 
 
 def test_live_and_foreign_dirs_are_kept(tmp_path):
     """Another live process's directory, and other hosts' ones, are never removed."""
     live = SwapDir(tmp_path, rank=0)
-    foreign = tmp_path / nvme.SWAP_ROOT / "otherhost.1.0.rank0"
+    foreign = tmp_path / swapdir.SWAP_ROOT / "otherhost.1.0.rank0"
     foreign.mkdir()
-    assert nvme.remove_stale_swap_dirs(tmp_path) == []
+    assert swapdir.remove_stale_swap_dirs(tmp_path) == []
     assert live.path.exists() and foreign.exists()
     live.close()
     assert foreign.exists()
@@ -266,24 +267,24 @@ def test_two_rank_fsdp_nvme_equals_cpu_offload(tmp_path):
     assert cpu[0][0][0] != cpu[0][0][-1]                                 # and it trained
     for k, v in cpu[0][1].items():
         assert torch.equal(v, ours[0][1][k]), k
-    assert not (tmp_path / nvme.SWAP_ROOT).exists()
+    assert not (tmp_path / swapdir.SWAP_ROOT).exists()
 
 
 def test_removed_when_collected_and_at_exit(tmp_path):
     import gc
     import sys
     opt = NVMeAdam(_params(torch.float32), nvme_path=tmp_path)
-    assert (tmp_path / nvme.SWAP_ROOT).exists()
+    assert (tmp_path / swapdir.SWAP_ROOT).exists()
     del opt
     gc.collect()
-    assert not (tmp_path / nvme.SWAP_ROOT).exists()
+    assert not (tmp_path / swapdir.SWAP_ROOT).exists()
     code = ("import torch, fsdpzero.offload.nvme_adam as n; p = [torch.zeros(10, requires_grad=True)]; "
             f"o = n.NVMeAdam(p, nvme_path={str(tmp_path)!r}); p[0].grad = torch.ones(10); o.step(); "
             "print(o.swap_dir.path)")           # exits without close(): the atexit finalizer cleans up
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr
-    assert "fsdpzero_swap" in out.stdout and not (tmp_path / nvme.SWAP_ROOT).exists()
+    assert "fsdpzero_swap" in out.stdout and not (tmp_path / swapdir.SWAP_ROOT).exists()
 
 
 # ------------------------------------------------------------- the engine's offload path: nvme == cpu, bit for bit
@@ -345,7 +346,7 @@ def test_offload_path_nvme_equals_cpu(tmp_path, kind, dtype, overlap):
         for name, v in cpu[1].items():
             assert torch.equal(v, ours[1][name]), name
         assert a == b
-    assert not (tmp_path / nvme.SWAP_ROOT).exists()
+    assert not (tmp_path / swapdir.SWAP_ROOT).exists()
 
 
 # ---------------------------------------------------------------- end to end: a ds_config through fsdpzero.wrap
@@ -364,9 +365,9 @@ def _engine_run(rank, world, device, stage, nvme_path, save_dir):
     data = batches(4, 1, 2 * world)
     losses = engine_losses(engine, data[:2], rank, world)
     engine.save_checkpoint(save_dir)
-    assert not any(nvme.is_swap_dir(p) for p in Path(save_dir).rglob("*")), "swap files in a checkpoint"
+    assert not any(swapdir.is_swap_dir(p) for p in Path(save_dir).rglob("*")), "swap files in a checkpoint"
     if device == "nvme":
-        assert any(d.name.endswith(f".rank{rank}") for d in (Path(nvme_path) / nvme.SWAP_ROOT).iterdir())
+        assert any(d.name.endswith(f".rank{rank}") for d in (Path(nvme_path) / swapdir.SWAP_ROOT).iterdir())
     losses += engine_losses(engine, data[2:], rank, world)
     again = None
     if device == "nvme":   # (a fresh cpu-offload engine cannot load yet: its CPUAdam has no states before step 1)
@@ -388,8 +389,8 @@ def test_ds_config_nvme_equals_cpu_offload_end_to_end(tmp_path, stage):
         assert again == l_nvme[2:]
         for k, v in p_cpu.items():
             assert torch.equal(v, p_nvme[k]), k
-    nvme.remove_stale_swap_dirs(tmp_path)    # whatever a rank left (forked ranks may skip atexit) is stale now
-    assert not (tmp_path / nvme.SWAP_ROOT).exists()
+    swapdir.remove_stale_swap_dirs(tmp_path)    # whatever a rank left (forked ranks may skip atexit) is stale now
+    assert not (tmp_path / swapdir.SWAP_ROOT).exists()
 
 
 @pytest.mark.gpu

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import fsdpzero.ops  # noqa: F401
 from fsdpzero.offload import nvme_adam as nvme
 from fsdpzero.plan import OffloadPlan, Plan, PrecisionPlan, ShardPlan
+from fsdpzero.offload import swapdir
 from tests.multirank import run_distributed
 
 
@@ -111,7 +112,7 @@ def test_param_nvme_equals_param_cpu(tmp_path, opt_device, dtype):
         assert all(sum(1 for x in r if x) <= 3 for r in checks["resident"])          # param buffer_count
         assert checks["peak"][0] <= 3 and 0 < checks["peak"][1] <= max_in_cpu
         assert sum(checks["numel"]) > max_in_cpu and checks["evicted_match_file"] >= 1
-    assert not (tmp_path / nvme.SWAP_ROOT).exists()
+    assert not (tmp_path / swapdir.SWAP_ROOT).exists()
 
 
 # ---------------------------------------------------------------- end to end: a ds_config through fsdpzero.wrap
@@ -139,7 +140,7 @@ def _engine_run(rank, world, param_device, nvme_path, save_dir):
         assert sum(u.resident for u in swapper.units) <= 2 < len(swapper.units)
         assert any(not u.resident for u in swapper.units)
     engine.save_checkpoint(save_dir)
-    assert not any(nvme.is_swap_dir(p) for p in Path(save_dir).rglob("*")), "swap files in a checkpoint"
+    assert not any(swapdir.is_swap_dir(p) for p in Path(save_dir).rglob("*")), "swap files in a checkpoint"
     losses += engine_losses(engine, data[2:], rank, world)
     again = None
     if param_device == "nvme":
@@ -172,8 +173,8 @@ def test_ds_config_param_nvme_end_to_end(tmp_path):
             assert torch.equal(v, p_nvme[k]), k
     x_cpu, x_nvme = cpu[0][3], ours[0][3]
     assert x_cpu.keys() == x_nvme.keys() and all(torch.equal(x_cpu[k], x_nvme[k]) for k in x_cpu)
-    nvme.remove_stale_swap_dirs(tmp_path)    # whatever a rank left (forked ranks may skip atexit) is stale now
-    assert not (tmp_path / nvme.SWAP_ROOT).exists()
+    swapdir.remove_stale_swap_dirs(tmp_path)    # whatever a rank left (forked ranks may skip atexit) is stale now
+    assert not (tmp_path / swapdir.SWAP_ROOT).exists()
 
 
 def _hpz_run(rank, world, param_device, hpz, nvme_path):

@@ -1,4 +1,4 @@
-"""ops/aio: every backend round-trips odd-sized tensors bit-exactly with many requests in flight; the bytes on disk
+"""fsdpzero.ops.aio: every backend round-trips odd-sized tensors bit-exactly with many requests in flight; the bytes on disk
 are checked with plain Python file reads (the oracle), and each error path names the file and the cause."""
 import errno
 import os

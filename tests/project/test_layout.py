@@ -56,9 +56,23 @@ def _targets(module: str, names: list[str]) -> list[str]:
     return subs + [module] if module in MODULES else subs
 
 
+def _ancestors(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
 def _graph() -> dict[str, set[str]]:
-    return {name: {t for mod, names, _ in _imports(name, path) for t in _targets(mod, names) if t != name}
-            for name, path in MODULES.items()}
+    """module -> the modules its imports run: the targets and the packages above them (their __init__ runs first),
+    except the importer's own packages, which are already being imported when it runs."""
+    graph = {}
+    for name, path in MODULES.items():
+        own = set(_ancestors(name))
+        edges = set()
+        for mod, names, _ in _imports(name, path):
+            for t in _targets(mod, names):
+                edges |= {t, *(a for a in _ancestors(t) if a in MODULES and a not in own)}
+        graph[name] = edges - {name}
+    return graph
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -135,6 +149,36 @@ def _fsdp_private_uses(path: Path) -> list[str]:
             if tok.type in (tokenize.NAME, tokenize.STRING) and FSDP_PRIVATE.fullmatch(text):
                 uses.append(f"{path.relative_to(ROOT)}:{tok.start[0]}: {tok.line.strip()}")
     return uses
+
+
+def _private_definitions(path: Path) -> set[str]:
+    """Private names a module defines: functions, classes, class attributes and `self._x = ...` attributes."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name.startswith("_"):
+            names.add(node.name)
+        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr.startswith("_")
+              and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and node.id.startswith("_"):
+            names.add(node.id)
+    return {n for n in names if not n.startswith("__")}
+
+
+def test_no_module_reaches_into_anothers_private_attributes():
+    """`other._x`, where `_x` is private to another fsdpzero module, is a seam: make the name public there."""
+    import torch
+    # torch's own attributes (a module's _buffers, an optimizer's hook dicts) are torch's API surface, not ours
+    torch_owned = set(vars(torch.nn.Module())) | set(vars(torch.optim.SGD([torch.zeros(1, requires_grad=True)])))
+    defined = {name: _private_definitions(path) - torch_owned for name, path in MODULES.items()}
+    bad = []
+    for name, path in MODULES.items():
+        elsewhere = set().union(*(d for m, d in defined.items() if m != name)) - defined[name]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr in elsewhere
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+    assert not bad, bad
 
 
 def test_fsdp2_private_state_in_one_module():

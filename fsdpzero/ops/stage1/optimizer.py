@@ -83,6 +83,7 @@ class Stage1Optimizer(torch.optim.Optimizer):
                 raise ValueError(f"zero_optimization.{key}={value}: must be a positive number of elements")
         distributed = dist.is_available() and dist.is_initialized()
         self.group = process_group if distributed else None
+        self.logical_mesh = None    # the DeviceMesh of the logical state dict (state.py), made on first use
         self.world = dist.get_world_size(self.group) if distributed else 1
         self.rank = dist.get_rank(self.group) if distributed else 0
         self.reduce_dtype, self.reduce_op = reduce_dtype, reduce_op

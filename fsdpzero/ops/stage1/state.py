@@ -20,10 +20,10 @@ import torch.distributed as dist
 
 def _mesh(opt):
     from torch.distributed.device_mesh import DeviceMesh
-    if getattr(opt, "_device_mesh", None) is None:
+    if opt.logical_mesh is None:
         device = opt.flat_groups[0].master.device.type
-        opt._device_mesh = DeviceMesh.from_group(opt.group or dist.group.WORLD, device)
-    return opt._device_mesh
+        opt.logical_mesh = DeviceMesh.from_group(opt.group or dist.group.WORLD, device)
+    return opt.logical_mesh
 
 
 def _logical(opt, s, flat: torch.Tensor) -> torch.Tensor:
