@@ -129,7 +129,8 @@ class DynamicLossScaler:
         ok_scale = where(grow, scale * self.scale_factor, scale)
         new_scale = where(overflow, of_scale, ok_scale)
         self._dev = {"scale": new_scale, "scale32": new_scale.float(), "cur_iter": it + 1,
-                     "last_overflow_iter": where(overflow, it, last), "cur_hysteresis": where(overflow, of_hyst, ok_hyst)}
+                     "last_overflow_iter": where(overflow, it, last),
+                     "cur_hysteresis": where(overflow, of_hyst, ok_hyst)}
 
     def device_state(self) -> dict[str, float | int] | None:
         """The device copy as host numbers (a sync; for tests and checks)."""

@@ -58,7 +58,8 @@ def find_blocks(model: nn.Module, block_classes: Iterable[str | type] | None = N
                                                                            or [])
         if not wanted:
             log.info("fsdpzero: %s declares no transformer blocks (no HF _no_split_modules): sharding it as one "
-                     "unit; pass block_classes=[...] or block_predicate=fn for per-block sharding", type(model).__name__)
+                     "unit; pass block_classes=[...] or block_predicate=fn for per-block sharding",
+                     type(model).__name__)
             return []
         names = {c if isinstance(c, str) else c.__name__ for c in wanted}
         predicate = lambda m: type(m).__name__ in names  # noqa: E731
@@ -96,7 +97,8 @@ def reshard_policy(plan: Plan, shard_size: int) -> bool | int:
 def offload_policy(plan: Plan, device_type: str) -> OffloadPolicy:
     if plan.offload.param_device in ("cpu", "nvme"):   # nvme: CPU shards, swapped to disk by offload/param_swapper.py
         # pinning needs an accelerator (pin_memory() raises on CPU-only machines); nvme shards stay pageable, as
-        # the swapper needs them (pinned blocks never leave torch's cache: see offload/fsdp_state.own_resizable_storages)
+        # the swapper needs them (pinned blocks never leave torch's cache: see
+        # offload/fsdp_state.own_resizable_storages)
         pin = plan.offload.pin_memory and device_type == "cuda" and plan.offload.param_device == "cpu"
         return CPUOffloadPolicy(pin_memory=pin)
     return OffloadPolicy()

@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from fsdpzero.plan import ActivationCheckpointPlan, BatchPlan, LossScalePlan, OptimizerPlan, Plan, PrecisionPlan, ShardPlan
+from fsdpzero.plan import (ActivationCheckpointPlan, BatchPlan, LossScalePlan, OptimizerPlan, Plan, PrecisionPlan,
+                           ShardPlan)
 
 SEQ = 16
 VOCAB = 128

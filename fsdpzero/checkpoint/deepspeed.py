@@ -1,5 +1,6 @@
 """Convert a DeepSpeed ZeRO 0-3 checkpoint to fp32 weights (what `zero_to_fp32` gives), Adam states and the rest
-of a training state, without DeepSpeed. The files are read by fsdpzero.checkpoint.deepspeed_reader (allowlisted unpickler).
+of a training state, without DeepSpeed. The files are read by fsdpzero.checkpoint.deepspeed_reader (allowlisted
+unpickler).
 
 Layout facts (shared/spec/ds_config_map.md §4): stage <= 2 keeps one flat fp32 partition per param group and rank,
 params laid out in `param_shapes` order (each followed by its alignment padding); stage 3 keeps per rank the
@@ -14,8 +15,8 @@ from pathlib import Path
 import torch
 
 # the reader's public names are imported from here too (convert, tests, docs/checkpoint.md)
-from fsdpzero.checkpoint.deepspeed_reader import (ALLOWED_GLOBALS, DeepSpeedCheckpoint, UnsafeCheckpointError, load_ds_file,
-                                           read_checkpoint, resolve_tag_dir)
+from fsdpzero.checkpoint.deepspeed_reader import (ALLOWED_GLOBALS, DeepSpeedCheckpoint, UnsafeCheckpointError,
+                                                  load_ds_file, read_checkpoint, resolve_tag_dir)
 
 __all__ = ["ALLOWED_GLOBALS", "DeepSpeedCheckpoint", "UnsafeCheckpointError", "load_ds_file", "read_checkpoint",
            "resolve_tag_dir", "fp32_state_dict", "adam_states", "param_groups", "loss_scaler_state", "training_state"]

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from fsdpzero.checkpoint.dcp import MANIFEST, PendingSave, checkpoint_problems, load_checkpoint, resolve_tag, save_checkpoint
+from fsdpzero.checkpoint.dcp import (MANIFEST, PendingSave, checkpoint_problems, load_checkpoint, resolve_tag,
+                                     save_checkpoint)
 from fsdpzero.checkpoint.stream import streamed_state
 from fsdpzero.dist import local_tensor
 
@@ -34,8 +35,8 @@ class EngineState(Stateful):
     offload write them; stage 0/2/3 and converted DeepSpeed checkpoints do not: their fp32 model weights are the
     masters). When the checkpoint and the live path disagree, the fp32 weights cross over: a live master is read
     from the saved model weight, or a live fp32 weight from the saved master. Shapes may differ too (stage 1 keeps
-    flat per-parameter states): fsdpzero.checkpoint.dcp.load_checkpoint reads those whole and cuts them to the live layout.
-    So any stage's checkpoint resumes on any other stage."""
+    flat per-parameter states): fsdpzero.checkpoint.dcp.load_checkpoint reads those whole and cuts them to the live
+    layout. So any stage's checkpoint resumes on any other stage."""
 
     def __init__(self, engine, with_optimizer: bool = True, saved_masters: bool | None = None):
         self.engine, self.with_optimizer, self.saved_masters = engine, with_optimizer, saved_masters

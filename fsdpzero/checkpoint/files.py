@@ -104,7 +104,8 @@ def resolve_tag(load_dir: str | Path, tag: str | None = None) -> Path:
         tag = read_latest(load_dir)
         if tag is None:
             raise FileNotFoundError(f"{load_dir / 'latest'} does not exist: nothing saved there yet, or pass tag=... "
-                                    f"(complete checkpoints: {sorted(p.parent.name for p in load_dir.glob('*/' + MANIFEST))})")
+                                    f"(complete checkpoints: "
+                                    f"{sorted(p.parent.name for p in load_dir.glob('*/' + MANIFEST))})")
     path = load_dir / str(tag)
     aside = load_dir / f".old-{tag}"  # a crash while re-saving this tag left the previous copy here
     if not path.exists() and aside.is_dir() and not checkpoint_problems(aside):

@@ -179,6 +179,38 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self.inner.load_state_dict(state_dict)
 
 
+def trainers_optimizer(model: nn.Module, args: transformers.TrainingArguments):
+    """What `Trainer.create_optimizer` builds (args.optim's class and arguments; weight decay on all but biases and
+    norm weights), as a function of the engine's trainable tensors, which come in model order."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))   # uses only the model
+    cls, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args, model)
+
+    def build(params):
+        params = list(params)
+        if len(params) != len(names):
+            raise ValueError(f"expected {len(names)} trainable tensors, got {len(params)}")
+        groups = [{"params": [p for n, p in zip(names, params) if n in decay], "weight_decay": args.weight_decay},
+                  {"params": [p for n, p in zip(names, params) if n not in decay], "weight_decay": 0.0}]
+        return cls([g for g in groups if g["params"]], **kwargs)
+
+    build.__name__ = f"Trainer optim={args.optim}"
+    return build
+
+
+def _log_choice(raw: dict, client_optimizer, client_scheduler, args) -> None:
+    """The startup report says where the optimizer and the scheduler come from."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    opt = ("the config's \"optimizer\" section" if "optimizer" in raw else
+           f"optimizers[0] ({type(client_optimizer).__name__})" if client_optimizer is not None else
+           f"the Trainer's (optim={args.optim}, no weight decay on biases and norm weights)")
+    sched = ("the config's \"scheduler\" section" if "scheduler" in raw else
+             f"optimizers[1] ({type(client_scheduler).__name__})" if client_scheduler is not None else
+             f"the Trainer's (lr_scheduler_type={args.lr_scheduler_type})")
+    logging.getLogger("fsdpzero").info("Trainer: optimizer from %s; scheduler from %s", opt, sched)
+
+
 class Trainer(transformers.Trainer):
     """`transformers.Trainer` running the DeepSpeed config of `args.deepspeed` (use this module's
     TrainingArguments) or `ds_config=` on fsdpzero: sharding, precision policy, optimizer and scheduler come from
@@ -189,17 +221,33 @@ class Trainer(transformers.Trainer):
     def __init__(self, model: nn.Module = None, args: transformers.TrainingArguments = None, *pos,
                  ds_config: Any = None, **kwargs):
         import fsdpzero
+        from fsdpzero.config.load import read_source
         ds_config = ds_config if ds_config is not None else getattr(args, "fsdpzero_config", None)
         if ds_config is None:
             raise ValueError("fsdpzero.hf.Trainer needs a DeepSpeed config: "
                              "fsdpzero.hf.TrainingArguments(..., deepspeed='ds.json') or Trainer(..., ds_config=...)")
-        if kwargs.get("optimizers", (None, None)) != (None, None):
-            raise ValueError("fsdpzero.hf.Trainer builds the optimizer and scheduler from the DeepSpeed config; "
-                             "do not pass optimizers=")
+        raw = dict(read_source(ds_config))
+        client_optimizer, client_scheduler = kwargs.pop("optimizers", (None, None)) or (None, None)
+        for key, client, what in (("optimizer", client_optimizer, "optimizers[0]"),
+                                  ("scheduler", client_scheduler, "optimizers[1]")):
+            if key in raw and client is not None:
+                raise ValueError(f"Trainer(optimizers=...) passes {what} and the DeepSpeed config has a {key!r} "
+                                 f"section: remove one (transformers + DeepSpeed would silently use the config's)")
+        optimizer = None
+        if "optimizer" not in raw:   # transformers + DeepSpeed: the Trainer's optimizer (or the client's) is used
+            raw["zero_allow_untested_optimizer"] = True   # and, as transformers does, allowed under ZeRO
+            optimizer = client_optimizer if client_optimizer is not None else trainers_optimizer(model, args)
         context = trainer_context(args, model, kwargs.get("train_dataset"))
-        self.engine = fsdpzero.wrap(model, ds_config, **context)
+        self.engine = fsdpzero.wrap(model, raw, optimizer=optimizer, lr_scheduler=client_scheduler, **context)
+        _log_choice(raw, client_optimizer, client_scheduler, args)
         sharded = self.engine.module
-        sharded._is_distributed_loading_by_transformers = True   # no DDP wrap, no .to(): FSDP2 owns placement
+        # no DDP wrap, no .to(): FSDP2 owns placement. Marked on every transformers model inside, so a PEFT wrapper
+        # (not itself a PreTrainedModel) reports it through its base model as well
+        for module in sharded.modules():
+            if isinstance(module, transformers.PreTrainedModel) or module is sharded:
+                module._is_distributed_loading_by_transformers = True
+        # no scheduler section and none passed: lr_scheduler is None and the Trainer creates its own (create_scheduler,
+        # from lr_scheduler_type and the warmup arguments) over the engine's optimizer, as with DeepSpeed
         kwargs["optimizers"] = (_EngineOptimizer(self.engine), self.engine.lr_scheduler)
         # transformers refuses full checkpoints of models sharded at load time because it cannot save their optimizer
         # state; here the engine saves and resumes it (save_model, _save_optimizer_and_scheduler below), so the
@@ -254,12 +302,15 @@ class Trainer(transformers.Trainer):
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """DeepSpeed's layout inside the Trainer's checkpoint-N/: global_stepN/ (model, optimizer, scheduler and
-        engine counters, sharded DCP) and `latest`, as transformers + DeepSpeed write it."""
+        """DeepSpeed's layout inside the Trainer's checkpoint-N/: global_stepN/ (model, optimizer, the config's
+        scheduler and engine counters, sharded DCP) and `latest`, as transformers + DeepSpeed write it. A scheduler
+        the Trainer made (no scheduler section) goes to scheduler.pt, as transformers does under DeepSpeed."""
         if getattr(self, "_engine_checkpoint_in", None) == output_dir:   # save_model already wrote it
             self._engine_checkpoint_in = None
-            return
-        self._save_engine_checkpoint(output_dir)
+        else:
+            self._save_engine_checkpoint(output_dir)
+        if self.lr_scheduler is not self.engine.lr_scheduler and self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
     def _save_engine_checkpoint(self, output_dir: str) -> None:
         """The Trainer drives the gradient path itself, so the engine's counters follow the Trainer's state: the tag
@@ -280,7 +331,15 @@ class Trainer(transformers.Trainer):
                              "only and cannot resume training, as with DeepSpeed")
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """Nothing to do: _load_from_checkpoint restored them with the model."""
+        """_load_from_checkpoint restored the optimizer and the config's scheduler with the model; a scheduler the
+        Trainer made is read back from scheduler.pt (tensors only: weights_only)."""
+        if checkpoint is None or self.lr_scheduler is self.engine.lr_scheduler:
+            return
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
+        # the Trainer built this scheduler after the engine restored the optimizer, and building it reset the
+        # groups' lr to the schedule's start: put back the rate of the restored step
+        for group, lr in zip(self.engine.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
+            group["lr"] = lr
 
     def _get_grad_norm(self, model, grad_norm=None):
         if grad_norm is None:

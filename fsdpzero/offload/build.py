@@ -1,8 +1,8 @@
 """ZeRO-Offload on FSDP2: `offload_optimizer.device: cpu` (stages 1-3) and, with it, `offload_param.device: cpu`.
 
 The gradient path for the engine (contract: fsdpzero.optim.GradPath). The model arrives fully_shard-ed; this module
-keeps, for every local shard, an fp32 master and the Adam states in CPU memory and steps them with the
-fused CPU Adam of fsdpzero/ops/csrc/cpu_adam.cpp, which reads the low-precision gradient and writes the low-precision param in
+keeps, for every local shard, an fp32 master and the Adam states in CPU memory and steps them with the fused
+CPU Adam of fsdpzero/ops/csrc/cpu_adam.cpp, which reads the low-precision gradient and writes the low-precision param in
 the same pass. The device keeps only low-precision shards (`model.to(param_dtype)` after the masters are taken).
 
 One optimizer step, with params on an accelerator:

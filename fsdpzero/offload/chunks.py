@@ -77,7 +77,8 @@ def load_offload_state_dict(entries, optimizer, sd: dict) -> None:
             st[k].copy_(local_tensor(saved[k]).view(st[k].shape))
         if "master" in saved:   # absent in a non-offload checkpoint: the model weights just loaded are the masters
             e.master.copy_(local_tensor(saved["master"]).view(e.master.shape))
-            local_tensor(e.param).copy_(e.master.view(local_tensor(e.param).shape))   # the device copy follows the master
+            local_tensor(e.param).copy_(e.master.view(local_tensor(e.param).shape))   # the device copy follows
+                                                                                      # the master
     for group, saved in zip(optimizer.param_groups, sd["param_groups"]):
         group.update({k: v for k, v in saved.items() if k != "params"})
 

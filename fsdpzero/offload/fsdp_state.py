@@ -8,7 +8,8 @@ tests/project/test_layout.py fails if a private name appears anywhere else. What
 - consumer_streams(module): the streams that read a unit's shards (compute and FSDP2's all-gather streams).
 - param_groups(module): the unit's FSDP param groups on any torch 2.11-2.14; fsdp_params(module), their params.
 - fsdp_units(model), fsdp_prefetch_depth(units), own_resizable_storages(units): what offload_param nvme's swapper
-  (fsdpzero.offload.param_swapper) needs: the units in forward order, how far FSDP2 prefetches, shards it can resize_(0).
+  (fsdpzero.offload.param_swapper) needs: the units in forward order, how far FSDP2 prefetches, shards it can
+  resize_(0).
 - lazy_init(model), forward_prefetch_modules(module): FSDP2 re-pads the shards at lazy init, so whoever keeps
   references to them runs it first; the units a unit's pre-forward explicitly prefetches.
 - shard_data(fsdp_param), shard_local(fsdp_param): a param's padded CPU shard (whose storage is swapped to disk) and

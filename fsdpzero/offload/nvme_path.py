@@ -1,6 +1,7 @@
 """The engine's gradient path for `offload_optimizer.device: nvme`: fsdpzero.offload.path's OffloadGradPath with
 fsdpzero.offload.nvme_adam.NVMeAdam as the optimizer (and, with `offload_param: nvme`, each FSDP unit swapped in by
-fsdpzero.offload.param_swapper.ParamSwapper while NVMeAdam steps it). Built by fsdpzero.offload.build.build_offload_path."""
+fsdpzero.offload.param_swapper.ParamSwapper while NVMeAdam steps it). Built by
+fsdpzero.offload.build.build_offload_path."""
 from __future__ import annotations
 
 import torch
@@ -133,7 +134,8 @@ class NVMeGradPath(OffloadGradPath):
     def load_state_dict(self, sd: dict) -> None:
         self._join()
         self._params_resident(dirty=True)
-        if any(local_tensor(t).is_meta for st in sd["state"].values() for t in st.values() if isinstance(t, torch.Tensor)):
+        if any(local_tensor(t).is_meta for st in sd["state"].values() for t in st.values()
+               if isinstance(t, torch.Tensor)):
             return self._load_streamed(sd)
         params, entries = self._order()
         state = {}

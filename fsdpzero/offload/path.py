@@ -45,7 +45,8 @@ class OffloadGradPath(GradPath):
         unit_chunks = []
         by_name = {e.name: e for e in self.entries}
         self._unit_of = {id(e.master): m for m, es in units for e in es}
-        self.param_swapper = None  # offload_param nvme: fsdpzero.offload.param_swapper.ParamSwapper (set by the builder)
+        self.param_swapper = None  # offload_param nvme: fsdpzero.offload.param_swapper.ParamSwapper
+                                   # (set by the builder)
         for unit, entries in units:
             first = len(self.chunks)
             for names in chunk_layout([[(e.name, e.master.numel()) for e in entries]], chunk_size):

@@ -1,7 +1,8 @@
 """LAMB with DeepSpeed FusedLamb's math, for plain tensors and for FSDP2's DTensor-sharded parameters.
 
 Per parameter p with gradient g, step t (DeepSpeed's CUDA kernel, restated):
-    m = β1·m + (1−β1)·g            v = β2·v + (1−β2)·g²          (no bias correction applied to m, v themselves)
+    m = β1·m + (1−β1)·g            v = β2·v + (1−β2)·g²          (no bias correction applied to m,
+                                                                 v themselves)
     u = m / (√v + ε)   [or m / √(v + ε) with eps_inside_sqrt]  + weight_decay·p     (decay enters the update,
                                                                                     not the gradient or moments)
     r = clamp(‖p‖ / ‖u‖, min_coeff, max_coeff), or 1 when either norm is 0 (clamped to max first, then min)

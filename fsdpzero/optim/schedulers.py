@@ -217,7 +217,8 @@ class OneCycle(DeepSpeedSchedule):
     """
 
     def __init__(self, optimizer: Optimizer, cycle_min_lr: float | list, cycle_max_lr: float | list,
-                 decay_lr_rate: float = 0., cycle_first_step_size: int = 2000, cycle_second_step_size: int | None = None,
+                 decay_lr_rate: float = 0., cycle_first_step_size: int = 2000,
+                 cycle_second_step_size: int | None = None,
                  cycle_first_stair_count: int = 0, cycle_second_stair_count: int | None = None,
                  decay_step_size: int = 0, cycle_momentum: bool = True, cycle_min_mom: float | list = 0.8,
                  cycle_max_mom: float | list = 0.9, decay_mom_rate: float = 0., last_batch_iteration: int = -1):

@@ -81,8 +81,8 @@ FATES: dict[str, tuple[str, str]] = {
     _Z + "contiguous_gradients": (N, "FSDP2 always reduce-scatters flat per-group gradient buffers"),
     _Z + "reduce_scatter": (N, "FSDP2 always reduce-scatters"),
     _Z + "reduce_bucket_size": (M, "ShardPlan.reduce_bucket_size (elements): bucket of the stage-0 all-reduce and "
-                                   "of the stage-1 reduce-scatter (fsdpzero/ops/stage1/optimizer.py); at stages 2/3 FSDP2 reduces per "
-                                   "wrapped block"),
+                                   "of the stage-1 reduce-scatter (fsdpzero/ops/stage1/optimizer.py); "
+                                   "at stages 2/3 FSDP2 reduces per wrapped block"),
     _Z + "use_multi_rank_bucket_allreduce": (N, "FSDP2 buckets per wrapped block"),
     _Z + "allgather_partitions": (N, "FSDP2 always all-gathers"),
     _Z + "allgather_bucket_size": (M, "ShardPlan.allgather_bucket_size: post-step all-gather bucket of the "
@@ -253,8 +253,8 @@ WHEN = {
     _Z + "reduce_bucket_size": "stages 2/3: noop (the wrapped block is the unit)",
     _Z + "allgather_bucket_size": "stages 0/2/3: noop",
     _Z + "sub_group_size": "without optimizer offload: noop",
-    _OP + "device": "cpu: CPUOffloadPolicy; nvme: fsdpzero.offload.param_swapper swapper with offload_optimizer on, else "
-                    "approximated (CPU memory)",
+    _OP + "device": "cpu: CPUOffloadPolicy; nvme: fsdpzero.offload.param_swapper swapper with offload_optimizer on, "
+                    "else approximated (CPU memory)",
     _OO + "device": "cpu: ops cpuadam; nvme: ops aio swapper + cpuadam",
     _OO + "ratio": "< 1 (stage 3): that fraction of the elements steps on CPU, the rest on the GPU (fused torch "
                    "Adam on device fp32 masters); with offload_param or nvme: unsupported",

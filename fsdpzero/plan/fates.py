@@ -24,8 +24,8 @@ def decide(path: str, value: Any, cfg: "DSConfig", env: "Env") -> tuple[str, str
     on = bool(value) and value not in ("none", "auto")
     if path == "zero_optimization.stage":
         return {0: ("mapped", "replicated params, all-reduced grads (DDP-style; reduce_bucket_size buckets)"),
-                1: ("mapped", "fsdpzero/ops/stage1/optimizer.py: replicated params; grads reduce-scattered into fp32 shards at the "
-                              "boundary, sharded optimizer step, params all-gathered"),
+                1: ("mapped", "fsdpzero/ops/stage1/optimizer.py: replicated params; grads reduce-scattered into fp32 "
+                              "shards at the boundary, sharded optimizer step, params all-gathered"),
                 2: ("mapped", "fully_shard(reshard_after_forward=False) per block + root"),
                 3: ("mapped", "fully_shard(reshard_after_forward=True) per block + root")}[z.stage]
     if path == "zero_optimization.zero_hpz_partition_size" and value not in (0, 1):
@@ -47,8 +47,8 @@ def decide(path: str, value: Any, cfg: "DSConfig", env: "Env") -> tuple[str, str
             return "approximated", ("parameters offloaded to CPU memory (CPUOffloadPolicy), not to NVMe: the NVMe "
                                     "parameter swapper runs with offload_optimizer (cpu or nvme), which steps "
                                     "one FSDP unit at a time")
-        return "mapped", ("fsdpzero.offload.param_swapper: FSDP2's CPU shards (CPUOffloadPolicy) swapped per FSDP unit to "
-                          "ops aio swap files, read back ahead of each unit in forward and backward, written "
+        return "mapped", ("fsdpzero.offload.param_swapper: FSDP2's CPU shards (CPUOffloadPolicy) swapped per FSDP unit "
+                          "to ops aio swap files, read back ahead of each unit in forward and backward, written "
                           "back after the optimizer step")
     if (path.startswith(_OFFLOAD_PARAM) and z.offload_param is not None and z.offload_param.device == "nvme"
             and not swaps_params
@@ -123,7 +123,8 @@ def decide(path: str, value: Any, cfg: "DSConfig", env: "Env") -> tuple[str, str
         if z.stage == 1 and leaf in ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm"):
             return "mapped", {"reduce_bucket_size": "ops stage-1 reduce-scatter bucket (elements)",
                               "allgather_bucket_size": "ops stage-1 post-step all-gather bucket (elements)",
-                              "overlap_comm": "ops stage-1 reduce-scatters buckets from backward hooks as they fill"}[leaf]
+                              "overlap_comm": "ops stage-1 reduce-scatters buckets from backward hooks "
+                                              "as they fill"}[leaf]
         if leaf == "allgather_bucket_size" and z.stage != 1:
             return "noop", "FSDP2 all-gathers per wrapped block" if z.stage else "no sharding at stage 0"
         if leaf == "reduce_bucket_size" and z.stage >= 2:

@@ -1,5 +1,5 @@
-"""DeepSpeed checkpoint reader vs real DeepSpeed 0.19.8 checkpoints (tests/generators/make_ds_ckpts.py made them: one set
-on the CPU machine with gloo, one on 2x H200 with NCCL)."""
+"""DeepSpeed checkpoint reader vs real DeepSpeed 0.19.8 checkpoints (tests/generators/make_ds_ckpts.py made them: one
+set on the CPU machine with gloo, one on 2x H200 with NCCL)."""
 from __future__ import annotations
 
 import json

@@ -82,7 +82,8 @@ def _resume_from_ds_job(rank, world, ckpt_dir, variant):
 @pytest.mark.parametrize("variant,world", [("z2_fp32", 2), ("z3_fp32", 1), ("z1_fp32", 2)])
 def test_resume_from_converted_deepspeed_checkpoint_continues_its_loss_curve(tmp_path, variant, world):
     assert cli(["convert", str(ASSETS / variant), "--from", "deepspeed", "--to", "dcp", "--out", str(tmp_path)]) == 0
-    assert (tmp_path / "latest").read_text() == "global_step3" and ck.checkpoint_problems(tmp_path / "global_step3") == []
+    assert ((tmp_path / "latest").read_text() == "global_step3"
+            and ck.checkpoint_problems(tmp_path / "global_step3") == [])
     counters, losses = run_distributed(_resume_from_ds_job, world, str(tmp_path), variant, timeout=120)[0]
     assert counters["global_steps"] == RECORD["save_step"]
     expected = RECORD["variants"][variant]["losses_after_save"]

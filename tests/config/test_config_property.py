@@ -10,7 +10,8 @@ from fsdpzero.config import ConfigError
 from fsdpzero.plan import Env, Plan
 from fsdpzero.plan.translate import build_plan
 
-CORPUS = [json.loads(p.read_text()) for p in sorted((Path(__file__).resolve().parents[1] / "ds_configs").glob("*.json"))]
+CORPUS = [json.loads(p.read_text())
+          for p in sorted((Path(__file__).resolve().parents[1] / "ds_configs").glob("*.json"))]
 SETTINGS = settings(max_examples=520, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 

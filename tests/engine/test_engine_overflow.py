@@ -138,7 +138,8 @@ def _set_sync(sync):
 STATIC = LossScalePlan(loss_scale=1000.0)     # not a power of two: the unscale is still the same multiply
 
 
-@pytest.mark.parametrize("stage,scaler", [(2, FP16), (1, FP16), (3, FP16), (2, STATIC)], ids=["z2", "z1", "z3", "static"])
+@pytest.mark.parametrize("stage,scaler", [(2, FP16), (1, FP16), (3, FP16), (2, STATIC)],
+                         ids=["z2", "z1", "z3", "static"])
 def test_fp16_deferred_scaler_equals_synchronous(stage, scaler):
     """The device-side scaler and skip give bit for bit what the synchronous path gives, several overflows long;
     the host copy lags one verdict behind until something reads it; the scales are DeepSpeed's own scaler's."""

@@ -33,7 +33,8 @@ SAVE_STEP, CONT_STEPS, GA, MICRO, SEQ, WORLD = 3, 3, 2, 2, 16, 2
 VOCAB, HIDDEN, HEADS = 63, 15, 3  # odd sizes: parameters with odd numel exercise DeepSpeed's partition padding
 LR, WD = 1e-2, 0.01
 # (name, zero stage, precision)
-VARIANTS = [("z0_fp32", 0, "fp32"), ("z0_bf16", 0, "bf16"), ("z0_fp16", 0, "fp16"), ("z1_fp32", 1, "fp32"), ("z2_fp32", 2, "fp32"), ("z3_fp32", 3, "fp32"),
+VARIANTS = [("z0_fp32", 0, "fp32"), ("z0_bf16", 0, "bf16"), ("z0_fp16", 0, "fp16"),
+            ("z1_fp32", 1, "fp32"), ("z2_fp32", 2, "fp32"), ("z3_fp32", 3, "fp32"),
             ("z1_bf16", 1, "bf16"), ("z2_bf16", 2, "bf16"), ("z3_bf16", 3, "bf16"),
             ("z1_fp16", 1, "fp16"), ("z2_fp16", 2, "fp16"), ("z3_fp16", 3, "fp16")]
 if GPU:

@@ -23,14 +23,19 @@ CASES = {
     "stage3_cpu_offload": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True,
                            "offload_optimizer": {"device": "cpu", "pin_memory": False},
                            "offload_param": {"device": "cpu", "pin_memory": False}},
+    "stage2_trainer_optimizer": {"stage": 2, "trainer_optimizer": True},
 }
 
 
 def _ds_config(zero: dict) -> dict:
-    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto", "zero_optimization": zero,
-            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
-            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto", "warmup_max_lr": "auto"}}}
+    zero = dict(zero)
+    sections = not zero.pop("trainer_optimizer", False)
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "gradient_clipping": "auto", "zero_optimization": zero}
+    if sections:   # else the Trainer's own AdamW and linear schedule (its scheduler state goes to scheduler.pt)
+        ds["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}
+        ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": "auto", "warmup_max_lr": "auto"}}
+    return ds
 
 
 def _train(rank, world, zero, outdir, resume):

@@ -161,8 +161,8 @@ def _engine_run(rank, world, param_device, nvme_path, save_dir):
 @pytest.mark.slow
 def test_ds_config_param_nvme_end_to_end(tmp_path):
     """`offload_param: {device: nvme}` + `offload_optimizer: nvme` in a ds_config through fsdpzero.wrap on 2 gloo
-    ranks (GPT-2, 3 units, buffer_count 2, activation checkpointing): losses and final params equal `offload_param: cpu` bit for bit; a
-    checkpoint (no swap files in it) resumes identically into a fresh param-NVMe engine; save_16bit_model
+    ranks (GPT-2, 3 units, buffer_count 2, activation checkpointing): losses and final params equal `offload_param: cpu`
+    bit for bit; a checkpoint (no swap files in it) resumes identically into a fresh param-NVMe engine; save_16bit_model
     exports the real weights, reading the swapped shards one by one (no unit is swapped back in for it)."""
     cpu = run_distributed(_engine_run, 2, "cpu", str(tmp_path), str(tmp_path / "ck_cpu"), timeout=300)
     ours = run_distributed(_engine_run, 2, "nvme", str(tmp_path), str(tmp_path / "ck_nvme"), timeout=300)

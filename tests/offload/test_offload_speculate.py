@@ -1,8 +1,8 @@
 """The speculative CPU step of the offload path (fsdpzero/offload/speculate.py) on 2 gloo ranks, staged through
 buffers as on a GPU. Speculation may only change *when* the CPU works, never a bit of the result: every run equals
-the same run without it (FSDPZERO_OFFLOAD_SPECULATE=0, the default) exactly (losses and final params), across steps that commit (factor
-1.0), steps that clip (dropped), a skipped step (backward, no step), an lr changed between backward and step, the
-early stop on the partial norm, and the overlapped step. The counters prove each branch ran."""
+the same run without it (FSDPZERO_OFFLOAD_SPECULATE=0, the default) exactly (losses and final params), across steps that
+commit (factor 1.0), steps that clip (dropped), a skipped step (backward, no step), an lr changed between backward and
+step, the early stop on the partial norm, and the overlapped step. The counters prove each branch ran."""
 import os
 import time
 

@@ -1,5 +1,5 @@
-"""fsdpzero.ops.aio: every backend round-trips odd-sized tensors bit-exactly with many requests in flight; the bytes on disk
-are checked with plain Python file reads (the oracle), and each error path names the file and the cause."""
+"""fsdpzero.ops.aio: every backend round-trips odd-sized tensors bit-exactly with many requests in flight; the bytes on
+disk are checked with plain Python file reads (the oracle), and each error path names the file and the cause."""
 import errno
 import os
 import resource

@@ -1,4 +1,5 @@
-"""Fused CPU Adam (fsdpzero/ops/csrc/cpu_adam.cpp) against torch.optim.AdamW / torch.optim.Adam, on every kernel this host has.
+"""Fused CPU Adam (fsdpzero/ops/csrc/cpu_adam.cpp) against torch.optim.AdamW / torch.optim.Adam, on every kernel this
+host has.
 
 Tolerance: fp32 masters and states within rtol=1e-6, atol=1e-7 of torch after 100 steps (ulp-level rounding
 differences: torch and the kernel place fma differently). The low-precision copy must equal the master rounded by

@@ -1,5 +1,5 @@
-"""fsdpzero.optim.schedulers vs (a) the published DeepSpeed formulas (ds_config_map.md §1.6), re-derived here independently,
-and (b) DeepSpeed 0.19.8's own scheduler classes (`oracle`; exact equality)."""
+"""fsdpzero.optim.schedulers vs (a) the published DeepSpeed formulas (ds_config_map.md §1.6), re-derived here
+independently, and (b) DeepSpeed 0.19.8's own scheduler classes (`oracle`; exact equality)."""
 import math
 import os
 

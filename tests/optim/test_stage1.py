@@ -138,7 +138,8 @@ def fused_adamw(param_groups):
 
 def _fold_rank(rank, world, fold):
     """A fused AdamW takes the clip factor as its grad_scale (fold on) or the shard is scaled first (fold off);
-    overlap_comm with ramped buckets (the last one small). Both against replicated data parallel with the same optimizer."""
+    overlap_comm with ramped buckets (the last one small). Both against replicated data parallel with the same
+    optimizer."""
     model = make_model()
     opt = Stage1Optimizer(groups(model), fused_adamw, max_grad_norm=MAX_NORM, overlap_comm=True,
                           reduce_bucket_size=400, fold_grad_scale=fold)
@@ -168,8 +169,8 @@ def test_clip_factor_folded_into_fused_step(fold):
 
 
 def _pipelined_rank(rank, world, cls, device="cpu"):
-    """The same training, plain step vs pipelined bucket-by-bucket step (fsdpzero/ops/stage1/step.py); one step skipped on
-    the device through found_inf, as the engine's deferred overflow verdict does."""
+    """The same training, plain step vs pipelined bucket-by-bucket step (fsdpzero/ops/stage1/step.py); one step skipped
+    on the device through found_inf, as the engine's deferred overflow verdict does."""
     out = {}
     for pipelined in (False, True):
         model = make_model().to(device)
@@ -569,7 +570,8 @@ def _dcp_save_rank(rank, world, path):
     model, opt, _, _ = train_stage1(rank, world, steps=3, gas=1, per_rank=12 // world)
     dcp.save({"optim": opt.state_dict()}, checkpoint_id=path)
     saved = _full_state(opt)
-    train_stage1(rank, world, steps=1, gas=1, model=model, opt=opt, per_rank=12 // world)  # one more step: the continuation to match
+    train_stage1(rank, world, steps=1, gas=1, model=model, opt=opt, per_rank=12 // world)  # one more step: the
+                                                                                           # continuation to match
     return {"saved": saved, "params_next": _params(model)}
 
 

@@ -1,8 +1,8 @@
 """Stage 1's all-gather of the updated parameters: finished inside step(), or left in flight for the next forward.
 
 After the sharded step every rank holds its chunk of each updated parameter in fp32. The chunks are cast to the
-parameter dtype and all-gathered, one bucket (a run of parameters, fsdpzero/ops/stage1/layout.py) per collective, then copied
-out of the rank-major buffer into the whole parameters.
+parameter dtype and all-gathered, one bucket (a run of parameters, fsdpzero/ops/stage1/layout.py) per collective, then
+copied out of the rank-major buffer into the whole parameters.
 
 `gather(defer=False)` does it all before returning, at most two buckets in flight (bounded temporary memory).
 `gather(defer=True)` (after `attach(model)`) launches every bucket, in the order the forward first uses their
@@ -74,8 +74,8 @@ class ParamAllGather:
     @torch.no_grad()
     def gather(self, update: Callable[[torch.Tensor, int, int], None] | None = None, *, defer: bool = False) -> None:
         """Cast each bucket's shard to the parameter dtype and all-gather it. `update(master, lo, hi)`, if given,
-        first steps the bucket's slice of the shard (fsdpzero/ops/stage1/step.py). `defer`: leave the copy-outs to the next
-        reader (only after attach(), on more than one rank, and without compiled submodules)."""
+        first steps the bucket's slice of the shard (fsdpzero/ops/stage1/step.py). `defer`: leave the copy-outs to the
+        next reader (only after attach(), on more than one rank, and without compiled submodules)."""
         self.wait()
         defer = defer and self.deferrable()
         window: collections.deque = collections.deque()

@@ -1,5 +1,6 @@
-"""The flat-shard layout of fsdpzero/ops/stage1/optimizer.py: each parameter is flattened, padded to a multiple of the world size and
-cut into equal chunks (DTensor's Shard(0) of the flat parameter); runs group consecutive chunks into buckets."""
+"""The flat-shard layout of fsdpzero/ops/stage1/optimizer.py: each parameter is flattened, padded to a multiple of the
+world size and cut into equal chunks (DTensor's Shard(0) of the flat parameter); runs group consecutive chunks into
+buckets."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -11,8 +11,8 @@ gradients locally over the micro-steps. At the accumulation boundary:
      per dtype per param group) steps on this rank's shard only (a fused torch Adam/AdamW may step it bucket by
      bucket, each bucket's all-gather starting while the next updates: fsdpzero/ops/stage1/step.py);
   4. the updated shards are cast to the parameter dtype and all-gathered, in buckets of `allgather_bucket_size`
-     (fsdpzero/ops/stage1/gather.py). After `defer_allgather_to_forward(model)` step() returns with them in flight, and each
-     module's forward waits only for the buckets of its own parameters.
+     (fsdpzero/ops/stage1/gather.py). After `defer_allgather_to_forward(model)` step() returns with them in flight, and
+     each module's forward waits only for the buckets of its own parameters.
 
 Traffic per optimizer step is one reduce-scatter plus one all-gather, about 2x the parameter bytes. DeepSpeed stage 1
 all-reduces each bucket and keeps a slice, then all-gathers: about 3x. `reduce_op="all_reduce"` is that design (the
@@ -78,7 +78,8 @@ class Stage1Optimizer(torch.optim.Optimizer):
                  ramp_buckets: bool = True, fold_grad_scale: bool = True, pipeline_step: bool = False):
         if reduce_op not in ("reduce_scatter", "all_reduce"):
             raise ValueError(f"reduce_op={reduce_op!r}: use 'reduce_scatter' (default) or 'all_reduce' (reference)")
-        for key, value in (("reduce_bucket_size", reduce_bucket_size), ("allgather_bucket_size", allgather_bucket_size)):
+        for key, value in (("reduce_bucket_size", reduce_bucket_size),
+                           ("allgather_bucket_size", allgather_bucket_size)):
             if int(value) < 1:
                 raise ValueError(f"zero_optimization.{key}={value}: must be a positive number of elements")
         distributed = dist.is_available() and dist.is_initialized()
