@@ -33,15 +33,22 @@ def mp_policy(plan: Plan) -> MixedPrecisionPolicy:
 
 
 def upcast_to_master(model: nn.Module, plan: Plan) -> list[str]:
-    """Cast floating parameters to the master dtype (fp32 unless bf16_master_weights_and_grads); returns their
-    names. DeepSpeed always optimises fp32 masters; an FSDP2 user who loads a bf16 model would otherwise train
-    bf16 weights with a bf16 optimizer, the classic cause of "FSDP loss differs from DeepSpeed"."""
+    """Cast trainable floating parameters to the master dtype (fp32 unless bf16_master_weights_and_grads); returns
+    their names. DeepSpeed always optimises fp32 masters; an FSDP2 user who loads a bf16 model would otherwise train
+    bf16 weights with a bf16 optimizer, the classic cause of "FSDP loss differs from DeepSpeed".
+    Frozen parameters (a LoRA base model) get no master: they are kept in the compute dtype, as DeepSpeed casts the
+    module, so a bf16 base stays 2 bytes a parameter and an fp32 adapter meets no dtype mismatch."""
     master = DTYPES[plan.precision.master_dtype]
+    compute = DTYPES[plan.precision.param_dtype]
     upcast = []
     for name, p in model.named_parameters():
-        if p.is_floating_point() and p.dtype != master:
-            p.data = p.data.to(master)
-            upcast.append(name)
+        if not p.is_floating_point():
+            continue
+        want = master if p.requires_grad else compute
+        if p.dtype != want:
+            p.data = p.data.to(want)
+            if p.requires_grad:
+                upcast.append(name)
     if upcast:
         log.warning("fsdpzero: upcast %d parameters to %s master weights (DeepSpeed keeps %s masters): %s",
                     len(upcast), plan.precision.master_dtype, plan.precision.master_dtype, ", ".join(upcast))

@@ -179,6 +179,14 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self.inner.load_state_dict(state_dict)
 
 
+def is_peft_model(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
 def trainers_optimizer(model: nn.Module, args: transformers.TrainingArguments):
     """What `Trainer.create_optimizer` builds (args.optim's class and arguments; weight decay on all but biases and
     norm weights), as a function of the engine's trainable tensors, which come in model order."""
@@ -285,7 +293,9 @@ class Trainer(transformers.Trainer):
         instead (`fsdpzero convert DIR --to safetensors` recovers them). Collective: every rank calls it."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         plan = self.engine.plan
-        if plan.shard.stage == 3 and not plan.shard.gather_16bit_weights_on_model_save:
+        if is_peft_model(self.model):
+            self._save_adapters(output_dir)
+        elif plan.shard.stage == 3 and not plan.shard.gather_16bit_weights_on_model_save:
             if self.args.should_save:
                 logging.getLogger("fsdpzero").warning(
                     "stage3_gather_16bit_weights_on_model_save=false: saving the full checkpoint to %s instead of "
@@ -300,6 +310,25 @@ class Trainer(transformers.Trainer):
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_adapters(self, output_dir: str) -> None:
+        """A PEFT model: only the trainable (adapter) weights, gathered in the compute dtype, written by PEFT's own
+        save_pretrained (adapter_model.safetensors + adapter_config.json, which PeftModel.from_pretrained loads), as
+        transformers + DeepSpeed save it at every stage. Collective; adapters are small, so rank 0 holds them."""
+        from torch.distributed.tensor import DTensor
+
+        from fsdpzero.precision import DTYPES
+        self.engine.wait_for_params()
+        dtype = DTYPES[self.engine.plan.precision.param_dtype]
+        adapters = {}
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                full = p.full_tensor() if isinstance(p, DTensor) else p
+                adapters[name] = full.detach().to("cpu", dtype if full.is_floating_point() else full.dtype)
+        if self.args.should_save:
+            self.model.save_pretrained(output_dir, state_dict=adapters, safe_serialization=True)
+        if dist.is_initialized():
+            dist.barrier()
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """DeepSpeed's layout inside the Trainer's checkpoint-N/: global_stepN/ (model, optimizer, the config's
