@@ -162,12 +162,15 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self.defaults = self.inner.defaults
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
+        self.scheduler = None                # stepped here, as DeepSpeed's engine.step does (_StepsWithOptimizer)
 
     param_groups = property(lambda self: self.inner.param_groups)
     state = property(lambda self: self.inner.state)
 
     def step(self, closure=None):
         self.engine.grad_path.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
 
     def zero_grad(self, set_to_none: bool = True):
         self.engine.grad_path.zero_grad()
@@ -177,6 +180,21 @@ class _EngineOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         self.inner.load_state_dict(state_dict)
+
+
+class _StepsWithOptimizer:
+    """A scheduler as transformers + DeepSpeed run it whenever the config has an optimizer or scheduler section:
+    DeepSpeed's engine.step steps it, so the Trainer, which reads the rate right after optimizer.step(), logs the
+    rate after the update, and its own lr_scheduler.step() is a no-op (transformers' DeepSpeedSchedulerWrapper)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def step(self, *args, **kwargs) -> None:
+        pass
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -256,7 +274,9 @@ class Trainer(transformers.Trainer):
                 module._is_distributed_loading_by_transformers = True
         # no scheduler section and none passed: lr_scheduler is None and the Trainer creates its own (create_scheduler,
         # from lr_scheduler_type and the warmup arguments) over the engine's optimizer, as with DeepSpeed
-        kwargs["optimizers"] = (_EngineOptimizer(self.engine), self.engine.lr_scheduler)
+        self._engine_optimizer = _EngineOptimizer(self.engine)
+        self._scheduler_steps_with_optimizer = "optimizer" in raw or "scheduler" in raw
+        kwargs["optimizers"] = (self._engine_optimizer, self._stepped_by_optimizer(self.engine.lr_scheduler))
         # transformers refuses full checkpoints of models sharded at load time because it cannot save their optimizer
         # state; here the engine saves and resumes it (save_model, _save_optimizer_and_scheduler below), so the
         # refusal is stepped around for the constructor only and the user's save_only_model is kept.
@@ -265,6 +285,25 @@ class Trainer(transformers.Trainer):
             super().__init__(sharded, args, *pos, **kwargs)
         finally:
             args.save_only_model = save_only_model
+
+    def _stepped_by_optimizer(self, scheduler):
+        if scheduler is None or not self._scheduler_steps_with_optimizer:
+            return scheduler
+        self._engine_optimizer.scheduler = scheduler
+        return _StepsWithOptimizer(scheduler)
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """The Trainer's own scheduler (no scheduler section), stepped where transformers + DeepSpeed step it."""
+        made = self.lr_scheduler is None
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        if made:
+            self.lr_scheduler = scheduler = self._stepped_by_optimizer(scheduler)
+        return scheduler
+
+    def _own_scheduler(self):
+        """The scheduler the Trainer made or was given (saved to scheduler.pt), or None for the config's."""
+        scheduler = getattr(self.lr_scheduler, "inner", self.lr_scheduler)
+        return None if scheduler is None or scheduler is self.engine.lr_scheduler else scheduler
 
     @contextlib.contextmanager
     def _defer_fsdp_gradient_reduction(self):
@@ -338,8 +377,8 @@ class Trainer(transformers.Trainer):
             self._engine_checkpoint_in = None
         else:
             self._save_engine_checkpoint(output_dir)
-        if self.lr_scheduler is not self.engine.lr_scheduler and self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+        if self._own_scheduler() is not None and self.args.should_save:
+            torch.save(self._own_scheduler().state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
     def _save_engine_checkpoint(self, output_dir: str) -> None:
         """The Trainer drives the gradient path itself, so the engine's counters follow the Trainer's state: the tag
@@ -362,12 +401,13 @@ class Trainer(transformers.Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """_load_from_checkpoint restored the optimizer and the config's scheduler with the model; a scheduler the
         Trainer made is read back from scheduler.pt (tensors only: weights_only)."""
-        if checkpoint is None or self.lr_scheduler is self.engine.lr_scheduler:
+        scheduler = self._own_scheduler()
+        if checkpoint is None or scheduler is None:
             return
-        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
+        scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
         # the Trainer built this scheduler after the engine restored the optimizer, and building it reset the
         # groups' lr to the schedule's start: put back the rate of the restored step
-        for group, lr in zip(self.engine.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
+        for group, lr in zip(self.engine.optimizer.param_groups, scheduler.get_last_lr()):
             group["lr"] = lr
 
     def _get_grad_norm(self, model, grad_norm=None):
