@@ -60,9 +60,10 @@ def _ours(rank, world, zero, outdir, bf16):
     from corpus import PackedLMDataset
     model = _peft_model(torch.bfloat16 if bf16 else torch.float32)    # a bf16 base, as LoRA users load it
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # no optimizer/scheduler sections: the Trainer's own, stepped by the Trainer, as in the plain reference run
+    # (with sections, the rate is logged after the step, as DeepSpeed does: tests/hf/test_trainer_oracle.py)
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-          "gradient_clipping": "auto", "zero_optimization": zero,
-          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}}
+          "gradient_clipping": "auto", "zero_optimization": zero}
     if bf16:
         ds["bf16"] = {"enabled": "auto"}
     args = _args(fsdpzero.hf.TrainingArguments, outdir, deepspeed=ds, bf16=bf16)
