@@ -130,6 +130,10 @@ def generate(model: nn.Module, input_ids: torch.Tensor, **kwargs: Any) -> torch.
 class TrainingArguments(transformers.TrainingArguments):
     """`transformers.TrainingArguments` whose `deepspeed=` (a path or dict) is run by fsdpzero instead of DeepSpeed."""
 
+    @property
+    def place_model_on_device(self) -> bool:
+        return False     # the engine places the shards (transformers' documented override point for integrations)
+
     def __post_init__(self):
         self.fsdpzero_config = self.deepspeed
         self.deepspeed = None            # keep transformers from importing and configuring DeepSpeed
@@ -176,10 +180,16 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self.engine.grad_path.zero_grad()
 
     def state_dict(self):
-        return self.inner.state_dict()
+        """The hyperparameters only. The optimizer state lives in the gradient path (sharded, on the CPU or on
+        NVMe) and is saved by the engine's checkpoint (Trainer._save_optimizer_and_scheduler). accelerate's prepare
+        round-trips this dict to move it to the device; a round trip of the real state would read an NVMe run's
+        whole state back from disk and re-initialise its swap files."""
+        return {"state": {}, "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                              for g in self.inner.param_groups]}
 
     def load_state_dict(self, state_dict):
-        self.inner.load_state_dict(state_dict)
+        for group, saved in zip(self.inner.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
 
 
 class _StepsWithOptimizer:
@@ -252,6 +262,12 @@ class Trainer(transformers.Trainer):
         if ds_config is None:
             raise ValueError("fsdpzero.hf.Trainer needs a DeepSpeed config: "
                              "fsdpzero.hf.TrainingArguments(..., deepspeed='ds.json') or Trainer(..., ds_config=...)")
+        launched = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+        if launched > 1 and args.world_size != launched:
+            raise ValueError(
+                f"the Trainer sees {args.world_size} process(es) but {launched} ranks were launched: every rank would "
+                f"train alone on every batch. On CPU pass TrainingArguments(use_cpu=True), without which accelerate "
+                f"does not join a CPU process group")
         raw = dict(read_source(ds_config))
         client_optimizer, client_scheduler = kwargs.pop("optimizers", (None, None)) or (None, None)
         for key, client, what in (("optimizer", client_optimizer, "optimizers[0]"),
@@ -285,6 +301,11 @@ class Trainer(transformers.Trainer):
             super().__init__(sharded, args, *pos, **kwargs)
         finally:
             args.save_only_model = save_only_model
+
+    def _move_model_to_device(self, model: nn.Module, device) -> None:
+        """Nothing: the engine placed every shard (on the accelerator, or on the CPU for offload_param). transformers
+        before the "sharded at load time" flag moves the model with .to(device), which would pull CPU-offloaded
+        shards onto the GPU."""
 
     def _stepped_by_optimizer(self, scheduler):
         if scheduler is None or not self._scheduler_steps_with_optimizer:

@@ -120,3 +120,24 @@ def test_client_optimizer_next_to_a_config_section_is_refused():
     with pytest.raises(ValueError, match=r"optimizers\[0\] and the DeepSpeed config has a 'optimizer' section"):
         fsdpzero.hf.Trainer(model=model, args=_args(fsdpzero.hf.TrainingArguments, "/tmp/unused", deepspeed=ds),
                             optimizers=(opt, None))
+
+
+def _without_use_cpu(rank, world, outdir):
+    import fsdpzero.hf
+    from corpus import PackedLMDataset
+    args = fsdpzero.hf.TrainingArguments(output_dir=outdir, max_steps=1, per_device_train_batch_size=2,
+                                         report_to=[], save_strategy="no", disable_tqdm=True,
+                                         deepspeed={"train_micro_batch_size_per_gpu": "auto",
+                                                    "zero_optimization": {"stage": 2}})
+    try:
+        fsdpzero.hf.Trainer(model=_model(), args=args, train_dataset=PackedLMDataset(64))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_trainer_that_cannot_see_the_process_group_is_an_error(tmp_path):
+    """On CPU without use_cpu=True accelerate runs each rank as a single process: refused on every rank, before
+    any training, instead of N independent copies each seeing every batch."""
+    errors = run_distributed(_without_use_cpu, 2, str(tmp_path), timeout=120)
+    assert errors[0] == errors[1] and "use_cpu=True" in errors[0] and "2 ranks were launched" in errors[0], errors

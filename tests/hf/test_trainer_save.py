@@ -5,6 +5,7 @@ files; `save_model` writes a folder that plain `from_pretrained` loads to exactl
 left uninterrupted."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -24,11 +25,14 @@ CASES = {
                            "offload_optimizer": {"device": "cpu", "pin_memory": False},
                            "offload_param": {"device": "cpu", "pin_memory": False}},
     "stage2_trainer_optimizer": {"stage": 2, "trainer_optimizer": True},
+    "stage3_nvme": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True,
+                    "offload_optimizer": {"device": "nvme", "nvme_path": "SWAP", "pin_memory": False},
+                    "offload_param": {"device": "nvme", "nvme_path": "SWAP", "pin_memory": False}},
 }
 
 
-def _ds_config(zero: dict) -> dict:
-    zero = dict(zero)
+def _ds_config(zero: dict, swap: str | None = None) -> dict:
+    zero = json.loads(json.dumps(zero).replace('"SWAP"', json.dumps(swap)))   # offload to NVMe: a real swap dir
     sections = not zero.pop("trainer_optimizer", False)
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
           "gradient_clipping": "auto", "zero_optimization": zero}
@@ -47,11 +51,12 @@ def _train(rank, world, zero, outdir, resume):
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                       bos_token_id=256, eos_token_id=257, pad_token_id=258)
     model = AutoModelForCausalLM.from_config(cfg)
+    Path(f"{outdir}-swap").mkdir(parents=True, exist_ok=True)
     args = fsdpzero.hf.TrainingArguments(output_dir=outdir, max_steps=STEPS, per_device_train_batch_size=2,
                                          gradient_accumulation_steps=2, learning_rate=3e-3, weight_decay=0.01,
                                          warmup_steps=2, max_grad_norm=0.5, logging_steps=1, report_to=[],
                                          save_strategy="steps", save_steps=SAVE_EVERY, use_cpu=True,
-                                         disable_tqdm=True, deepspeed=_ds_config(zero), seed=0)
+                                         disable_tqdm=True, deepspeed=_ds_config(zero, f"{outdir}-swap"), seed=0)
     trainer = fsdpzero.hf.Trainer(model=model, args=args, train_dataset=PackedLMDataset(64))
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(str(Path(outdir) / "final"))

@@ -82,3 +82,21 @@ def test_export_bench_cpu_smoke(tmp_path):
     assert "| streamed |" in res.stdout and "| in_memory |" in res.stdout
     assert res.stdout.count("| True |") == 2   # same tensors as the first output, both rows
     assert not (tmp_path / "streamed").exists() and not (tmp_path / "in_memory").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_hf_lora_cpu_smoke(tmp_path):
+    """bench/hf_lora.py end to end on 2 gloo ranks (tiny Llama + LoRA, LLaMA-Factory's ZeRO-3 offload config):
+    fsdpzero's Trainer and transformers' Trainer on DeepSpeed each write a row, their losses agree (fp32 here) and
+    the ratio file is written."""
+    env = dict(os.environ, FSDPZERO_BENCH_CPU="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    cmd = [sys.executable, str(ROOT / "bench/hf_lora.py"), "--all", "--nproc", "2", "--out", str(tmp_path),
+           "--steps", "2", "--warmup", "1", "--timeout", "360"]
+    res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=390)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = {r["impl"]: r for r in json.loads((tmp_path / "hf_lora.json").read_text())}
+    assert set(rows) == {"fsdpzero", "deepspeed"}, rows
+    assert rows["fsdpzero"]["trainable_params"] == rows["deepspeed"]["trainable_params"] > 0
+    assert rows["fsdpzero"]["losses"] == pytest.approx(rows["deepspeed"]["losses"], rel=1e-4)
+    assert json.loads((tmp_path / "hf_lora_ratios.json").read_text())["step_time_ds_over_ours"] > 0
