@@ -148,8 +148,10 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t.to(_out_dtype(t.dtype, dtype))
 
 
-def _full_tensor(t: torch.Tensor, swapper) -> torch.Tensor:
-    """The whole tensor of a model state-dict entry (collective for a DTensor; every rank gets it)."""
+def full_tensor(t: torch.Tensor, swapper=None) -> torch.Tensor:
+    """The whole tensor of a parameter or model state-dict entry (collective for a DTensor; every rank gets it).
+    A CPU-offloaded shard is moved to the accelerator for the NCCL gather; a shard swapped to NVMe (offload_param
+    nvme: `swapper` is the ParamSwapper) is read from its swap file."""
     if not isinstance(t, DTensor):
         return t
     slot = swapper.slot(t) if swapper is not None else None
@@ -182,7 +184,7 @@ def save_16bit_model(model: torch.nn.Module, save_dir: str | Path, *, dtype: tor
     def gathered(names):   # every rank joins each gather, in the same order; rank 0 writes as they come
         with lazy():
             for k in names:
-                full = _full_tensor(sharded[k], param_swapper)
+                full = full_tensor(sharded[k], param_swapper)
                 yield _cast(full, dtype).cpu() if rank == 0 else None   # only rank 0 casts and copies
 
     if rank == 0:

@@ -1,6 +1,7 @@
 """The Hugging Face wing: `from fsdpzero.hf import Trainer, TrainingArguments` runs a DeepSpeed Trainer script on
 fsdpzero; `from_pretrained` loads a model sharded from the first byte; `generate` keeps ranks in step. Needs the
 `[hf]` extra (transformers, accelerate)."""
+from fsdpzero.hf.lora import save_merged_model  # noqa: F401
 from fsdpzero.hf.trainer import (  # noqa: F401
     Trainer, TrainingArguments, from_pretrained, generate, load_sharded_safetensors, trainer_context,
 )

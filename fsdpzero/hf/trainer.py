@@ -30,6 +30,8 @@ import torch.distributed as dist
 import transformers
 from torch import nn
 
+from fsdpzero.hf.lora import is_peft_model, save_adapters, save_merged_model
+
 # -- sharded loading -----------------------------------------------------------------------------------------------
 
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -207,14 +209,6 @@ class _StepsWithOptimizer:
         return getattr(self.inner, name)
 
 
-def is_peft_model(model: nn.Module) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
-
-
 def trainers_optimizer(model: nn.Module, args: transformers.TrainingArguments):
     """What `Trainer.create_optimizer` builds (args.optim's class and arguments; weight decay on all but biases and
     norm weights), as a function of the engine's trainable tensors, which come in model order."""
@@ -372,23 +366,24 @@ class Trainer(transformers.Trainer):
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_adapters(self, output_dir: str) -> None:
-        """A PEFT model: only the trainable (adapter) weights, gathered in the compute dtype, written by PEFT's own
-        save_pretrained (adapter_model.safetensors + adapter_config.json, which PeftModel.from_pretrained loads), as
-        transformers + DeepSpeed save it at every stage. Collective; adapters are small, so rank 0 holds them."""
-        from torch.distributed.tensor import DTensor
-
+        """A PEFT model: the adapter only, as transformers + DeepSpeed save it at every stage."""
         from fsdpzero.precision import DTYPES
         self.engine.wait_for_params()
+        save_adapters(self.model, output_dir, DTYPES[self.engine.plan.precision.param_dtype], self.args.should_save)
+
+    def save_merged_model(self, output_dir: str, max_shard_size: int | str = "5GB") -> None:
+        """A PEFT model's full weights with the LoRA adapters merged in, as a from_pretrained folder of the base
+        model (what PEFT's merge_and_unload() + save_pretrained() give), streamed one weight at a time in the
+        compute dtype. Collective: every rank calls it."""
+        from fsdpzero.precision import DTYPES
+        if not is_peft_model(self.model):
+            raise ValueError("save_merged_model: the model is not a PEFT model; use save_model")
+        self.engine.wait_for_params()
         dtype = DTYPES[self.engine.plan.precision.param_dtype]
-        adapters = {}
-        for name, p in self.model.named_parameters():
-            if p.requires_grad:
-                full = p.full_tensor() if isinstance(p, DTensor) else p
-                adapters[name] = full.detach().to("cpu", dtype if full.is_floating_point() else full.dtype)
-        if self.args.should_save:
-            self.model.save_pretrained(output_dir, state_dict=adapters, safe_serialization=True)
-        if dist.is_initialized():
-            dist.barrier()
+        save_merged_model(self.model, output_dir, dtype=None if dtype == torch.float32 else dtype,
+                          max_shard_size=max_shard_size, param_swapper=self.engine.grad_path.param_swapper)
+        if self.args.should_save and self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """DeepSpeed's layout inside the Trainer's checkpoint-N/: global_stepN/ (model, optimizer, the config's

@@ -77,6 +77,7 @@ def _ours(rank, world, zero, outdir, bf16):
     frozen_grads = sum(p.grad is not None for p in module.parameters() if not p.requires_grad)
     adapters = _full(module)    # before the probe forward, after which FSDP2's root unit holds unsharded bf16 views
     trainer.save_model(str(Path(outdir) / "adapter"))
+    trainer.save_merged_model(str(Path(outdir) / "merged"))
     with torch.no_grad():
         logits = module(input_ids=PROBE).logits.float()
     return {"history": _history(trainer), "adapters": adapters, "trainable": trainable,
@@ -127,6 +128,15 @@ def test_lora_matches_the_plain_trainer_and_saves_an_adapter(tmp_path, case):
     loaded = peft.PeftModel.from_pretrained(base, adapter)
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=PROBE).logits, ours["logits"], rtol=1e-5, atol=1e-5)
+
+    # the merged folder: a plain transformers model equal to PEFT's own merge_and_unload() of that adapter
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "ours" / "merged")
+    reference = loaded.merge_and_unload().state_dict()
+    assert set(merged.state_dict()) == set(reference)
+    for name, t in merged.state_dict().items():
+        torch.testing.assert_close(t, reference[name], rtol=1e-6, atol=1e-7, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=PROBE).logits, ours["logits"], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -31,8 +31,10 @@ CASES = {   # name -> (zero_optimization, config sections, LoRA)
     "stage2_cpu_offload": ({"stage": 2, **{"offload_optimizer": OFFLOAD["offload_optimizer"]}}, SECTIONS, False),
     "stage3_cpu_offload": ({"stage": 3, **OFFLOAD}, SECTIONS, False),
     "stage3_no_sections": ({"stage": 3}, {}, False),
+    "stage1_lora": ({"stage": 1}, SECTIONS, True),
     "stage2_lora": ({"stage": 2}, SECTIONS, True),
     "stage3_lora": ({"stage": 3}, SECTIONS, True),
+    "stage3_cpu_offload_lora": ({"stage": 3, **OFFLOAD}, SECTIONS, True),
 }
 
 

@@ -119,3 +119,35 @@ def test_stage3_without_gather_saves_the_engine_checkpoint_as_deepspeed_does(tmp
     from fsdpzero.checkpoint import dcp_to_safetensors
     out = dcp_to_safetensors(tmp_path, out=tmp_path / "weights")
     assert (Path(out) / "model.safetensors").is_file()
+
+
+def _save_only_model(rank, world, outdir, resume):
+    import fsdpzero.hf
+    from corpus import PackedLMDataset
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    args = fsdpzero.hf.TrainingArguments(output_dir=outdir, max_steps=2, per_device_train_batch_size=2,
+                                         learning_rate=1e-3, report_to=[], save_strategy="steps", save_steps=2,
+                                         save_only_model=True, use_cpu=True, disable_tqdm=True,
+                                         deepspeed=_ds_config({"stage": 2}), seed=0)
+    trainer = fsdpzero.hf.Trainer(model=AutoModelForCausalLM.from_config(cfg), args=args,
+                                  train_dataset=PackedLMDataset(64))
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.slow
+def test_save_only_model_checkpoints_hold_weights_and_do_not_resume(tmp_path):
+    """save_only_model=True: checkpoint-N is a from_pretrained folder with no engine state; resuming from it is a
+    clear error on every rank (transformers + DeepSpeed cannot resume from it either)."""
+    assert run_distributed(_save_only_model, 2, str(tmp_path), None, timeout=300) == [None, None]
+    ckpt = tmp_path / "checkpoint-2"
+    assert (ckpt / "model.safetensors").is_file() and not (ckpt / "latest").exists()
+    assert not list(ckpt.glob("global_step*"))
+    AutoModelForCausalLM.from_pretrained(ckpt)
+    errors = run_distributed(_save_only_model, 2, str(tmp_path / "again"), str(ckpt), timeout=300)
+    assert errors[0] == errors[1] and "save_only_model=True" in errors[0], errors
