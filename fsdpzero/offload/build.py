@@ -248,7 +248,11 @@ def build_offload_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFa
             optimizer = nvme_optimizer(hyper, plan, initial)
             initial.clear()
         if low != torch.float32 and (on_accel or not stage):
+            buffers = [(m, n, b) for m in model.modules() for n, b in m.named_buffers(recurse=False)
+                       if b is not None and b.is_floating_point()]
             model.to(low)   # device (or CPU-offloaded) shards become low precision; FSDP2 re-registers them
+            for module, name, buffer in buffers:   # only the parameters: rotary inv_freq & co. keep their dtype,
+                setattr(module, name, buffer)      # as with every other path, FSDP2 and DeepSpeed
             now = dict(model.named_parameters())
             for e in entries:
                 e.param = now[e.name]   # .to() may replace the Parameter objects
