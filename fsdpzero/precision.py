@@ -49,9 +49,10 @@ def upcast_to_master(model: nn.Module, plan: Plan) -> list[str]:
             p.data = p.data.to(want)
             if p.requires_grad:
                 upcast.append(name)
-    if upcast:
-        log.warning("fsdpzero: upcast %d parameters to %s master weights (DeepSpeed keeps %s masters): %s",
-                    len(upcast), plan.precision.master_dtype, plan.precision.master_dtype, ", ".join(upcast))
+    if upcast:   # the formatter adds the [fsdpzero] prefix; the names are many on a real model: the first few
+        shown = ", ".join(upcast[:5]) + (f", ... ({len(upcast) - 5} more)" if len(upcast) > 5 else "")
+        log.warning("cast %d trainable parameters to %s master weights, as DeepSpeed keeps %s masters: %s",
+                    len(upcast), plan.precision.master_dtype, plan.precision.master_dtype, shown)
     return upcast
 
 

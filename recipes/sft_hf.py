@@ -134,8 +134,7 @@ class SFTRecipe:
                        f"{tr[0][1]:.3f} -> {tr[-1][1]:.3f}; loss curve {curve}"
                        + ("" if curve.suffix == ".png" else " (matplotlib not installed: data only)")
                        + (f"; weights {hf_dir}" if hf_dir else ""))
-            log.info(summary)
-            print(summary, flush=True)
+            print(summary, flush=True)   # once, on stdout: the line a script or a user looks for
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -201,8 +201,7 @@ class TrainLMRecipe:
                        + (f", val loss {val[-1][1]:.3f}" if val else "")
                        + f"; loss curve {curve}" + ("" if curve.suffix == ".png" else " (matplotlib not installed: "
                                                    "data only)") + (f"; weights {hf_dir}" if hf_dir else ""))
-            log.info(summary)
-            print(summary, flush=True)
+            print(summary, flush=True)   # once, on stdout: the line a script or a user looks for
         if dist.is_initialized():
             dist.destroy_process_group()
 
