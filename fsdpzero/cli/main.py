@@ -47,7 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     module.add_arguments(cmd, name) if _takes_name(module.add_arguments) else module.add_arguments(cmd)
     args = cmd.parse_args(argv[1:])
     args.command = name
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except (OSError, ValueError) as e:   # a missing or wrong folder, a bad value: one line, no traceback, exit 2
+        print(f"fsdpzero {name}: error: {e}", file=sys.stderr)
+        return 2
 
 
 def _takes_name(fn) -> bool:

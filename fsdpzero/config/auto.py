@@ -21,6 +21,13 @@ HF_DEFAULTS: dict[str, Any] = {
     "warmup_steps": 0, "warmup_ratio": 0.0, "max_steps": -1, "bf16": False, "fp16": False,
 }
 CONTEXT_KEYS = tuple(HF_DEFAULTS) + ("num_training_steps", "hidden_size", "world_size")
+FLAGS = {"hidden_size": "--hidden-size H", "world_size": "--world-size N"}   # `fsdpzero migrate`'s own flags
+
+
+def _how_to_pass(field: str) -> str:
+    """The fix for an unresolved "auto": the context key, and the migrate flag that carries it."""
+    flag = FLAGS.get(field, f"--set {field}=...")
+    return f"pass {field} in the context (`fsdpzero migrate {flag}`) or write a value"
 
 STEP_KEYS = ("scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps")
 
@@ -140,8 +147,7 @@ def resolve_autos(raw: dict, context: Mapping[str, Any] | None, *, hf_defaults: 
                     warnings.append(f'{path}: "auto" is left for the trainer (needs {m.fields})')
                 else:
                     problems.append(Problem(path, f'is "auto" and nothing resolves it: missing {m.fields}',
-                                            f"pass {m.fields.split(' ')[0]} in the context "
-                                            f"(`--set {m.fields.split(' ')[0]}=...`) or write a value"))
+                                            _how_to_pass(m.fields.split(" ")[0])))
             continue
         section = path.split(".", 1)[0]
         if section in strict_sections and not strict:

@@ -88,3 +88,12 @@ def test_resume_from_converted_deepspeed_checkpoint_continues_its_loss_curve(tmp
     assert counters["global_steps"] == RECORD["save_step"]
     expected = RECORD["variants"][variant]["losses_after_save"]
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 2e-6, (losses, expected)
+
+
+@pytest.mark.parametrize("extra", [[], ["--from", "deepspeed", "--to", "dcp"]])
+def test_convert_on_a_folder_without_a_checkpoint_is_one_line(tmp_path, capsys, extra):
+    from fsdpzero.cli import main
+    args = ["convert", str(tmp_path)] + (extra or ["--to", "safetensors"])
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fsdpzero convert: error: ") and str(tmp_path) in err[0], err

@@ -194,3 +194,19 @@ def test_startup_log_shows_the_same_fate_report_as_migrate():
         logger.removeHandler(handler)
         logger.setLevel(level)
     assert table in seen.getvalue()
+
+
+def test_every_suggested_flag_is_one_migrate_accepts():
+    """A fix that says `--set KEY=...` names a KEY that --set takes; other context keys get their own flags."""
+    import re
+
+    from fsdpzero.cli.migrate import SET_KEYS
+    suggested = set()
+    for path in sorted((HERE / "ds_configs").glob("*.json")):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            main(["validate", str(path), "--json"])
+        for e in json.loads(out.getvalue())["errors"]:
+            suggested |= set(re.findall(r"--set (\w+)=", e["suggestion"] or ""))
+            assert "--set hidden_size" not in (e["suggestion"] or ""), e
+    assert suggested and suggested <= set(SET_KEYS), suggested - set(SET_KEYS)
