@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from fsdpzero.plan import Plan
-from fsdpzero.plan.report import fate_counts, fate_table
+from fsdpzero.plan.report import NOT_MAPPED, fate_rows, fate_table, summary_line
 
 log = logging.getLogger("fsdpzero")
 
@@ -32,13 +32,20 @@ def setup_logging() -> None:
 
 
 def log_startup(plan: Plan, extra: dict) -> None:
-    """DeepSpeed prints its resolved configuration at start; users look for it. Ours, plus each key's fate."""
+    """One compact block on rank 0: the run's shape, the count of each fate of the keys the config set, and every
+    such key that is not simply `mapped` (what a user must know differs). The effective plan as JSON and the full
+    fate table of every key DeepSpeed reads are logged at DEBUG (`logging.getLogger("fsdpzero").setLevel("DEBUG")`),
+    as `fsdpzero migrate --all` prints them."""
     if not is_rank0():
         return
-    log.info("effective plan:\n%s", json.dumps({**plan.to_dict(), **extra}, indent=1, default=str))
-    if plan.decisions:
-        counts = ", ".join(f"{n} {s}" for s, n in fate_counts(plan, show_all=True).items())
-        log.info("config keys (%s):\n%s", counts, fate_table(plan, show_all=True))
+    run = ", ".join(f"{k} {v}" for k, v in extra.items())
+    lines = [summary_line(plan), run]
+    if fate_rows(plan, statuses=NOT_MAPPED):
+        lines.append(fate_table(plan, statuses=NOT_MAPPED))
+    log.info("\n".join(lines))
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("effective plan:\n%s", json.dumps({**plan.to_dict(), **extra}, indent=1, default=str))
+        log.debug("every key DeepSpeed reads:\n%s", fate_table(plan, show_all=True))
 
 
 class Timers:

@@ -15,7 +15,7 @@ from typing import Any
 
 from fsdpzero.config import COMPAT_VERSION, ConfigError, Problem, load_config
 from fsdpzero.plan import Env, Plan
-from fsdpzero.plan.report import fate_counts, fate_table
+from fsdpzero.plan.report import fate_table, summary_line
 
 SET_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay",
             "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "warmup_steps", "warmup_ratio",
@@ -138,12 +138,7 @@ def _print_human(args: argparse.Namespace, path: str, code: int, result: dict) -
               + (f"; {len(plan.unsupported)} unsupported feature(s), see `fsdpzero migrate`" if code else ""))
         return
     print(fate_table(plan, show_all=args.all))
-    counts = fate_counts(plan, show_all=args.all)
-    summary = ", ".join(f"{n} {s}" for s, n in counts.items())
-    print(f"\n{sum(counts.values())} keys: {summary}. ZeRO stage {plan.shard.stage} on mesh "
-          f"{plan.shard.mesh_shape} {plan.shard.mesh_dim_names}, {plan.precision.param_dtype} params, batch "
-          f"{plan.batch.train_batch_size} = {plan.batch.micro_batch_size} x {plan.batch.gradient_accumulation_steps}"
-          f" x {args.world_size}.")
+    print("\n" + summary_line(plan, show_all=args.all))
     if code == 1:
         print("NOT RUNNABLE as written: " + "; ".join(f"{d.key} ({d.detail})" for d in plan.unsupported))
     else:
