@@ -52,9 +52,16 @@ def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     return layers
 
 
-def merged_name(name: str) -> str:
-    """PeftModel parameter name -> the name merge_and_unload() + save_pretrained() give it."""
+def merged_name(name: str, active: tuple[str, ...] = ("default",)) -> str | None:
+    """PeftModel parameter name -> the name merge_and_unload() + save_pretrained() give it; None for what the merged
+    model does not keep (the original of a modules_to_save module, its inactive copies)."""
     name = name.removeprefix("base_model.model.")
+    if ".original_module." in name:
+        return None
+    if ".modules_to_save." in name:
+        head, _, rest = name.partition(".modules_to_save.")
+        adapter, _, tail = rest.partition(".")
+        return f"{head}.{tail}" if adapter in active else None
     return name.replace(".base_layer.", ".")
 
 
@@ -67,17 +74,18 @@ def save_merged_model(model: nn.Module, output_dir: str | Path, *, dtype: torch.
     from fsdpzero.checkpoint.export import full_tensor, write_sharded
     lora = _lora_layers(model)
     rank = dist.get_rank() if dist.is_initialized() else 0
+    active = tuple(getattr(model, "active_adapters", None) or ("default",))
     seen: set[int] = set()
     names = []
     for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen or ".lora_" in name:
+        if id(p) in seen or ".lora_" in name or merged_name(name, active) is None:
             continue                   # tied weights once (transformers re-ties on load); adapters merge in
         seen.add(id(p))
         names.append((name, p))
     params = dict(names)
-    specs = [(merged_name(n), dtype if dtype is not None and p.is_floating_point() else p.dtype, tuple(p.shape))
-             for n, p in names]
-    by_merged = {merged_name(n): n for n, _ in names}
+    specs = [(merged_name(n, active), dtype if dtype is not None and p.is_floating_point() else p.dtype,
+              tuple(p.shape)) for n, p in names]
+    by_merged = {merged_name(n, active): n for n, _ in names}
 
     def lazy():   # offload_param nvme: the swapped units stay on disk; their shards are read from the swap files
         return param_swapper.lazy() if param_swapper is not None else contextlib.nullcontext()

@@ -153,8 +153,13 @@ def trainer_context(args: transformers.TrainingArguments, model: nn.Module, trai
     if args.max_steps and args.max_steps > 0:
         ctx["max_steps"] = ctx["num_training_steps"] = args.max_steps
     elif train_dataset is not None and hasattr(train_dataset, "__len__"):
-        per_step = args.per_device_train_batch_size * world * args.gradient_accumulation_steps
-        ctx["num_training_steps"] = math.ceil(len(train_dataset) / per_step) * math.ceil(args.num_train_epochs)
+        # as the Trainer counts them: batches per rank, optimizer steps per epoch (a partial window counts), then
+        # ceil(epochs x steps per epoch), so fractional num_train_epochs gives the schedule the Trainer runs
+        per_rank = args.per_device_train_batch_size * world
+        batches = len(train_dataset) // per_rank if args.dataloader_drop_last else math.ceil(len(train_dataset) / per_rank)
+        per_epoch = max(batches // args.gradient_accumulation_steps
+                        + int(batches % args.gradient_accumulation_steps > 0), 1)
+        ctx["num_training_steps"] = math.ceil(args.num_train_epochs * per_epoch)
     return ctx
 
 
@@ -269,6 +274,15 @@ class Trainer(transformers.Trainer):
             if key in raw and client is not None:
                 raise ValueError(f"Trainer(optimizers=...) passes {what} and the DeepSpeed config has a {key!r} "
                                  f"section: remove one (transformers + DeepSpeed would silently use the config's)")
+        if args.bf16 and "bf16" not in raw and "fp16" not in raw:
+            raw["bf16"] = {"enabled": True}   # as accelerate sets the engine's precision from the arguments
+        fp16 = raw.get("fp16", {}).get("enabled") if isinstance(raw.get("fp16"), dict) else None
+        if fp16 is True or (fp16 == "auto" and args.fp16) or (args.fp16 and "fp16" not in raw):
+            raise ValueError(
+                "fp16 under fsdpzero.hf.Trainer is not supported yet: the Trainer would clip the gradients while "
+                "they are still loss-scaled and bypass the config's loss scaler. Use bf16 (bf16=True, \"bf16\": "
+                "{\"enabled\": \"auto\"}), or the deepspeed.initialize-style loop (fsdpzero.initialize), which "
+                "runs DeepSpeed's fp16 loss scaler")
         optimizer = None
         if "optimizer" not in raw:   # transformers + DeepSpeed: the Trainer's optimizer (or the client's) is used
             raw["zero_allow_untested_optimizer"] = True   # and, as transformers does, allowed under ZeRO
@@ -295,6 +309,22 @@ class Trainer(transformers.Trainer):
             super().__init__(sharded, args, *pos, **kwargs)
         finally:
             args.save_only_model = save_only_model
+
+    def _sync_replicated_trainable_parameters(self, model: nn.Module) -> None:
+        """Nothing: transformers adds a broadcast and a per-parameter all-reduce hook for trainable parameters that
+        are not DTensors (stage 1's replicated parameters), on top of the engine's bucketed reduce-scatter, which
+        already averages every trainable gradient."""
+
+    def _load_best_model(self) -> None:
+        """load_best_model_at_end: the engine reloads the best checkpoint's state (model, and optimizer and scheduler,
+        as transformers + DeepSpeed do) into the sharded model; PEFT adapters load through PEFT."""
+        best = self.state.best_model_checkpoint
+        if is_peft_model(self.model):
+            return super()._load_best_model()
+        if not os.path.isfile(os.path.join(best, "latest")):
+            raise ValueError(f"load_best_model_at_end: {best} holds no engine checkpoint (saved with "
+                             "save_only_model=True?); as with DeepSpeed, the best model loads from a full checkpoint")
+        self.engine.load_checkpoint(best)
 
     def _move_model_to_device(self, model: nn.Module, device) -> None:
         """Nothing: the engine placed every shard (on the accelerator, or on the CPU for offload_param). transformers

@@ -149,3 +149,39 @@ def test_lora_bf16_keeps_the_frozen_base_in_bf16(tmp_path):
     assert all(p.dtype == torch.float32 for p in ours["adapters"].values())
     losses = [h["loss"] for h in ours["history"]]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+
+
+def _modules_to_save(rank, world, outdir):
+    import fsdpzero.hf
+    from corpus import PackedLMDataset
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    model = peft.get_peft_model(AutoModelForCausalLM.from_config(cfg),
+                                peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                modules_to_save=["lm_head"], lora_dropout=0.0))
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "zero_optimization": {"stage": 3}}
+    trainer = fsdpzero.hf.Trainer(model=model, args=_args(fsdpzero.hf.TrainingArguments, outdir, deepspeed=ds),
+                                  train_dataset=PackedLMDataset(64))
+    trainer.train()
+    trainer.save_model(str(Path(outdir) / "adapter"))
+    trainer.save_merged_model(str(Path(outdir) / "merged"))
+    return cfg.to_dict()
+
+
+@pytest.mark.slow
+def test_merged_save_with_modules_to_save_equals_peft_merge(tmp_path):
+    """modules_to_save (a trained lm_head copy): the merged folder holds the trained copy under the plain name, as
+    PEFT's merge_and_unload() does, not the frozen original."""
+    cfg = LlamaConfig(**run_distributed(_modules_to_save, 2, str(tmp_path), timeout=300)[0])
+    torch.manual_seed(0)
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_config(cfg), tmp_path / "adapter")
+    reference = loaded.merge_and_unload().state_dict()
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "merged" / "model.safetensors"), framework="pt") as f:
+        assert set(f.keys()) == set(reference), set(f.keys()) ^ set(reference)   # what was written, exactly
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
+    for name, t in merged.items():
+        torch.testing.assert_close(t, reference[name], rtol=1e-6, atol=1e-7, msg=name)

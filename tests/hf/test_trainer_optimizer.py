@@ -141,3 +141,59 @@ def test_a_trainer_that_cannot_see_the_process_group_is_an_error(tmp_path):
     any training, instead of N independent copies each seeing every batch."""
     errors = run_distributed(_without_use_cpu, 2, str(tmp_path), timeout=120)
     assert errors[0] == errors[1] and "use_cpu=True" in errors[0] and "2 ranks were launched" in errors[0], errors
+
+
+def _precision(rank, world, outdir, ds_extra, bf16):
+    import fsdpzero.hf
+    from corpus import PackedLMDataset
+    ds = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2}, **ds_extra}
+    args = fsdpzero.hf.TrainingArguments(output_dir=outdir, max_steps=1, per_device_train_batch_size=2,
+                                         report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
+                                         bf16=bf16, deepspeed=ds)
+    try:
+        trainer = fsdpzero.hf.Trainer(model=_model(), args=args, train_dataset=PackedLMDataset(64))
+    except ValueError as e:
+        return str(e)
+    return trainer.engine.plan.precision.param_dtype
+
+
+def test_precision_follows_the_arguments_and_fp16_is_refused(tmp_path):
+    """bf16=True with no bf16 section gives a bf16 engine, as accelerate sets DeepSpeed's precision; fp16 is refused
+    with one clear error on every rank (it would clip loss-scaled gradients)."""
+    assert run_distributed(_precision, 2, str(tmp_path), {}, True, timeout=120) == ["bfloat16", "bfloat16"]
+    errors = run_distributed(_precision, 2, str(tmp_path), {"fp16": {"enabled": True}}, False, timeout=120)
+    assert errors[0] == errors[1] and errors[0].startswith("fp16 under fsdpzero.hf.Trainer is not supported yet")
+
+
+def test_auto_step_count_follows_the_trainers_for_fractional_epochs():
+    import fsdpzero.hf
+    from fsdpzero.hf.trainer import trainer_context
+    args = fsdpzero.hf.TrainingArguments(output_dir="/tmp/unused", per_device_train_batch_size=4,
+                                         gradient_accumulation_steps=2, num_train_epochs=0.5, use_cpu=True,
+                                         report_to=[])
+    data = list(range(100))    # 25 batches of 4 on one rank -> 13 optimizer steps an epoch (the last one partial)
+    assert trainer_context(args, _model(), data)["num_training_steps"] == 7    # ceil(0.5 * 13), as the Trainer runs
+
+
+def _stage1_collectives(rank, world, outdir):
+    import torch.distributed as dist
+
+    import fsdpzero.hf
+    from corpus import PackedLMDataset
+    calls = []
+    real = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+    dist.all_reduce = counting          # this forked rank only
+    ds = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 1}}
+    args = _args(fsdpzero.hf.TrainingArguments, outdir, deepspeed=ds)
+    fsdpzero.hf.Trainer(model=_model(), args=args, train_dataset=PackedLMDataset(64)).train()
+    return [n for n in calls if n > 1]
+
+
+def test_stage1_gradients_are_reduced_once():
+    """Stage 1's parameters are plain tensors; transformers would add a per-parameter all-reduce of every gradient
+    on top of the engine's bucketed reduce-scatter. No tensor larger than a scalar is all-reduced."""
+    assert run_distributed(_stage1_collectives, 2, "/tmp/unused", timeout=120) == [[], []]

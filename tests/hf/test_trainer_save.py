@@ -151,3 +151,35 @@ def test_save_only_model_checkpoints_hold_weights_and_do_not_resume(tmp_path):
     AutoModelForCausalLM.from_pretrained(ckpt)
     errors = run_distributed(_save_only_model, 2, str(tmp_path / "again"), str(ckpt), timeout=300)
     assert errors[0] == errors[1] and "save_only_model=True" in errors[0], errors
+
+
+def _best_model(rank, world, outdir):
+    import fsdpzero.hf
+    from corpus import PackedLMDataset
+    from torch.distributed.tensor import DTensor
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    data = PackedLMDataset(64)
+    # greater_is_better on a loss: the best checkpoint is the first one, not the last weights
+    args = fsdpzero.hf.TrainingArguments(output_dir=outdir, max_steps=4, per_device_train_batch_size=2,
+                                         learning_rate=3e-3, report_to=[], eval_strategy="steps", eval_steps=2,
+                                         save_strategy="steps", save_steps=2, load_best_model_at_end=True,
+                                         metric_for_best_model="eval_loss", greater_is_better=True,
+                                         use_cpu=True, disable_tqdm=True, deepspeed=_ds_config({"stage": 2}),
+                                         seed=0)
+    trainer = fsdpzero.hf.Trainer(model=AutoModelForCausalLM.from_config(cfg), args=args, train_dataset=data,
+                                  eval_dataset=torch.utils.data.Subset(data, range(4)))
+    trainer.train()
+    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in trainer.engine.module.named_parameters()}
+    return {"best": trainer.state.best_model_checkpoint, "params": full}
+
+
+@pytest.mark.slow
+def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path):
+    r = run_distributed(_best_model, 2, str(tmp_path), timeout=300)[0]
+    assert r["best"].endswith("checkpoint-2"), r["best"]
+    best = AutoModelForCausalLM.from_pretrained(r["best"])
+    for name, p in best.named_parameters():
+        torch.testing.assert_close(r["params"][name], p.detach(), rtol=0, atol=0, msg=name)
