@@ -10,17 +10,12 @@ import torch
 import transformers  # noqa: F401  imported before forking ranks
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from tests.hf.cases import ZERO_CASES
 from tests.multirank import run_distributed
 
 STEPS = 5
 TOL = dict(rtol=1e-5, atol=1e-5)
-CASES = {
-    "stage1": {"stage": 1},
-    "stage2": {"stage": 2},
-    "stage3": {"stage": 3},
-    "stage3_cpu_offload": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False},
-                           "offload_param": {"device": "cpu", "pin_memory": False}},
-}
+CASES = ZERO_CASES
 
 
 def _model():
