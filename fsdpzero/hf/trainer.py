@@ -182,6 +182,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self.engine.grad_path.step()
         if self.scheduler is not None:
             self.scheduler.step()
+        engine = self.engine            # the engine's counters follow the Trainer's optimizer steps
+        engine.global_steps += 1
+        engine.global_samples += engine.train_batch_size()
+        engine.micro_steps += engine.gradient_accumulation_steps()
 
     def zero_grad(self, set_to_none: bool = True):
         self.engine.grad_path.zero_grad()

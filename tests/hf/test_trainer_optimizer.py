@@ -54,6 +54,7 @@ def _fsdpzero(rank, world, zero, outdir, client):
     trainer = fsdpzero.hf.Trainer(model=model, args=_args(fsdpzero.hf.TrainingArguments, outdir, deepspeed=ds),
                                   train_dataset=PackedLMDataset(64), optimizers=optimizers)
     trainer.train()
+    assert trainer.engine.global_steps == trainer.state.global_step == STEPS   # the engine's counters follow
     return _result(trainer, trainer.engine.module)
 
 
