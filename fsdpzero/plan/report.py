@@ -44,4 +44,5 @@ def summary_line(plan: Plan, show_all: bool = False) -> str:
     b = plan.batch
     return (f"{sum(counts.values())} keys: {fates}. ZeRO stage {plan.shard.stage} on mesh {plan.shard.mesh_shape} "
             f"{plan.shard.mesh_dim_names}, {plan.precision.param_dtype} params, batch {b.train_batch_size} = "
-            f"{b.micro_batch_size} x {b.gradient_accumulation_steps} x {plan.env.world_size}.")
+            f"{b.micro_batch_size} x {b.gradient_accumulation_steps} x "
+            f"{b.train_batch_size // max(1, b.micro_batch_size * b.gradient_accumulation_steps)}.")
