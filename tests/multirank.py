@@ -8,6 +8,7 @@ timeout, and the whole job a hard wall-clock limit. Return values come back thro
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import socket
 import tempfile
@@ -28,6 +29,7 @@ def free_port() -> int:
 
 
 def _child(rank: int, fn: Callable, world_size: int, workdir: str, init_pg: bool, port: int, args: tuple) -> None:
+    faulthandler.enable()   # a rank killed by a signal (a SIGSEGV seen once in gloo) prints its Python stack
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
