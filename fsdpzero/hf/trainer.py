@@ -156,7 +156,8 @@ def trainer_context(args: transformers.TrainingArguments, model: nn.Module, trai
         # as the Trainer counts them: batches per rank, optimizer steps per epoch (a partial window counts), then
         # ceil(epochs x steps per epoch), so fractional num_train_epochs gives the schedule the Trainer runs
         per_rank = args.per_device_train_batch_size * world
-        batches = len(train_dataset) // per_rank if args.dataloader_drop_last else math.ceil(len(train_dataset) / per_rank)
+        n = len(train_dataset)
+        batches = n // per_rank if args.dataloader_drop_last else math.ceil(n / per_rank)
         per_epoch = max(batches // args.gradient_accumulation_steps
                         + int(batches % args.gradient_accumulation_steps > 0), 1)
         ctx["num_training_steps"] = math.ceil(args.num_train_epochs * per_epoch)
@@ -238,9 +239,7 @@ def trainers_optimizer(model: nn.Module, args: transformers.TrainingArguments):
 
 
 def _log_choice(raw: dict, client_optimizer, client_scheduler, args) -> None:
-    """The startup report says where the optimizer and the scheduler come from."""
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
+    """The startup report says where the optimizer and the scheduler come from (rank 0: the logger's level)."""
     opt = ("the config's \"optimizer\" section" if "optimizer" in raw else
            f"optimizers[0] ({type(client_optimizer).__name__})" if client_optimizer is not None else
            f"the Trainer's (optim={args.optim}, no weight decay on biases and norm weights)")
@@ -431,13 +430,9 @@ class Trainer(transformers.Trainer):
             torch.save(self._own_scheduler().state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
     def _save_engine_checkpoint(self, output_dir: str) -> None:
-        """The Trainer drives the gradient path itself, so the engine's counters follow the Trainer's state: the tag
-        is global_step<Trainer step>, as DeepSpeed's is under the Trainer."""
-        engine = self.engine
-        engine.global_steps = self.state.global_step
-        engine.global_samples = self.state.global_step * engine.train_batch_size()
-        engine.micro_steps = self.state.global_step * engine.gradient_accumulation_steps()
-        engine.save_checkpoint(output_dir, tag=f"global_step{self.state.global_step}")
+        """Tagged global_step<Trainer step>, as DeepSpeed's is under the Trainer (the engine's counters follow the
+        Trainer's optimizer steps: _EngineOptimizer.step)."""
+        self.engine.save_checkpoint(output_dir, tag=f"global_step{self.state.global_step}")
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         """resume_from_checkpoint: the engine reloads model, optimizer, scheduler and its counters from the

@@ -167,7 +167,8 @@ def test_checkpointing_upcast_logging_single_rank():
     assert r["mlp_calls"] == 4                      # 2 steps x (forward + recompute in backward)
     assert r["dtypes"] == {torch.float32}
     upcast = [m for m in r["records"] if "master weights" in m]
-    assert upcast and upcast[0].startswith("cast 21 trainable parameters to float32") and "model.embed_tokens.weight" in upcast[0]
+    assert upcast and upcast[0].startswith("cast 21 trainable parameters to float32")
+    assert "model.embed_tokens.weight" in upcast[0]
     steps = [m for m in r["records"] if m.startswith("step=")]
     assert steps and steps[0].startswith("step=2, skipped=0, loss=") and "samples/s=" in steps[0]
     assert any(m.startswith("time (ms) | forward:") for m in r["records"])
