@@ -2,15 +2,25 @@
 and no offload, with the setup of shared/spec/device_anchors.md (0.89 B Llama, bf16 compute, fp32 masters, AdamW
 lr 1e-4 wd 0.01, clip 1.0, seq 2048 x micro-batch 4 per GPU, 3 warm-up + 10 timed steps, rank 0 median).
 
+Issue 24's comparison, in one call on one GPU (DeepSpeed, fsdpzero serial / overlapped / speculative, the GPU step
+without optimizer and the CPU Adam step, for the 0.89 B and 2.8 B Llama; JSON + one table per size; each config is
+its own torchrun, skipped with a row when the time budget would be exceeded, so the call ends in time and exits 0):
+    python bench/offload.py --suite issue24 --out out/offload24 --budget-s 560
+    python bench/offload.py --suite issue24 --sizes 2.8b --out out/offload24_2p8    # one size per call
+
 One config per torchrun (run on 2 GPUs):
     torchrun --standalone --nproc_per_node=2 bench/offload.py --config ours_z2 --json out/ours_z2.json
 All configs in sequence, one table (each config is its own torchrun, so nothing leaks between them):
     python bench/offload.py --all --nproc 2 --out out/offload
 Configs: fsdp_z2, fsdp_z3 (no offload); fsdp_z3_cpuoffload (CPUOffloadPolicy + CPU fused AdamW); ours_z2 (stage 2 +
-optimizer offload); ours_z3_both (stage 3 + optimizer and param offload); *_overlap (the CPU step overlaps the next
-forward); *_spec (FSDPZERO_OFFLOAD_SPECULATE=1: the speculative CPU step during backward); *_noclip
+optimizer offload, fsdpzero's defaults: overlapped); ours_z3_both (stage 3 + optimizer and param offload); *_serial
+(tuning offload_overlap=false: the CPU step inside step()); *_overlap (the CPU step overlaps the next forward, the
+default); *_spec (and tuning offload_speculate=true: the speculative CPU step during backward); *_noclip
 (gradient_clipping 0, both implementations); ours_z3_ratio_overlap / ds_z3_ratio (stage 3, offload_optimizer.ratio = FSDPZERO_BENCH_RATIO, default 0.5:
 the rest steps on the GPU); ds_z2_offload, ds_z3_offload_both (DeepSpeed, when importable). --layers/--hidden/--vocab/--seq/--micro shrink the model for a smoke run;
+ref_gpu_noopt (FSDP2 stage 2, bf16: forward + backward + grad norm, no optimizer step) and ref_cpu_adam (the fused
+CPU Adam over this model's parameters per rank, chunked as the offload path steps them, bf16 grads in, bf16 out) are
+the two terms of issue 24's limit max(GPU step without optimizer, CPU Adam step).
 FSDPZERO_BENCH_CPU=1 runs it on CPU/gloo (correctness of the script only).
 FSDPZERO_OFFLOAD_PROFILE=1: the ours_* configs also write the offload path's per-step timeline (rank 0, JSON lines,
 fields in fsdpzero/offload/timeline.py) next to their JSON as <config>.timeline.jsonl, and the row gets
@@ -28,11 +38,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from common import config_main, run_configs  # noqa: E402  (bench/ is the script's folder)
-CONFIGS = ["fsdp_z2", "fsdp_z3", "fsdp_z3_cpuoffload", "ours_z2", "ours_z2_overlap", "ours_z2_overlap_spec",
-           "ours_z2_overlap_noclip", "ours_z2_overlap_noclip_spec", "ours_z3_both", "ours_z3_both_overlap",
-           "ours_z3_ratio_overlap", "ds_z2_offload", "ds_z2_offload_noclip", "ds_z3_offload_both", "ds_z3_ratio"]
+CONFIGS = ["fsdp_z2", "fsdp_z3", "fsdp_z3_cpuoffload", "ours_z2", "ours_z2_serial", "ours_z2_overlap",
+           "ours_z2_overlap_spec", "ours_z2_overlap_noclip", "ours_z2_overlap_noclip_spec", "ours_z3_both",
+           "ours_z3_both_serial", "ours_z3_both_overlap", "ours_z3_ratio_overlap", "ds_z2_offload",
+           "ds_z2_offload_noclip", "ds_z3_offload_both", "ds_z3_ratio", "ref_gpu_noopt", "ref_cpu_adam",
+           "ours_z2_overlap_t8", "ours_z2_overlap_t12", "ours_z3_both_overlap_t8", "ours_z3_both_overlap_t12"]
+# issue 24: per size, the shape (micro-batch per GPU) and the configs, cheapest reference first
+SIZES = {"0.89b": dict(layers=16, hidden=2048, micro=4), "2.8b": dict(layers=26, hidden=3072, micro=2),
+         "tiny": dict(layers=2, hidden=64, micro=2, vocab=512, seq=32)}   # tiny: the CPU smoke test
+_Z2 = ["ref_cpu_adam", "ref_gpu_noopt", "ds_z2_offload", "ours_z2_serial", "ours_z2_overlap", "ours_z2_overlap_spec"]
+_Z3 = ["ds_z3_offload_both", "ours_z3_both_serial", "ours_z3_both_overlap"]
+SUITE = {"issue24": {"0.89b": _Z2 + _Z3, "2.8b": _Z2, "tiny": _Z2 + _Z3}}   # issue 24 asks 2.8 B for stage 2 only
 RATIO = float(os.environ.get("FSDPZERO_BENCH_RATIO", "0.5"))   # *_ratio*: offload_optimizer.ratio (stage 3)
 DEVICE = "cuda" if os.environ.get("FSDPZERO_BENCH_CPU") != "1" else "cpu"   # CPU: smoke runs only
+# BENCH_OFFLOAD_EXACT=1 (--exact): eager attention and deterministic kernels, so that runs that must be bit-identical
+# (serial / overlapped / speculative) can be compared bit for bit on the GPU; slower, not for the timing table
+EXACT = os.environ.get("BENCH_OFFLOAD_EXACT") == "1"
 HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 CLIP = 1.0
 
@@ -44,9 +65,10 @@ def build_model(args):
                       num_key_value_heads=8, intermediate_size=args.hidden * 11 // 4, vocab_size=args.vocab,
                       tie_word_embeddings=False,
                       max_position_embeddings=max(2048, args.seq))
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(1234)
-    return LlamaForCausalLM(cfg)
+    cfg._attn_implementation = "eager" if EXACT else "sdpa"
+    torch.manual_seed(1234)   # the same weights for every implementation (the device's generator)
+    with torch.device(DEVICE):   # initialised on the GPU: seconds instead of minutes for 2.8 B on the host
+        return LlamaForCausalLM(cfg)
 
 
 def shard(model, stage, cpu_offload):
@@ -101,9 +123,12 @@ def fsdp_runner(args, name):
 def ours_runner(args, name):
     """fsdpzero: the DeepSpeed config through fsdpzero.wrap (engine + offload gradient path)."""
     import fsdpzero
-    os.environ["FSDPZERO_OFFLOAD_OVERLAP"] = "1" if "_overlap" in name else "0"
-    os.environ["FSDPZERO_OFFLOAD_SPECULATE"] = "1" if name.endswith("_spec") else "0"
-    engine = fsdpzero.wrap(build_model(args), ds_config(args, name))
+    knobs = {"offload_speculate": "_spec" in name}   # the typed knobs (fsdpzero/tuning.py)
+    if "_t" in name and name.rsplit("_t", 1)[1].isdigit():   # *_t<N>: offload_threads N
+        knobs["offload_threads"] = int(name.rsplit("_t", 1)[1])
+    if "_serial" in name or "_overlap" in name:            # else fsdpzero's default (overlap)
+        knobs["offload_overlap"] = "_overlap" in name
+    engine = fsdpzero.wrap(build_model(args), ds_config(args, name), tuning=knobs)
 
     def step(x):
         loss = engine(input_ids=x, labels=x).loss
@@ -113,7 +138,61 @@ def ours_runner(args, name):
     step.grad_norm = engine.get_global_grad_norm   # clipping triggers when it is above CLIP
     spec = getattr(engine.grad_path, "spec", None)
     step.spec_stats = (lambda: dict(spec.stats)) if spec is not None else None
-    return step, getattr(engine.grad_path, "wait", lambda: None)
+    step.overlap = bool(getattr(engine.grad_path, "overlap", False))
+    return step, engine.wait_for_params
+
+
+def ref_runner(args, name):
+    """The two terms of the pipeline limit. ref_gpu_noopt: FSDP2 stage 2, bf16, forward + backward + the grad norm,
+    no optimizer step. ref_cpu_adam: the fused CPU Adam over this rank's share of the model's parameters, in the
+    offload path's chunks, bf16 grads in and bf16 params out, with the threads the offload path would use."""
+    import torch
+    if name == "ref_gpu_noopt":
+        from fsdpzero.optim import FSDPGradPath
+        model = shard(build_model(args), 2, cpu_offload=False)
+        path = FSDPGradPath(model, torch.optim.SGD(model.parameters(), lr=0.0))
+
+        def step(x):
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            path.finish_gradients()
+            step.norm = path.grad_norm()
+            path.zero_grad()
+            return loss
+        step.grad_norm = lambda: step.norm
+        return step, lambda: None
+    from fsdpzero.offload.build import cpu_threads
+    from fsdpzero.offload.chunks import CHUNK
+    from fsdpzero.ops import CPUAdamW
+    with torch.device("meta"):
+        total = sum(p.numel() for p in build_model_meta(args).parameters())
+    world = int(os.environ["WORLD_SIZE"])
+    n = -(-total // world)
+    if DEVICE == "cuda":
+        torch.set_num_threads(cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"])))
+    sizes = [min(CHUNK, n - i) for i in range(0, n, CHUNK)]
+    pin = DEVICE == "cuda"
+    masters = [torch.zeros(k) for k in sizes]
+    grads = [torch.full((k,), 1e-3, dtype=torch.bfloat16, pin_memory=pin) for k in sizes]
+    outs = [torch.empty(k, dtype=torch.bfloat16, pin_memory=pin) for k in sizes]
+    opt = CPUAdamW(masters, **HYPER)
+
+    def step(x):
+        t0 = time.perf_counter()
+        for m, g, o in zip(masters, grads, outs):
+            opt.step_param(m, g, out=o)
+        step.gparam_s = n / (time.perf_counter() - t0) / 1e9
+        return torch.zeros(())
+    step.params_per_rank = n
+    return step, lambda: None
+
+
+def build_model_meta(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=16,
+                      num_key_value_heads=8, intermediate_size=args.hidden * 11 // 4, vocab_size=args.vocab,
+                      tie_word_embeddings=False, max_position_embeddings=max(2048, args.seq))
+    return LlamaForCausalLM(cfg)
 
 
 def ds_runner(args, name):
@@ -139,15 +218,18 @@ def run_one(args):
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     if DEVICE == "cuda":
         torch.cuda.set_device(local_rank)
+    if EXACT:
+        torch.use_deterministic_algorithms(True, warn_only=True)
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(max(1, cores // local_world))   # torchrun sets 1; every config gets the same share
     if args.config.startswith("ds_"):
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
-        major, minor = torch.cuda.get_device_capability()
-        os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"   # DS 0.19.8 cannot parse "9.0a"
+        if DEVICE == "cuda":
+            major, minor = torch.cuda.get_device_capability()
+            os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"   # DS 0.19.8 cannot parse "9.0a"
         import deepspeed
-        deepspeed.init_distributed(dist_backend="nccl")
-    elif args.config.startswith("fsdp_"):
+        deepspeed.init_distributed(dist_backend="nccl" if DEVICE == "cuda" else "gloo")
+    elif args.config.startswith(("fsdp_", "ref_")):
         dist.init_process_group("cuda:nccl,cpu:gloo" if DEVICE == "cuda" else "gloo")
     timeline = None
     if os.environ.get("FSDPZERO_OFFLOAD_PROFILE") == "1" and args.config.startswith("ours_"):
@@ -157,7 +239,7 @@ def run_one(args):
             timeline.unlink(missing_ok=True)
         os.environ["FSDPZERO_OFFLOAD_PROFILE_FILE"] = str(timeline)
     t_setup = time.perf_counter()
-    runner = {"ds": ds_runner, "fsdp": fsdp_runner, "ours": ours_runner}[args.config.split("_")[0]]
+    runner = {"ds": ds_runner, "fsdp": fsdp_runner, "ours": ours_runner, "ref": ref_runner}[args.config.split("_")[0]]
     step, finish = runner(args, args.config)
     setup_s = time.perf_counter() - t_setup
     gen = torch.Generator(device=DEVICE).manual_seed(1000 + rank)
@@ -194,6 +276,10 @@ def run_one(args):
               "grad_norms": norms}
     if getattr(step, "spec_stats", None) is not None:
         result["speculation"] = step.spec_stats()
+    if hasattr(step, "overlap"):
+        result["overlap"] = step.overlap
+    if hasattr(step, "gparam_s"):
+        result["cpu_adam_gparam_s"], result["params_per_rank"] = step.gparam_s, step.params_per_rank
     clip = ds_config(args, args.config)["gradient_clipping"] if not args.config.startswith("fsdp") else CLIP
     timed_norms = norms[args.warmup:]
     if clip > 0 and all(n is not None for n in timed_norms):   # per-step times split by whether clipping triggered
@@ -260,5 +346,135 @@ def run_all(args):
                   + (f", unit_wait_gpu={sum(t['unit_wait_gpu']):.4g}" if "unit_wait_gpu" in t else ""))
 
 
+# -- issue 24's suite: every config of a size, one torchrun each, within a time budget ------------------------------
+TARGETS = {("2.8b", "z2"): 0.65, ("0.89b", "z2"): 0.23, ("0.89b", "z3"): 0.30}   # issue 24, s/step
+
+
+def _torchrun(cmd: list[str], timeout: float, exact: bool = False) -> tuple[int, str]:
+    """Run one config in its own session; on timeout the whole process group goes (torchrun's workers hold the
+    GPU)."""
+    import signal
+    import subprocess
+    env = dict(os.environ, **({"BENCH_OFFLOAD_EXACT": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if exact else {}))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=env)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return -9, (out or "") + f"\n(killed after {timeout:.0f} s)"
+
+
+def run_suite(ns) -> list[dict]:
+    import sys
+    start = time.monotonic()
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for size in ns.sizes.split(","):
+        shape = {"vocab": 32000, "seq": 2048, **SIZES[size], **({"seq": ns.seq} if ns.seq else {})}
+        steps, warmup = (ns.steps, ns.warmup) if ns.steps else ((10, 3) if size != "2.8b" else (6, 2))
+        for name in (ns.configs.split(",") if ns.configs else SUITE[ns.suite][size]):
+            left = ns.budget_s - (time.monotonic() - start)
+            row = {"size": size, "config": name}
+            if name.startswith("ds_") and importlib.util.find_spec("deepspeed") is None:
+                rows.append({**row, "error": "deepspeed not importable"})
+                continue
+            if left < ns.min_left_s:
+                rows.append({**row, "error": f"skipped: {left:.0f} s of the budget left"})
+                continue
+            js = out / f"{size}__{name}.json"
+            js.unlink(missing_ok=True)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ns.nproc}",
+                   __file__, "--config", name, "--json", str(js), f"--steps={steps}", f"--warmup={warmup}",
+                   *[f"--{k}={v}" for k, v in shape.items()]]
+            t0 = time.monotonic()
+            rc, log = _torchrun(cmd, timeout=left, exact=ns.exact)
+            row.update(exit_code=rc, wall_s=time.monotonic() - t0)
+            if js.exists():
+                row.update(json.loads(js.read_text()))
+            else:
+                row.update(error=f"rc={rc}", log_tail=log[-3000:])
+            if rc != 0:   # a result with a bad exit (e.g. an abort at teardown) is kept, and flagged
+                row["log_tail"] = log[-3000:]
+            print(f"{size} {name}: rc={rc} " + (f"{row['step_s']:.3f} s/step" if "step_s" in row else row["error"]),
+                  flush=True)
+            rows.append(row)
+    derive(rows)
+    (out / "offload24.json").write_text(json.dumps(rows, indent=2))
+    print(json.dumps([{k: v for k, v in r.items() if k not in ("losses", "grad_norms", "log_tail",
+                                                                 "timeline_median")} for r in rows]))
+    print(suite_table(rows))
+    return rows
+
+
+def derive(rows: list[dict]) -> None:
+    """Per row: DeepSpeed's time over ours, ours over the limit max(GPU step without optimizer, CPU Adam step), the
+    target of issue 24, and the largest loss difference from the serial run of the same stage."""
+    by = {(r["size"], r["config"]): r for r in rows if "step_s" in r}
+    for r in rows:
+        if "step_s" not in r or not r["config"].startswith("ours_"):
+            continue
+        size, stage = r["size"], "z3" if "z3" in r["config"] else "z2"
+        ds = by.get((size, "ds_z3_offload_both" if stage == "z3" else "ds_z2_offload"))
+        if ds:
+            r["speedup_vs_ds"] = ds["step_s"] / r["step_s"]
+        gpu, cpu = by.get((size, "ref_gpu_noopt")), by.get((size, "ref_cpu_adam"))
+        if gpu and cpu:
+            r["limit_s"] = max(gpu["step_s"], cpu["step_s"])
+            r["over_limit"] = r["step_s"] / r["limit_s"]
+        if (size, stage) in TARGETS:
+            r["target_s"] = TARGETS[(size, stage)]
+        serial = by.get((size, f"ours_{stage}{'_both' if stage == 'z3' else ''}_serial"))
+        if serial and serial is not r:
+            r["max_loss_diff_vs_serial"] = max(abs(a - b) for a, b in zip(r["losses"], serial["losses"]))
+
+
+def suite_table(rows: list[dict]) -> str:
+    lines = ["| size | config | s/step median (min-max) | vs DeepSpeed | / limit | target | max loss diff vs serial | "
+             "peak alloc GiB | host RSS GiB | loss first -> last | exit |", "|---" * 11 + "|"]
+
+    def f(v, fmt):
+        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+    for r in rows:
+        if "step_s" not in r:
+            lines.append(f"| {r['size']} | {r['config']} | {r.get('error', '')} | | | | | | | | "
+                         f"{r.get('exit_code', '-')} |")
+            continue
+        extra = f" ({r['cpu_adam_gparam_s']:.2f} Gparam/s)" if "cpu_adam_gparam_s" in r else ""
+        lines.append(f"| {r['size']} | {r['config']} | {r['step_s']:.3f} ({r['step_min']:.3f}-{r['step_max']:.3f})"
+                     f"{extra} | {f(r.get('speedup_vs_ds'), '.2f')}x | {f(r.get('over_limit'), '.2f')} | "
+                     f"{f(r.get('target_s'), '.2f')} | {f(r.get('max_loss_diff_vs_serial'), '.2e')} | "
+                     f"{r['peak_alloc_GiB_max_over_ranks']:.2f} | {r['host_rss_GiB']:.2f} | "
+                     f"{r['loss_first']:.4f} -> {r['loss_last']:.4f} | {r['exit_code']} |")
+    return "\n".join(lines)
+
+
+def suite_args(argv: list[str]):
+    import argparse
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--suite", choices=sorted(SUITE))
+    ap.add_argument("--sizes", default="0.89b,2.8b", help=f"comma-separated, of {sorted(SIZES)}")
+    ap.add_argument("--configs", default=None, help="default: the suite's configs")
+    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--out", default="out/offload24")
+    ap.add_argument("--budget-s", type=float, default=560, help="stop starting configs after this many seconds")
+    ap.add_argument("--min-left-s", type=float, default=45, help="do not start a config with less time left")
+    ap.add_argument("--steps", type=int, default=0, help="timed steps (default 10; 6 for 2.8b)")
+    ap.add_argument("--warmup", type=int, default=0)
+    ap.add_argument("--seq", type=int, default=0, help="sequence length (default 2048)")
+    ap.add_argument("--exact", action="store_true", help="BENCH_OFFLOAD_EXACT=1: deterministic kernels, to compare "
+                    "the serial, overlapped and speculative runs' losses bit for bit (not for timings)")
+    return ap.parse_known_args(argv)[0]
+
+
 if __name__ == "__main__":
-    config_main(__doc__, CONFIGS, run_one, run_all, out="out/offload", timeout=400)
+    import importlib.util
+    import sys
+    suite = suite_args(sys.argv[1:])
+    if suite.suite:
+        run_suite(suite)
+    else:
+        config_main(__doc__, CONFIGS, run_one, run_all, out="out/offload", timeout=400)

@@ -6,21 +6,27 @@ materialise meta models, build the gradient path and its optimizer, the schedule
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
-from fsdpzero.dist import broadcast_module, detect_device_type
+from fsdpzero import tuning as tuning_knobs
+from fsdpzero.compile import check_compile
+from fsdpzero.compile import with_knob as compile_knob
+from fsdpzero.dist import broadcast_module, check_same_on_all_ranks, detect_device_type
 from fsdpzero.dist import init_distributed as init_distributed_env
 from fsdpzero.engine import Engine
 from fsdpzero.log import log_startup, setup_logging
 from fsdpzero.optim import FSDPGradPath, GradPath, OptimizerFactory, check_optimizer, make_optimizer_factory
+from fsdpzero.optim.grad_path import ForwardOnlyPath
 from fsdpzero.plan import Env, Plan
 from fsdpzero.plan.translate import build_plan
 from fsdpzero.precision import make_scaler, mp_policy, upcast_to_master
-from fsdpzero.sharding import build_mesh, is_meta, materialize, shard_home, shard_model
+from fsdpzero.sharding import build_mesh, find_blocks, is_meta, materialize, shard_home, shard_model
+from fsdpzero.zero import take_deferred
 
 
 def launch_env(device_type: str | None = None) -> Env:
@@ -48,7 +54,8 @@ def refuse_unsupported(plan: Plan) -> None:
 def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, lr_scheduler: Any = None,
          model_parameters: Iterable | None = None, block_classes: Iterable[str | type] | None = None,
          block_predicate: Callable[[nn.Module], bool] | None = None, full_state_dict: dict | None = None,
-         device_type: str | None = None, **context: Any) -> Engine:
+         device_type: str | None = None, tuning: Any = None, allow_no_optimizer: bool = False,
+         **context: Any) -> Engine:
     """Shard `model` per the DeepSpeed config and return the training Engine.
 
     optimizer: a torch optimizer built over `model`'s parameters (rebound in place to the shards), or a callable
@@ -57,16 +64,28 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
       config's `scheduler` section.
     block_classes / block_predicate: which submodules are the transformer blocks (default: HF `_no_split_modules`).
     full_state_dict: weights for a model built on the meta device (rank 0's copy is broadcast).
+    allow_no_optimizer: no optimizer section and none passed gives a forward-only engine (ZeRO inference, as
+      `deepspeed.initialize` allows) instead of an error.
+    tuning: knobs (a dict or fsdpzero.tuning.Tuning) over the FSDPZERO_* environment; see fsdpzero/tuning.py.
     context: values for the config's "auto" entries (e.g. hidden_size=..., num_training_steps=...).
     """
     setup_logging()
+    knobs = tuning_knobs.use(tuning)     # every channel validated before any process group exists
     env = launch_env(device_type)
     plan = make_plan(ds_config, env, context)
     refuse_unsupported(plan)
-    check_optimizer(plan, optimizer)
+    forward_only = allow_no_optimizer and optimizer is None and plan.optimizer.type is None
+    if not forward_only:
+        check_optimizer(plan, optimizer)
+    plan = compile_knob(plan, knobs.compile)
+    check_compile(plan)
     info = init_distributed_env(env.device_type)
+    # before the first collective: ranks started with different configs or models would otherwise meet in
+    # mismatched collectives (a gloo abort or a hang) with nothing saying what differs
+    check_same_on_all_ranks(run_facts(plan, model), "configs or models")
     mesh = mesh if mesh is not None else build_mesh(plan, info.world_size, info.device_type)
 
+    fill = take_deferred(model)   # zero.Init / HfDeepSpeedConfig: built without full weights; filled per shard
     meta = is_meta(model)
     if not meta:
         upcasts = upcast_to_master(model, plan)
@@ -76,20 +95,59 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
         upcasts = []
     original = [p for p in model.parameters() if p.requires_grad]
     groups = _param_groups(model_parameters)
-    model, blocks = shard_model(model, plan, mesh, mp_policy(plan), device_type=info.device_type,
-                                block_classes=block_classes, block_predicate=block_predicate)
+    all_blocks = find_blocks(model, block_classes, block_predicate)
+    model, blocks = shard_model(model, plan, mesh, mp_policy(plan), device_type=info.device_type, blocks=all_blocks)
     if meta:
-        materialize(model, info.device, full_state_dict, param_device=shard_home(plan, info.device))
-    factory = make_optimizer_factory(plan, optimizer, device_type=info.device_type, original_params=original,
-                                     param_groups=groups)
-    path = build_grad_path(model, plan, factory, mesh)
+        materialize(model, info.device, full_state_dict, param_device=shard_home(plan, info.device),
+                    filled_later=fill is not None)
+        if fill is not None:
+            fill(model)
+    if forward_only:
+        path = ForwardOnlyPath(model)
+    else:
+        factory = make_optimizer_factory(plan, optimizer, device_type=info.device_type, original_params=original,
+                                         param_groups=groups)
+        path = build_grad_path(model, plan, factory, mesh, knobs)
     scheduler = _scheduler(plan, lr_scheduler, path.optimizer)
     engine = Engine(model, plan, path, lr_scheduler=scheduler, scaler=make_scaler(plan), device=info.device,
-                    mesh=mesh, local_rank=info.local_rank)
-    log_startup(plan, {"world_size": info.world_size, "mesh": str(mesh), "grad_path": grad_path_name(plan),
+                    mesh=mesh, local_rank=info.local_rank, tuning=knobs, blocks=all_blocks)
+    if plan.compile.enabled:   # after fully_shard: each block's forward, inside FSDP2's hooks (fsdpzero/compile.py)
+        engine.compile(plan.compile.backend, plan.compile.kwargs)
+    log_startup(plan, {"world_size": info.world_size, "mesh": str(mesh),
+                       "grad_path": grad_path_name(plan) if not forward_only else "none (forward only)",
                        "blocks_sharded": len(blocks), "upcast_params": len(upcasts),
-                       "optimizer": type(path.optimizer).__name__})
+                       **({"compile": f"{plan.compile.backend} per block ({plan.compile.source})"}
+                          if plan.compile.enabled else {}),
+                       "optimizer": type(path.optimizer).__name__ if path.optimizer is not None else "none"})
     return engine
+
+
+RANK_LOCAL_PLAN_FIELDS = frozenset({"plan offload.optimizer_nvme_path", "plan offload.param_nvme_path", "plan monitor"})
+
+
+def run_facts(plan: Plan, model: nn.Module) -> dict[str, str]:
+    """What every rank must agree on, as text: each plan field and each parameter's name, dtype, shape and
+    trainability (check_same_on_all_ranks compares a digest of it across ranks). Left out: what may differ per
+    rank without changing any collective (the NVMe swap paths, a node-local disk each; the monitors, rank 0's)."""
+    facts = {}
+
+    def flat(prefix: str, value: Any) -> None:
+        if prefix in RANK_LOCAL_PLAN_FIELDS:
+            return
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                flat(f"{prefix}.{k}", v)
+        else:
+            facts[prefix] = json.dumps(value, default=str, sort_keys=True)
+    for key, value in plan.to_dict().items():
+        flat(f"plan {key}", value)
+    params = list(model.named_parameters())
+    facts["model parameters"] = (f"{len(params)} tensors, {sum(p.numel() for _, p in params)} elements"
+                                 + (" (meta)" if params and is_meta(model) else ""))
+    for name, p in params:
+        facts[f"model parameter {name}"] = (f"{str(p.dtype).removeprefix('torch.')}{list(p.shape)}"
+                                            + ("" if p.requires_grad else " frozen"))
+    return facts
 
 
 def grad_path_name(plan: Plan) -> str:
@@ -101,16 +159,17 @@ def grad_path_name(plan: Plan) -> str:
     return "fsdp"
 
 
-def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFactory, mesh=None) -> GradPath:
+def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFactory, mesh=None,
+                    tuning: tuning_knobs.Tuning | None = None) -> GradPath:
     """The one place the gradient path is chosen (see fsdpzero.optim.grad_path for the contract). Each branch
     imports its wing only when taken: a plain FSDP run never loads the offload or stage-1 code."""
     name = grad_path_name(plan)
     if name == "stage1":
         from fsdpzero.optim.stage1 import build_stage1_path
-        return build_stage1_path(model, plan, make_optimizer, mesh)
+        return build_stage1_path(model, plan, make_optimizer, mesh, tuning=tuning)
     if name == "offload":
         from fsdpzero.offload import build_offload_path
-        return build_offload_path(model, plan, make_optimizer, mesh)
+        return build_offload_path(model, plan, make_optimizer, mesh, tuning=tuning)
     return FSDPGradPath(model, make_optimizer([p for p in model.parameters() if p.requires_grad]))
 
 
@@ -138,11 +197,14 @@ def _scheduler(plan: Plan, client: Any, optimizer: torch.optim.Optimizer):
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
                model_parameters: Iterable | None = None, training_data: Any = None, lr_scheduler: Any = None,
                distributed_port: int | None = None, mpu: Any = None, dist_init_required: bool | None = None,
-               collate_fn: Callable | None = None, config: Any = None, config_params: Any = None, **context: Any):
+               collate_fn: Callable | None = None, config: Any = None, config_params: Any = None, tuning: Any = None,
+               **context: Any):
     """Drop-in for `deepspeed.initialize`: returns (engine, optimizer, training_dataloader, lr_scheduler).
 
-    The config comes from `config`, `config_params`, or `args.deepspeed_config`, as with DeepSpeed. `mpu` (model
-    parallelism) is not supported."""
+    The config comes from `config`, `config_params` (dict or path, DeepSpeed's older name), or
+    `args.deepspeed_config`, as with DeepSpeed. Without an optimizer (no section, none passed) the engine is
+    forward-only: ZeRO inference, `engine.module.generate(..., synced_gpus=True)`. `mpu` (model parallelism) is
+    not supported. `tuning`: fsdpzero's knobs (dict or fsdpzero.tuning.Tuning; see wrap)."""
     if model is None:
         raise ValueError("initialize(model=...) is required")
     if mpu is not None:
@@ -155,7 +217,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if distributed_port is not None and "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(distributed_port)
     engine = wrap(model, config, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                  model_parameters=model_parameters, **context)
+                  model_parameters=model_parameters, tuning=tuning, allow_no_optimizer=True, **context)
     loader = None
     if training_data is not None:
         loader = make_dataloader(training_data, engine, collate_fn)

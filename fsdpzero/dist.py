@@ -6,7 +6,10 @@ the same FSDP2 code runs without a launcher.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import hashlib
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -79,3 +82,126 @@ def broadcast_module(module: torch.nn.Module, src: int = 0) -> None:
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: a DTensor's local shard, any other tensor as it is."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+# -- errors and facts agreed across ranks ----------------------------------------------------------------------------
+# A failure on one rank (a path, the disk, a bad value) must not leave the others waiting in the next collective
+# until the process-group timeout: the ranks first agree that something failed, then all raise the same error.
+
+class RanksError(RuntimeError):
+    """Raised on every rank with the same message: some rank failed, or the ranks disagree (see agree_on_error and
+    check_same_on_all_ranks). `per_rank`: {rank: message} of the ranks concerned."""
+
+    def __init__(self, message: str, per_rank: dict[int, str] | None = None):
+        super().__init__(message)
+        self.per_rank = per_rank or {}
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def _comm_device(group) -> torch.device:
+    """CPU tensors where the group has gloo (fsdpzero's groups always do); a NCCL-only group needs the GPU."""
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _gather_text(text: str, max_len: int, group) -> list[str]:
+    """Every rank's `text` (UTF-8, max_len bytes each), without pickle: one all-gather of padded byte tensors."""
+    device = _comm_device(group)
+    data = text.encode()[:max_len]
+    buf = torch.zeros(max_len + 8, dtype=torch.uint8, device=device)
+    buf[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    if data:
+        buf[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = [torch.empty_like(buf) for _ in range(_group_size(group))]
+    dist.all_gather(out, buf, group=group)
+    texts = []
+    for t in out:
+        raw = t.cpu().numpy().tobytes()
+        n = int.from_bytes(raw[:8], "little")
+        texts.append(raw[8:8 + n].decode(errors="replace"))
+    return texts
+
+
+def _describe(error: BaseException | str) -> str:
+    return error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+
+
+def agree_on_error(error: BaseException | str | None, group=None) -> None:
+    """Collective over `group` (default: the world): every rank passes its own outcome, None for success. If any
+    rank failed, every rank raises the same RanksError naming the failed ranks and their messages (a failed rank's
+    own exception chained to it); otherwise it returns. Cost when all succeed: one all-reduce of one int64. Without
+    a process group, or with one rank, `error` alone decides. Call it where every rank arrives, before the next
+    collective; `agreed_errors()` wraps a block in it."""
+    mine = "" if error is None else (_describe(error) or "error")
+    if _group_size(group) > 1:
+        length = torch.tensor([len(mine.encode())], dtype=torch.int64, device=_comm_device(group))
+        dist.all_reduce(length, op=dist.ReduceOp.MAX, group=group)
+        longest = int(length.item())
+        if longest == 0:
+            return
+        per_rank = {r: m for r, m in enumerate(_gather_text(mine, min(longest, 16384), group)) if m}
+    elif error is None:
+        return
+    else:
+        per_rank = {dist.get_rank(group) if dist.is_initialized() else 0: mine}
+    if len(set(per_rank.values())) == 1:
+        ranks = sorted(per_rank)
+        message = (f"{next(iter(per_rank.values()))} (on rank{'s' if len(ranks) > 1 else ''} "
+                   f"{', '.join(map(str, ranks))})")
+    else:
+        message = f"{len(per_rank)} ranks failed:\n" + "\n".join(f"  rank {r}: {m}"
+                                                              for r, m in sorted(per_rank.items()))
+    raise RanksError(message, per_rank) from (error if isinstance(error, BaseException) else None)
+
+
+@contextlib.contextmanager
+def agreed_errors(group=None):
+    """`with agreed_errors(): <code every rank runs>`: an exception inside the block on any rank becomes the same
+    RanksError on all of them (agree_on_error runs after the block, success or not). Only Exceptions are agreed;
+    KeyboardInterrupt and SystemExit pass through as they are."""
+    try:
+        yield
+    except Exception as e:   # noqa: BLE001  agreed, then raised on every rank
+        agree_on_error(e, group)
+        raise   # not reached: agree_on_error raises
+    agree_on_error(None, group)
+
+
+def check_same_on_all_ranks(facts: dict[str, str], what: str, group=None, limit: int = 8) -> None:
+    """Collective: every rank's `facts` ({name: value}, text) must be identical; cost: one all-gather of a 64-bit
+    digest. On a mismatch the facts are gathered and every rank raises the same RanksError listing, per differing
+    name, which ranks have which value (the first `limit` differences). `what` names the thing compared."""
+    if _group_size(group) == 1:
+        return
+    digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).digest()
+    digest = int.from_bytes(digest[:8], "little", signed=True)
+    device = _comm_device(group)
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    digests = [torch.empty_like(mine) for _ in range(_group_size(group))]
+    dist.all_gather(digests, mine, group=group)
+    if len({int(d.item()) for d in digests}) == 1:
+        return
+    blob = json.dumps(list(facts.items()))   # in the caller's order: the message lists differences that way
+    size = torch.tensor([len(blob.encode())], dtype=torch.int64, device=device)
+    dist.all_reduce(size, op=dist.ReduceOp.MAX, group=group)
+    every = [dict(json.loads(t)) for t in _gather_text(blob, int(size.item()), group)]
+    names = list(dict.fromkeys(k for f in every for k in f))   # first rank's order first
+    lines = []
+    for name in names:
+        values = [f.get(name, "(absent)") for f in every]
+        if len(set(values)) == 1:
+            continue
+        by_value: dict[str, list[int]] = {}
+        for r, v in enumerate(values):
+            by_value.setdefault(v, []).append(r)
+        lines.append(f"  {name}: " + "; ".join(
+            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} {'have' if len(rs) > 1 else 'has'} {v}"
+            for v, rs in by_value.items()))
+    shown = lines[:limit] + ([f"  ... and {len(lines) - limit} more differences"] if len(lines) > limit else [])
+    raise RanksError(f"the ranks were started with different {what}; every rank must run the same:\n"
+                     + "\n".join(shown))

@@ -65,8 +65,11 @@ def make_scaler(plan: Plan):
 
 
 def checks_overflow(plan: Plan) -> bool:
-    """fp16 always skips steps with inf/nan grads; bf16 when check_grad_overflow (DeepSpeed >= 0.19.3 default)."""
-    return plan.precision.loss_scale is not None or plan.precision.check_grad_overflow
+    """Whether a step with inf/nan grads is skipped: fp16 always; bf16 when check_grad_overflow (DeepSpeed >= 0.19.3
+    default); fp32 always, as DeepSpeed's ZeRO 1-3 optimizers do (its stage 0 writes the NaN into the weights: we
+    skip there too, docs/deepspeed_differences.md)."""
+    p = plan.precision
+    return p.loss_scale is not None or p.check_grad_overflow or p.param_dtype != "bfloat16"
 
 
 def autocast(plan: Plan, device_type: str):

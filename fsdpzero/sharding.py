@@ -4,6 +4,8 @@
     2. fully_shard on each transformer block, bottom-up
     3. fully_shard on the root (embeddings, final norm, head and anything not in a block)
     4. explicit prefetch when the plan asks for more than FSDP2's implicit one-block lookahead
+    5. (with the `compile` section or knob) torch.compile of each block's forward, inside FSDP2's hooks and around
+       the checkpointed region: fsdpzero/compile.py, run by the engine (`Engine.compile`) right after
 
 Stage 0 is FSDP2 on a (world, 1) mesh, i.e. replicate across ranks and shard over a group of one. Why not DDP: the
 same `fully_shard` code then carries every stage, so bf16/fp16 `MixedPrecisionPolicy` with fp32 masters,
@@ -19,7 +21,8 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
+                                    register_fsdp_forward_method)
 
 from fsdpzero.activation import apply_checkpointing
 from fsdpzero.plan import Plan
@@ -106,9 +109,11 @@ def offload_policy(plan: Plan, device_type: str) -> OffloadPolicy:
 
 def shard_model(model: nn.Module, plan: Plan, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, *,
                 device_type: str = "cpu", block_classes=None, block_predicate: BlockPredicate | None = None,
-                ) -> tuple[nn.Module, list[nn.Module]]:
-    """Apply the plan's stage to `model` in place. Returns (model, the blocks sharded one by one)."""
-    blocks = find_blocks(model, block_classes, block_predicate)
+                blocks: list[nn.Module] | None = None) -> tuple[nn.Module, list[nn.Module]]:
+    """Apply the plan's stage to `model` in place. Returns (model, the blocks sharded one by one). `blocks`: the
+    transformer blocks found already (find_blocks), else found here."""
+    if blocks is None:
+        blocks = find_blocks(model, block_classes, block_predicate)
     if plan.activation_checkpointing.enabled:
         how = apply_checkpointing(model, blocks, cpu_offload=plan.activation_checkpointing.cpu_checkpointing)
         log.info("fsdpzero: activation checkpointing on %s (%s)", type(model).__name__, how)
@@ -129,6 +134,10 @@ def shard_model(model: nn.Module, plan: Plan, mesh: DeviceMesh, mp_policy: Mixed
     # the root's parameters (head, final norm) are needed first in backward: FSDP2's default keeps them gathered
     fully_shard(model, mesh=mesh, reshard_after_forward=None if raf is not False else False,
                 mp_policy=mp_policy, offload_policy=offload)
+    if callable(getattr(model, "generate", None)):
+        # generate may call submodules directly, outside the root's forward (an encoder-decoder runs its encoder
+        # first): the root unit is gathered around the whole call, as around a forward
+        register_fsdp_forward_method(model, "generate")
     set_prefetch(sharded, prefetch_depth(plan, sharded))
     return model, sharded
 
@@ -164,7 +173,7 @@ def shard_home(plan: Plan, device: torch.device) -> torch.device:
 
 
 def materialize(model: nn.Module, device: torch.device, full_state_dict: dict | None = None,
-                param_device: torch.device | None = None) -> None:
+                param_device: torch.device | None = None, filled_later: bool = False) -> None:
     """After sharding a meta-device model: allocate its shards (on param_device, default device; buffers always on
     device), rebuild non-persistent buffers (rotary inv_freq is not in any state dict, and `to_empty` leaves
     garbage there silently), then load weights if given (rank 0's full state dict, broadcast)."""
@@ -187,8 +196,9 @@ def materialize(model: nn.Module, device: torch.device, full_state_dict: dict | 
         for n in names:
             setattr(m, n, getattr(fresh, n).to(device))
     if full_state_dict is None:
-        log.warning("fsdpzero: %s was built on the meta device and no full_state_dict was given: its parameters "
-                    "are uninitialised memory until a checkpoint is loaded", type(model).__name__)
+        if not filled_later:   # filled_later: the caller writes each shard next (zero.Init, HfDeepSpeedConfig)
+            log.warning("fsdpzero: %s was built on the meta device and no full_state_dict was given: its "
+                        "parameters are uninitialised memory until a checkpoint is loaded", type(model).__name__)
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         set_model_state_dict(model, full_state_dict,

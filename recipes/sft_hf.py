@@ -24,7 +24,6 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 import fsdpzero.hf
 from corpus import ByteTokenizer, HFTokenizer, InstructionDataset, build_loader
-from fsdpzero.monitor import Monitor
 from recipe_utils import RecipeError, ds_config_dict, rank_and_world, run_main, setup_run_dir, write_loss_curve
 
 log = logging.getLogger("recipe")
@@ -61,7 +60,7 @@ class SFTRecipe:
         if len(self.loader) == 0:
             raise RecipeError(f"data: {len(self.dataset)} examples cannot fill one micro-batch of {self.micro} on "
                               f"each of {self.world} ranks; lower data.micro_batch_size")
-        self.monitor = Monitor(ds_config_dict(cfg), rank=self.rank)
+        self.monitor = self.engine.monitor   # the engine writes lr and train_loss each step
         self.device = self.engine.device
         if self.rank == 0:
             log.info("fine-tuning %s (%d examples, %d answer tokens) on %d rank(s)", src, len(self.dataset),
@@ -104,8 +103,6 @@ class SFTRecipe:
                 tok_s, t_last, since, loss_sum, tokens = tokens / max(now - t_last, 1e-9), now, 0, 0.0, 0
                 lr = self.engine.get_lr()[0]
                 self.curves["train"].append((step, train_loss))
-                self.monitor.write_events([("Train/Samples/train_loss", train_loss, self.engine.global_samples),
-                                           ("Train/Samples/lr", lr, self.engine.global_samples)])
                 bar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", refresh=False)
             bar.update(1)
         bar.close()

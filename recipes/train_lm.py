@@ -19,15 +19,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import fsdpzero
 from corpus import PackedLMDataset, build_loader
-from fsdpzero.monitor import Monitor
-from recipe_utils import (RecipeError, ds_config_dict, latest_checkpoint, rank_and_world, run_main, setup_run_dir,
-                          write_loss_curve)
+from recipe_utils import (RecipeError, ds_config_dict, earlier_curve, latest_checkpoint, rank_and_world, run_main,
+                          setup_run_dir, write_loss_curve)
 
 log = logging.getLogger("recipe")   # not under "fsdpzero": that logger does not propagate to train.log
 
@@ -62,7 +61,9 @@ class TrainLMRecipe:
         name, n_params = type(model).__name__, sum(p.numel() for p in model.parameters())
         self.run_dir = setup_run_dir(cfg, self.rank)
         try:
-            self.engine, _, _, _ = fsdpzero.initialize(model=model, config=ds_config_dict(cfg))
+            self.engine, _, _, _ = fsdpzero.initialize(model=model, config=ds_config_dict(cfg),
+                                                       tuning=OmegaConf.to_container(cfg.tuning) if cfg.get("tuning")
+                                                       else {})
         except (ValueError, NotImplementedError) as e:   # the engine's refusals: unshardable model, unsupported key
             raise RecipeError(f"cannot run this model/config: {e}") from None
         self.micro = self.engine.train_micro_batch_size_per_gpu()
@@ -73,7 +74,7 @@ class TrainLMRecipe:
         if len(self.loader) == 0:
             raise RecipeError(f"data: {len(self.train_set)} training windows cannot fill one micro-batch of "
                               f"{self.micro} on each of {self.world} ranks; lower data.micro_batch_size")
-        self.monitor = Monitor(ds_config_dict(cfg), rank=self.rank)
+        self.monitor = self.engine.monitor   # the engine writes lr and train_loss each step
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.start_step = self._maybe_resume()
         if self.rank == 0:
@@ -154,9 +155,6 @@ class TrainLMRecipe:
                 t_last, steps_since = now, 0
                 lr = self.engine.get_lr()[0]
                 self.curves["train"].append((step, train_loss))
-                samples = self.engine.global_samples
-                self.monitor.write_events([("Train/Samples/train_loss", train_loss, samples),
-                                           ("Train/Samples/lr", lr, samples)])
                 bar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", refresh=False)
             if tcfg.eval_every and step % tcfg.eval_every == 0 and step != tcfg.max_steps:
                 self._eval_and_log(step)
@@ -188,13 +186,25 @@ class TrainLMRecipe:
 
     def cleanup(self) -> None:
         cfg, steps = self.cfg, self.cfg.trainer.max_steps
-        if self.start_step < steps:
-            self.save(steps)
+        if self.start_step >= steps:
+            # a finished run started again: its curve, checkpoint and weights stay as they are
+            self.monitor.close()
+            if self.rank == 0:
+                print(f"nothing to do: {self.run_dir} already holds this configuration's run at step "
+                      f"{self.start_step} (trainer.max_steps={steps}); raise trainer.max_steps to train on from "
+                      f"its checkpoint, or pass resume=never to start over", flush=True)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            return
+        self.save(steps)
         hf_dir = self.export_hf() if cfg.trainer.export_hf else None
         self.monitor.close()
         if self.rank == 0:
-            curve = write_loss_curve(self.run_dir, self.curves)
-            tr, val = self.curves["train"], self.curves["val"]
+            # a resumed run's curve goes on from the points its earlier legs wrote
+            whole = {k: [p for p in earlier_curve(self.run_dir, k) if p[0] <= self.start_step] + pts
+                     for k, pts in self.curves.items()}
+            curve = write_loss_curve(self.run_dir, whole)
+            tr, val = whole["train"], whole["val"]
             first = f"{tr[0][1]:.3f}" if tr else "-"
             last = f"{tr[-1][1]:.3f}" if tr else "-"
             summary = (f"done: {steps} steps on {self.world} rank(s), train loss {first} -> {last}"

@@ -3,9 +3,10 @@
 (fsdpzero.cli.convert) is the command line over these.
 
 Our checkpoints are read tensor by tensor through DCP's reader (dcp.load(no_dist=True) into one shard's worth of
-empty tensors at a time), so memory stays near one output shard. A DeepSpeed checkpoint becomes our layout: state
-"train" = {"model": fp32 weights, "optim": AdamW state by parameter name}, plus counters and the loss scaler, so an
-engine (or ModelOptimizer + AdamW) resumes where DeepSpeed stopped.
+empty tensors at a time), so memory stays near one output shard; they are checked first as a training load checks
+them (complete, checksums, DCP's index through the allowlisted reader of fsdpzero.checkpoint.trust). A DeepSpeed
+checkpoint becomes our layout: state "train" = {"model": fp32 weights, "optim": AdamW state by parameter name},
+plus counters and the loss scaler, so an engine (or ModelOptimizer + AdamW) resumes where DeepSpeed stopped.
 """
 from __future__ import annotations
 
@@ -27,14 +28,18 @@ def dcp_to_safetensors(ckpt_dir: str | Path, tag: str | None = None, out: str | 
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from fsdpzero.checkpoint.dcp import checkpoint_problems, resolve_tag
+    from fsdpzero.checkpoint.dcp import CheckpointError, resolve_tag, verify_checkpoint
     from fsdpzero.checkpoint.export import write_sharded
-    path = Path(ckpt_dir) if (Path(ckpt_dir) / ".metadata").is_file() and tag is None else resolve_tag(ckpt_dir, tag)
-    problems = checkpoint_problems(path)
-    if problems:
-        raise SystemExit(f"checkpoint {path} is incomplete:\n  " + "\n  ".join(problems))
-    meta = dcp.FileSystemReader(path).read_metadata()
-    keys = model_keys(meta)
+    from fsdpzero.checkpoint.trust import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata, tensor_entries
+    try:   # the same checks as a training load: tag, completeness, checksums, the allowlisted index reader
+        path = (Path(ckpt_dir) if (Path(ckpt_dir) / ".metadata").is_file() and tag is None
+                else resolve_tag(ckpt_dir, tag))
+        verify_checkpoint(path, distributed=False)
+        meta = read_dcp_metadata(path)
+        keys = model_keys(meta)
+        tensor_entries(meta, path, keys)
+    except CheckpointError as e:   # damaged: a ValueError, which the CLI reports in one line (exit 2)
+        raise ValueError(str(e)) from None
     if not keys:
         raise SystemExit(f"{path}: no model weights (state/<name>/model/<fqn>) in this checkpoint")
     by_fqn = {fqn: key for key, fqn in keys.items()}
@@ -48,7 +53,8 @@ def dcp_to_safetensors(ckpt_dir: str | Path, tag: str | None = None, out: str | 
     def load(names):   # one dcp.load per output file: a file's tensors are in memory at once
         buf = {by_fqn[n]: torch.empty(meta.state_dict_metadata[by_fqn[n]].size,
                                       dtype=meta.state_dict_metadata[by_fqn[n]].properties.dtype) for n in names}
-        dcp.load(buf, checkpoint_id=path, no_dist=True)
+        dcp.load(buf, checkpoint_id=path, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
+                 no_dist=True)
         return [buf[by_fqn[n]].to(out_dtype(meta.state_dict_metadata[by_fqn[n]])) for n in names]
 
     out = Path(out) if out else path.parent / f"{path.name}-safetensors"

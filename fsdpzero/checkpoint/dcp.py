@@ -6,12 +6,13 @@
         state.json                    every non-tensor value (hyperparameters, scheduler, scaler, counters)
         client_state.json             the caller's client_state
         rng_{rank}.safetensors        per-rank RNG states
-        fsdpzero_complete.json        the manifest, written last: files and sizes
+        fsdpzero_complete.json        the manifest, written last: files, sizes and CRC-32 checksums
 
 Crash safety: ranks write into <save_dir>/.tmp-<tag>/, rank 0 fsyncs, writes the manifest, renames the directory to
 <tag>, and only then replaces `latest` (write a temp file, fsync, rename); fsdpzero.checkpoint.files does that part.
 A crash at any point leaves `latest` naming the previous complete checkpoint. Nothing is pickled: tensors go to DCP,
-everything else to JSON (DCP would pickle non-tensor values and read them back with weights_only=False).
+everything else to JSON (DCP would pickle non-tensor values and read them back with weights_only=False). DCP's own
+index (.metadata) is a pickle: it is read through fsdpzero.checkpoint.trust's allowlisted unpickler, never pickle.load.
 This module is the flow: the state split into DCP tensors and JSON, saved (sync or async), loaded and resharded.
 """
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import atexit
 import json
 import logging
-import os
 import random
 import shutil
 from pathlib import Path
@@ -29,12 +29,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from fsdpzero.checkpoint.agree import CheckpointError, agree, describe
 # MANIFEST, checkpoint_problems and resolve_tag are imported from here too (engine_state, convert, tests)
-from fsdpzero.checkpoint.files import MANIFEST, checkpoint_problems, crash_point, finalize_checkpoint, resolve_tag
+from fsdpzero.checkpoint.files import (MANIFEST, check_tag, checkpoint_problems, crash_point,  # noqa: F401
+                                       finalize_checkpoint, read_manifest, resolve_tag)
 from fsdpzero.checkpoint.stream import StreamingLoadPlanner, StreamingSavePlanner, materialize, streamed_state
+from fsdpzero.checkpoint.trust import (ChecksumWriter, SafeFileSystemReader, SafeLoadPlanner, checksum_problems,
+                                       read_dcp_metadata, tensor_entries)
+from fsdpzero.tuning import current as current_tuning
 
 _SEP = "/"  # joins nested keys; FQNs contain dots, never slashes
 _pending: "PendingSave | None" = None
@@ -47,12 +53,16 @@ class ModelOptimizer(Stateful):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
         self.model, self.optimizer = model, optimizer
+        self.model_keys: list[str] | None = None   # of the last state_dict(): what a strict load must find
 
     def state_dict(self) -> dict:
         if self.optimizer is None:
-            return {"model": get_state_dict(self.model, [])[0]}
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+            sd = {"model": get_state_dict(self.model, [])[0]}
+        else:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            sd = {"model": model_sd, "optim": optim_sd}
+        self.model_keys = list(sd["model"])
+        return sd
 
     def load_state_dict(self, sd: dict) -> None:
         if self.optimizer is None:
@@ -141,31 +151,41 @@ def _set_rng_state(st: dict[str, torch.Tensor]) -> None:
 
 # ---- save -----------------------------------------------------------------------------------------------------
 
-WRITER_THREADS = int(os.environ.get("FSDPZERO_CKPT_WRITER_THREADS", "4"))
+def writer_threads() -> int:
+    return current_tuning().ckpt_writer_threads   # the ckpt_writer_threads knob (FSDPZERO_CKPT_WRITER_THREADS)
 
 
 class PendingSave:
-    """An async save in flight. result() waits for the data and finishes the checkpoint (rename, `latest`)."""
+    """An async save in flight. result() waits for the data and finishes the checkpoint (rename, `latest`); every
+    rank calls it (the next save and any load do), as the ranks agree there on whether it worked."""
 
-    def __init__(self, future, finish):
-        self._future, self._finish, self._path = future, finish, None
+    def __init__(self, future, finish, fail):
+        self._future, self._finish, self._fail, self._path = future, finish, fail, None
 
     def done(self) -> bool:
         return self._path is not None or self._future.done()
 
-    def result(self) -> Path:
+    def result(self, agree_across_ranks: bool = True) -> Path:
         global _pending
         if self._path is None:
-            self._future.result()
-            self._path = self._finish()
             if _pending is self:
-                _pending = None
+                _pending = None   # settled either way: a failed save is not retried by the next one
+            try:
+                self._future.result()
+            except (Exception, CheckpointException) as e:
+                self._fail(e)
+            self._path = self._finish(agree_across_ranks)
         return self._path
 
 
-def wait_for_pending_save() -> Path | None:
+def wait_for_pending_save(agree_across_ranks: bool = True) -> Path | None:
     """Block until the previous async save (if any) is complete on disk."""
-    return _pending.result() if _pending is not None else None
+    return _pending.result(agree_across_ranks) if _pending is not None else None
+
+
+def _wait_at_exit() -> None:
+    # at interpreter exit the other ranks may be gone: finish this rank's part without a collective
+    wait_for_pending_save(agree_across_ranks=False)
 
 
 def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_state: dict | None = None, *,
@@ -173,9 +193,11 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
                     async_save: bool = False, save_rng: bool = True, no_dist: bool = False) -> Path | PendingSave:
     """Save `state` ({name: Stateful | tensor | nested dict}) under <save_dir>/<tag>; collective over all ranks.
 
-    tag defaults to f"global_step{step}". With async_save the tensors are staged to CPU and written in the
-    background; the returned PendingSave's result() (or the next save) completes the checkpoint. no_dist: this
-    process alone writes the whole state (offline conversion), even if a process group exists.
+    tag defaults to f"global_step{step}"; it must be a plain directory name (files.check_tag). With async_save the
+    tensors are staged to CPU and written in the background; the returned PendingSave's result() (or the next save,
+    or a load) completes the checkpoint. no_dist: this process alone writes the whole state (offline conversion),
+    even if a process group exists. A failure on any rank (an unwritable directory, a full disk) raises the same
+    CheckpointError on every rank, after removing <save_dir>/.tmp-<tag>; `latest` keeps naming the previous one.
     """
     global _pending
     wait_for_pending_save()
@@ -183,9 +205,7 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
         if step is None:
             raise ValueError("save_checkpoint: pass tag=... or step=N (the default tag is f'global_step{N}')")
         tag = f"global_step{step}"
-    tag = str(tag)
-    if not tag or "/" in tag or tag.startswith("."):
-        raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain directory name (no '/', not hidden)")
+    tag = check_tag(tag if isinstance(tag, str) else str(tag))
     save_dir = Path(save_dir)
     tmp = save_dir / f".tmp-{tag}"
     distributed = dist.is_initialized() and not no_dist
@@ -197,51 +217,86 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
         tensors.update({k: materialize(tensors[k]) for k in streamed})
         streamed = {}
     client_json = json.dumps(_split(client_state or {}, "client", {}, "client_state"))  # no tensors allowed there
-    if rank == 0:
-        save_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of this tag
-        tmp.mkdir()
-        (tmp / "state.json").write_text(json.dumps(rest))
-        (tmp / "client_state.json").write_text(client_json)
-    if distributed:
-        dist.barrier()
-    if save_rng:
-        save_file(_rng_state(), tmp / f"rng_{rank}.safetensors")
-    crash_point("before_data")
-    # several writer threads per rank (a file each): one thread left a ~1B-model save disk-latency bound
-    writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=WRITER_THREADS)
+    what = f"saving checkpoint {save_dir / tag}"
+    undone = f"; {tmp} removed, nothing saved, `latest` unchanged"
 
-    def finish() -> Path:
+    def agreed(error: str | None, agree_across_ranks: bool = True) -> None:
+        # every rank learns of any rank's error here, instead of the others waiting in the next collective
+        try:
+            agree(None if error is None else f"{what} failed: {error}{undone}", CheckpointError,
+                  distributed and agree_across_ranks)
+        except CheckpointError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    error = None
+    if rank == 0:
+        try:
+            save_dir.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of this tag
+            tmp.mkdir()
+            (tmp / "state.json").write_text(json.dumps(rest))
+            (tmp / "client_state.json").write_text(client_json)
+        except Exception as e:   # any local failure is agreed on below, so no rank waits for the others
+            error = f"cannot write {tmp} ({describe(e)}); save_dir must be a writable directory"
+    agreed(error)    # also the barrier: the directory exists for every rank after it
+    error = None
+    if save_rng:
+        try:
+            save_file(_rng_state(), tmp / f"rng_{rank}.safetensors")
+        except Exception as e:   # safetensors raises its own SafetensorError for I/O errors
+            error = f"cannot write {tmp / f'rng_{rank}.safetensors'} ({describe(e)})"
+    agreed(error)
+    crash_point("before_data")
+    # several writer threads per rank (a file each): one thread left a ~1B-model save disk-latency bound.
+    # ChecksumWriter: each data file's CRC-32 as it is written, for the manifest
+    writer = ChecksumWriter(tmp, sync_files=True, thread_count=writer_threads())
+
+    def failed(e: BaseException):
+        # DCP raises on every rank alike (a disk-full CheckpointException is a BaseException): clean up, one line
+        logging.getLogger("fsdpzero").debug("checkpoint save failed", exc_info=e)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"{what} failed: {describe(e)}{undone}") from None
+
+    def finish(agree_across_ranks: bool = True) -> Path:
         crash_point("mid_write")
+        error = None
         if rank == 0:
-            finalize_checkpoint(save_dir, tag, tmp, save_latest, keep_last, world)
+            try:
+                finalize_checkpoint(save_dir, tag, tmp, save_latest, keep_last, world)
+            except Exception as e:
+                error = f"cannot finish {tmp} ({describe(e)})"
+        agreed(error, agree_across_ranks)   # the final barrier too
         return save_dir / tag
 
     if async_save:
         global _async_group, _pending_registered
         if distributed and _async_group is None:
             _async_group = dist.new_group(backend="gloo")
-        future = dcp.async_save(tensors, storage_writer=writer, process_group=_async_group, no_dist=not distributed)
+        try:
+            future = dcp.async_save(tensors, storage_writer=writer, process_group=_async_group,
+                                    no_dist=not distributed)
+        except (Exception, CheckpointException) as e:
+            failed(e)
         if not _pending_registered:
-            atexit.register(wait_for_pending_save)  # a run that ends right after an async save still completes it
+            atexit.register(_wait_at_exit)  # a run that ends right after an async save still completes it
             _pending_registered = True
-        _pending = PendingSave(future, finish)
+        _pending = PendingSave(future, finish, failed)
         return _pending
     planner = None
     if streamed:   # the serial loader: one streamed tensor per writer thread at a time (stream.py)
         planner = StreamingSavePlanner(streamed)
-        writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=WRITER_THREADS, per_thread_copy_ahead=0)
+        writer = ChecksumWriter(tmp, sync_files=True, thread_count=writer_threads(), per_thread_copy_ahead=0)
     try:
         dcp.save(tensors, storage_writer=writer, planner=planner, no_dist=not distributed)
+    except (Exception, CheckpointException) as e:
+        failed(e)
     finally:
         if planner is not None:
             planner.finish()
     if planner is not None:
         _log_streamed("saved", planner)
-    path = finish()
-    if distributed:
-        dist.barrier()
-    return path
+    return finish()
 
 
 def _log_streamed(what: str, planner) -> None:
@@ -254,14 +309,14 @@ def _log_streamed(what: str, planner) -> None:
 
 # ---- loading across layouts ------------------------------------------------------------------------------------
 
-def _full_where_layout_differs(template: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+def _full_where_layout_differs(template: dict[str, torch.Tensor], metadata) -> dict[str, torch.Tensor]:
     """Entries saved with another shape of the same numel (a stage-1 flat (numel,) state against a stage 0/2/3
     parameter-shaped one, either way) are read in full, in the saved dtype, into plain CPU tensors that replace them
     in `template`; the live tensors are returned by key, for _copy_full_into after the load. Memory: every such entry
     is held whole on every rank for the duration of the load (a one-time cost of a cross-layout resume: about 12
     bytes per parameter for fp32 weights and two Adam moments)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = metadata.state_dict_metadata
     relaid = {}
     for key, t in template.items():
         md = saved.get(key)
@@ -300,30 +355,89 @@ def _copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
         local.copy_(piece)
 
 
+def verify_checkpoint(path: Path, distributed: bool | None = None) -> dict:
+    """Complete (every file of the manifest, at its size) and intact (each rank re-hashes every world-th file
+    against the manifest's CRC-32; checkpoints from before checksums have none to check), agreed across ranks.
+    Returns the manifest. FileNotFoundError / CheckpointError, the same on every rank."""
+    distributed = dist.is_initialized() if distributed is None else distributed
+    problems = checkpoint_problems(path)
+    agree(f"checkpoint {path} is incomplete:\n  " + "\n  ".join(problems) if problems else None,
+          FileNotFoundError, distributed)
+    manifest = read_manifest(path)
+    rank, world = (_rank(), _world()) if distributed else (0, 1)
+    bad = checksum_problems(path, manifest.get("checksums", {}), rank, world)
+    agree(f"checkpoint {path} is damaged: {bad[0]}" if bad else None, CheckpointError, distributed)
+    return manifest
+
+
+def model_key_problem(path: Path, saved: list[str], live: list[str]) -> str | None:
+    """None when the checkpoint's model keys are the model's, else one line listing a few of each side."""
+    saved_set, live_set = set(saved), set(live)
+    missing = [k for k in live if k not in saved_set]
+    unexpected = [k for k in saved if k not in live_set]
+    if not missing and not unexpected:
+        return None
+
+    def few(keys):
+        return ", ".join(keys[:4]) + (", ..." if len(keys) > 4 else "")
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} key(s) of the model are not in it ({few(missing)})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} key(s) in it are not in the model ({few(unexpected)})")
+    return (f"checkpoint {path} does not match the model: " + "; ".join(parts) + ". Load a checkpoint of this "
+            f"model, or pass strict=False (engine.load_checkpoint: load_module_strict=False) to load only the "
+            f"keys both have")
+
+
+def _saved_model_keys(saved_entry) -> list[str] | None:
+    """The model keys saved under one top-level state entry ({"model": {...}, ...}), from state.json."""
+    if not isinstance(saved_entry, dict) or "__dict__" not in saved_entry:
+        return None
+    for key, value in saved_entry["__dict__"]:
+        if key == "model" and isinstance(value, dict) and "__dict__" in value:
+            return [k for k, _ in value["__dict__"]]
+    return None
+
+
 def load_checkpoint(load_dir: str | Path, tag: str | None = None, state: dict | None = None, *,
-                    load_rng: bool = True) -> tuple[Path, dict]:
+                    load_rng: bool = True, strict: bool = True) -> tuple[Path, dict]:
     """Load <load_dir>/<tag or latest> into `state` (same structure as saved; Stateful objects get
     load_state_dict, dicts are updated in place). Reshards to the current world size. Returns (path, client_state).
     Keys of `state` that the checkpoint lacks raise; keys left out of `state` are not loaded. A tensor saved in
-    another shape of the same size (another stage's optimizer layout) is read whole and cut to the live layout."""
+    another shape of the same size (another stage's optimizer layout) is read whole and cut to the live layout.
+
+    Checked first, the same on every rank: the tag (files.check_tag), completeness and checksums (verify_checkpoint),
+    DCP's index through the allowlisted reader (trust.py), and, with strict, that the model keys of each Stateful
+    that reports them (`model_keys`: ModelOptimizer, the Engine's state) are exactly the checkpoint's; strict=False
+    loads the keys both sides have and leaves the rest as they are."""
+    wait_for_pending_save()
     path = resolve_tag(load_dir, tag)
-    problems = checkpoint_problems(path)
-    if problems:
-        raise FileNotFoundError(f"checkpoint {path} is incomplete:\n  " + "\n  ".join(problems))
+    manifest = verify_checkpoint(path)
     saved = json.loads((path / "state.json").read_text())
+    metadata = read_dcp_metadata(path)
     state = state if state is not None else {}
     saved_top = dict(saved["__dict__"])
     missing = [k for k in state if k not in saved_top]
     if missing:
         raise KeyError(f"checkpoint {path} has no {missing}; it has {sorted(saved_top)}")
     live = _materialize(state)
+    if strict:
+        for k, target in state.items():
+            live_keys, saved_keys = getattr(target, "model_keys", None), _saved_model_keys(saved_top[k])
+            if live_keys is not None and saved_keys is not None:
+                problem = model_key_problem(path, saved_keys, list(live_keys))
+                if problem:
+                    raise CheckpointError(problem)
     template: dict[str, torch.Tensor] = {}
     _split({k: live[k] for k in state}, "state", template, "state")
-    relaid = _full_where_layout_differs(template, path)
+    tensor_entries(metadata, path, template)
+    relaid = _full_where_layout_differs(template, metadata)
     streamed = {k: s for k, t in template.items() if (s := streamed_state(t)) is not None}   # NVMe states
-    planner = StreamingLoadPlanner(streamed) if streamed else None
-    dcp.load(template, checkpoint_id=path, planner=planner)
-    if planner is not None:
+    planner = (StreamingLoadPlanner(streamed, allow_partial_load=not strict) if streamed
+               else SafeLoadPlanner(allow_partial_load=not strict))
+    dcp.load(template, checkpoint_id=path, storage_reader=SafeFileSystemReader(path), planner=planner)
+    if streamed:
         planner.finish()
         _log_streamed("loaded", planner)
     for key, target in relaid.items():
@@ -342,7 +456,6 @@ def load_checkpoint(load_dir: str | Path, tag: str | None = None, state: dict | 
             raise TypeError(f"load_checkpoint: state[{k!r}] is a {type(target).__name__}; pass a Stateful, a dict "
                             f"or a tensor so it can be loaded in place")
     rng = path / f"rng_{_rank()}.safetensors"
-    manifest = json.loads((path / MANIFEST).read_text())
     if load_rng and rng.is_file() and manifest["world_size"] == _world():
         _set_rng_state(load_file(rng))
     client = json.loads((path / "client_state.json").read_text())

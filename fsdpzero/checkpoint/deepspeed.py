@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 
 # the reader's public names are imported from here too (convert, tests, docs/checkpoint.md)
-from fsdpzero.checkpoint.deepspeed_reader import (ALLOWED_GLOBALS, DeepSpeedCheckpoint, UnsafeCheckpointError,
-                                                  load_ds_file, read_checkpoint, resolve_tag_dir)
+from fsdpzero.checkpoint.deepspeed_reader import (ALLOWED_GLOBALS, DS_MODEL_KEYS, DeepSpeedCheckpoint,
+                                                  UnsafeCheckpointError, load_ds_file, read_checkpoint,
+                                                  resolve_tag_dir)
 
 __all__ = ["ALLOWED_GLOBALS", "DeepSpeedCheckpoint", "UnsafeCheckpointError", "load_ds_file", "read_checkpoint",
            "resolve_tag_dir", "fp32_state_dict", "adam_states", "param_groups", "loss_scaler_state", "training_state"]
@@ -254,16 +255,16 @@ def loss_scaler_state(ckpt: DeepSpeedCheckpoint) -> dict | None:
     return {k: v for k, v in vars(scaler).items() if not isinstance(v, torch.dtype)}
 
 
-# DeepSpeed bookkeeping keys of *_model_states.pt; anything else at top level is the user's client_state.
-_DS_MODEL_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-                  "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-                  "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
-                  "ds_version", "checkpoint_parallel_dimensions"}
 
 
 def training_state(ds_dir: str | Path, tag: str | None = None, trainable_names: list[str] | None = None) -> dict:
-    """Everything needed to resume: fp32 weights, Adam states by name, hyperparameters, scaler, counters."""
-    ckpt = read_checkpoint(ds_dir, tag)
+    """Everything needed to resume: fp32 weights, Adam states by name, hyperparameters, scaler, counters. A universal
+    checkpoint (ds_to_universal's output) is read by fsdpzero.checkpoint.universal into the same shape."""
+    from fsdpzero.checkpoint import universal
+    tag_dir = resolve_tag_dir(ds_dir, tag)
+    if universal.is_universal(tag_dir):
+        return universal.training_state(tag_dir)
+    ckpt = read_checkpoint(tag_dir)
     meta = ckpt.meta
     return {
         "stage": ckpt.stage, "world_size": ckpt.world_size, "tag": ckpt.tag_dir.name,
@@ -274,6 +275,6 @@ def training_state(ds_dir: str | Path, tag: str | None = None, trainable_names: 
         "lr_scheduler": meta.get("lr_scheduler"),
         "counters": {k: meta.get(k) for k in ("global_steps", "global_samples", "skipped_steps")},
         "data_sampler": meta.get("data_sampler"),
-        "client_state": {k: v for k, v in meta.items() if k not in _DS_MODEL_KEYS},
+        "client_state": {k: v for k, v in meta.items() if k not in DS_MODEL_KEYS},
         "ds_config": meta.get("ds_config"),
     }

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-
-class UnsafeCheckpointError(pickle.UnpicklingError):
-    """A checkpoint file asked to unpickle something that is not on the allowlist."""
+from fsdpzero.checkpoint.files import check_tag, read_latest
+# one error type for every refused file, DCP index or DeepSpeed pickle
+from fsdpzero.checkpoint.trust import UnsafeCheckpointError
 
 
 class LossScalerState:
@@ -87,8 +87,8 @@ def resolve_tag_dir(ds_dir: str | Path, tag: str | None = None) -> Path:
         if not latest.is_file():
             raise FileNotFoundError(f"{ds_dir}: no `latest` file and no *_model_states.pt; pass the tag "
                                     f"(one of: {sorted(p.name for p in ds_dir.iterdir() if p.is_dir())})")
-        tag = latest.read_text().strip()
-    tag_dir = ds_dir / tag
+        tag = read_latest(ds_dir)
+    tag_dir = ds_dir / check_tag(tag)   # a plain name inside ds_dir, from `latest` or the caller
     if not tag_dir.is_dir():
         raise FileNotFoundError(f"{tag_dir}: checkpoint tag directory does not exist")
     return tag_dir
@@ -141,3 +141,10 @@ def read_checkpoint(ds_dir: str | Path, tag: str | None = None) -> DeepSpeedChec
     if stage == 3 and len(model_files) != world:
         raise ValueError(f"{tag_dir}: stage 3 needs {world} *_model_states.pt files, found {len(model_files)}")
     return DeepSpeedCheckpoint(tag_dir, stage, world, model_states, optim_states)
+
+
+# DeepSpeed bookkeeping keys of *_model_states.pt; anything else at top level is the user's client_state.
+DS_MODEL_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+                 "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+                 "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
+                 "ds_version", "checkpoint_parallel_dimensions"}

@@ -9,19 +9,25 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
+import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
+from fsdpzero.checkpoint.agree import agree, check_tag_across_ranks, describe
 from fsdpzero.checkpoint.dcp import (MANIFEST, PendingSave, checkpoint_problems, load_checkpoint, resolve_tag,
                                      save_checkpoint)
+from fsdpzero.checkpoint.files import LATEST_UNIVERSAL, check_tag, read_latest, write_atomic
 from fsdpzero.checkpoint.stream import streamed_state
+from fsdpzero.checkpoint.trust import read_dcp_metadata
 from fsdpzero.dist import local_tensor
+from fsdpzero.tuning import current as current_tuning
 
 log = logging.getLogger(__name__)
+SOURCE_STAMP = "source.json"   # in a converted copy of a DeepSpeed checkpoint: what it was converted from
 
 
 def _rank0() -> bool:
@@ -43,16 +49,18 @@ class EngineState(Stateful):
         self._crossed: str | None = None   # "to_masters" / "to_weights": how the last state_dict() moved masters
         self._live_groups: list[dict] = []
         self._swapper = None               # offload_param nvme's ParamSwapper when the shards stream
+        self.model_keys: list[str] | None = None
 
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
         path = self.engine.grad_path   # NVMe states stream through DCP instead of being read into memory here
-        stream = path.streams_checkpoints and os.environ.get("FSDPZERO_CKPT_STREAM", "1") != "0"
+        stream = path.streams_checkpoints and current_tuning().ckpt_stream   # knob ckpt_stream
         # offload_param nvme: the param shards stream too, so no unit is brought back for the checkpoint (with
         # the optimizer only: a module-only load must refresh the masters through load_state_dict's hooks)
         self._swapper = path.param_swapper if stream and self.with_optimizer else None
         with self._swapper.lazy() if self._swapper is not None else contextlib.nullcontext():
             sd = {"model": get_model_state_dict(self.engine.module)}
+            self.model_keys = list(sd["model"])   # before any is moved or dropped below: what a strict load needs
             slots = _stream_param_entries(sd["model"], self._swapper) if self._swapper is not None else {}
             if not self.with_optimizer:
                 return sd
@@ -136,7 +144,8 @@ def _load_buffers(module, entries: dict) -> None:
     unknown = sorted(k for k in entries if k not in buffers)
     if unknown:
         raise RuntimeError(f"checkpoint load (offload_param nvme): {unknown[:5]} are neither swapped parameter "
-                           f"shards nor buffers of the model; set FSDPZERO_CKPT_STREAM=0 to load them the slow way")
+                           f"shards nor buffers of the model; set FSDPZERO_CKPT_STREAM=0 (knob ckpt_stream) to load "
+                           f"them the slow way")
     for k, v in entries.items():
         buffers[k].copy_(local_tensor(v))
 
@@ -148,12 +157,20 @@ def _data_ptr(t) -> int:
 def _has_optimizer_masters(path: Path) -> bool:
     """Offload (and stage-1) checkpoints store each param's fp32 "master" with its optimizer state; a plain FSDP
     checkpoint does not (its sharded fp32 model weights are the masters)."""
-    from torch.distributed.checkpoint import FileSystemReader
-    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    keys = read_dcp_metadata(path).state_dict_metadata   # the allowlisted reader, never pickle.load
     return any("/optim/state/" in k and k.endswith("/master") for k in keys)
 
 
 def save_engine(engine, save_dir, tag=None, client_state=None, save_latest=True, **options) -> Path | PendingSave:
+    """engine.save_checkpoint. The plan's checkpoint section: tag_validation (tags compared across ranks, as
+    DeepSpeed does), writer.decoupled (async_save: the data is written in the background, the checkpoint completed
+    and `latest` moved by the next save, a load, or PendingSave.result()), keep_last; explicit options win."""
+    plan = engine.plan.checkpoint
+    tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag if isinstance(tag, str) else str(tag))
+    check_tag_across_ranks(tag, plan.tag_validation)
+    options.setdefault("async_save", plan.async_save)
+    if plan.keep_last is not None:
+        options.setdefault("keep_last", plan.keep_last)
     state = {"train": EngineState(engine), "engine": engine.client_state()}
     return save_checkpoint(save_dir, tag, state, client_state, step=engine.global_steps, save_latest=save_latest,
                            **options)
@@ -166,9 +183,25 @@ def _clean_fqn(name: str) -> str:
     return name
 
 
-def _from_deepspeed(engine, load_dir: Path, tag: str | None) -> tuple[Path, str | None]:
-    """A DeepSpeed checkpoint dir: convert it once (rank 0) into <load_dir>/.fsdpzero-<tag>/, then load that.
-    The engine knows the trainable parameters in order, which makes stage-0 files exact."""
+def _source_stamp(tag_dir: Path) -> dict:
+    """What a converted copy was made from: the DeepSpeed files' names, sizes and modification times."""
+    return {"source": str(tag_dir.resolve()),   # (a universal checkpoint keeps its files under zero/<param>/)
+            "files": {str(p.relative_to(tag_dir)): [p.stat().st_size, p.stat().st_mtime_ns]
+                      for p in sorted(tag_dir.rglob("*.pt"))}}
+
+
+def from_deepspeed(engine, load_dir: Path, tag: str | None) -> tuple[Path, str | None]:
+    """A DeepSpeed checkpoint dir: convert it (rank 0) into <load_dir>/.fsdpzero-<tag>/, then load that.
+    The engine knows the trainable parameters in order, which makes stage-0 files exact. The copy is reused only
+    if its stamp (SOURCE_STAMP) matches the DeepSpeed files and it is complete; anything else there (stale, or not
+    made by us) is rebuilt. Reused or not, it is then loaded like any checkpoint: checksums, allowlisted reader.
+    checkpoint.load_universal: with no tag, the universal checkpoint `latest_universal` names (as DeepSpeed);
+    a universal checkpoint is recognised by its layout either way (fsdpzero.checkpoint.universal)."""
+    if tag is None and engine.plan.checkpoint.load_universal:
+        tag = read_latest(load_dir, LATEST_UNIVERSAL)
+        if tag is None:
+            raise FileNotFoundError(f"{load_dir / LATEST_UNIVERSAL} does not exist: checkpoint.load_universal loads "
+                                    f"the universal checkpoint it names (ds_to_universal writes it); or pass tag=...")
     try:
         path = resolve_tag(load_dir, tag)
     except FileNotFoundError:
@@ -176,20 +209,33 @@ def _from_deepspeed(engine, load_dir: Path, tag: str | None) -> tuple[Path, str 
     if (path / MANIFEST).exists() or not any(path.glob("*_model_states.pt")):
         return load_dir, tag
     out = load_dir / f".fsdpzero-{path.name}"
-    if _rank0() and checkpoint_problems(out / path.name):
-        from fsdpzero.checkpoint.convert import deepspeed_to_ours
-        names = [_clean_fqn(n) for n, p in engine.module.named_parameters() if p.requires_grad]
-        deepspeed_to_ours(path, None, out, to="dcp", trainable_names=names)
-    if dist.is_initialized():
-        dist.barrier()
+    error = None
+    if _rank0():
+        try:
+            want, stamp = _source_stamp(path), out / SOURCE_STAMP
+            try:
+                fresh = json.loads(stamp.read_text()) == want and not checkpoint_problems(out / path.name)
+            except (OSError, ValueError):
+                fresh = False
+            if not fresh:
+                from fsdpzero.checkpoint.convert import deepspeed_to_ours
+                shutil.rmtree(out, ignore_errors=True)
+                names = [_clean_fqn(n) for n, p in engine.module.named_parameters() if p.requires_grad]
+                deepspeed_to_ours(path, None, out, to="dcp", trainable_names=names)
+                write_atomic(stamp, json.dumps(want))
+        except (Exception, CheckpointException) as e:
+            error = f"converting DeepSpeed checkpoint {path} into {out} failed: {describe(e)}"
+    agree(error)   # also the barrier: the copy exists for every rank after it
     return out, path.name
 
 
 def load_engine(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
-                load_module_only=False) -> tuple[Path | None, dict | None]:
+                load_module_only=False, strict=True) -> tuple[Path | None, dict | None]:
     """DeepSpeed semantics: no `latest` and no tag -> warn, return (None, None). A checkpoint converted from
-    DeepSpeed (`fsdpzero convert --from deepspeed`) carries "counters"/"loss_scaler" instead of "engine"."""
-    load_dir, tag = _from_deepspeed(engine, Path(load_dir), tag)
+    DeepSpeed (`fsdpzero convert --from deepspeed`) carries "counters"/"loss_scaler" instead of "engine".
+    strict (DeepSpeed's load_module_strict): the checkpoint's model keys must be the model's, else an error that
+    lists both sides; strict=False loads the keys both have."""
+    load_dir, tag = from_deepspeed(engine, Path(load_dir), tag)
     try:
         path = resolve_tag(load_dir, tag)
     except FileNotFoundError as e:
@@ -204,7 +250,7 @@ def load_engine(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_
         for key in ("engine", "counters", "loss_scaler"):
             if key in top:
                 state[key] = engine_state.setdefault(key, {})
-    path, client = load_checkpoint(load_dir, path.name, state, load_rng=not load_module_only)
+    path, client = load_checkpoint(load_dir, path.name, state, load_rng=not load_module_only, strict=strict)
     if "engine" in engine_state:
         saved = engine_state["engine"]
         if not load_lr_scheduler_states:

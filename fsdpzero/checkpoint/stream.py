@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import ReadItem, WriteItem
+
+from fsdpzero.checkpoint.trust import SafeLoadPlanner
 
 _ATTR = "_fsdpzero_streamed"
 
@@ -115,11 +117,12 @@ class StreamingSavePlanner(DefaultSavePlanner):
             self._release(thread)
 
 
-class StreamingLoadPlanner(DefaultLoadPlanner):
-    """DefaultLoadPlanner that fills streamed entries in CPU buffers and writes each back when complete."""
+class StreamingLoadPlanner(SafeLoadPlanner):
+    """SafeLoadPlanner (no pickled entries) that fills streamed entries in CPU buffers and writes each back when
+    complete."""
 
-    def __init__(self, streamed_keys: dict[str, StreamedState]):
-        super().__init__()
+    def __init__(self, streamed_keys: dict[str, StreamedState], **options):
+        super().__init__(**options)
         self.streamed, self.bytes = streamed_keys, _Peak()
         self._filling: dict[str, list] = {}          # fqn -> [buffer, elements still to land]
 

@@ -71,6 +71,8 @@ def load_model_config(name_or_path: str):
     p = Path(name_or_path).expanduser()
     if p.is_dir() and (p / "config.json").is_file():
         p = p / "config.json"
+    if p.is_file() and p.stat().st_size > 16 * 2**20:     # a config.json is a few KiB; do not parse a weights file
+        raise ValueError(f"{name_or_path} is {p.stat().st_size} bytes: not a transformers config.json")
     if p.is_file():
         return AutoConfig.from_pretrained(str(p.parent) if p.name == "config.json" else str(p))
     shipped = Path(__file__).resolve().parents[2] / "conf" / "model" / f"{name_or_path}.yaml"   # a source checkout
@@ -170,24 +172,29 @@ def table(c: ModelCounts, gpus: int = 1, nodes: int = 1, compute_bytes: int = 2,
 def add_arguments(parser) -> None:
     parser.add_argument("model", help="config.json (or its folder), a conf/model name, or one of: "
                         + ", ".join(sorted(EXAMPLES)))
-    parser.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
-    parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
-    parser.add_argument("--gpu-memory", type=float, default=None, help="GiB per GPU: mark the options that fit")
-    parser.add_argument("--cpu-memory", type=float, default=None, help="GiB of host memory per node, likewise")
+    from fsdpzero.cli.args import positive_float, positive_int
+    parser.add_argument("--gpus", type=positive_int, default=1, help="GPUs per node (default 1)")
+    parser.add_argument("--nodes", type=positive_int, default=1, help="nodes (default 1)")
+    parser.add_argument("--gpu-memory", type=positive_float, default=None,
+                        help="GiB per GPU: mark the options that fit")
+    parser.add_argument("--cpu-memory", type=positive_float, default=None,
+                        help="GiB of host memory per node, likewise")
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="compute dtype")
-    parser.add_argument("--buffer-factor", type=float, default=1.5, help="DeepSpeed's additional_buffer_factor")
+    parser.add_argument("--buffer-factor", type=positive_float, default=1.5,
+                        help="DeepSpeed's additional_buffer_factor")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args) -> int:
     import sys
     if args.gpus < 1 or args.nodes < 1:
-        print(f"error: --gpus {args.gpus} --nodes {args.nodes}: both must be >= 1", file=sys.stderr)
+        print(f"fsdpzero estimate: error: --gpus {args.gpus} --nodes {args.nodes}: both must be >= 1",
+              file=sys.stderr)
         return 2
     try:
         c = count_model(args.model)
     except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"fsdpzero estimate: error: {e}", file=sys.stderr)
         return 2
     rows = table(c, args.gpus, args.nodes, 4 if args.dtype == "fp32" else 2, args.buffer_factor)
 

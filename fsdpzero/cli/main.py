@@ -14,6 +14,7 @@ COMMANDS = {
     "estimate": "per-GPU / per-node memory of every ZeRO stage and offload option",
     "convert": "convert checkpoints: ours -> safetensors/fp32, DeepSpeed -> ours",
     "nvme-bench": "sweep aio settings on a disk and print the best `aio` section",
+    "launch": "the `deepspeed` launcher's flags (--num_gpus, --hostfile, ...) run by torchrun",
 }
 
 
@@ -27,6 +28,8 @@ def command_module(name: str):
         from fsdpzero.cli import convert as module
     elif name == "nvme-bench":
         from fsdpzero.ops import aio_bench as module
+    elif name == "launch":
+        from fsdpzero.cli import launch as module
     else:
         raise KeyError(name)
     return module

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
+from fsdpzero.cli.args import positive_int
 from fsdpzero.config import COMPAT_VERSION, ConfigError, Problem, load_config
 from fsdpzero.plan import Env, Plan
 from fsdpzero.plan.report import fate_table, summary_line
@@ -25,10 +27,11 @@ SET_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps", "learn
 def add_arguments(parser: argparse.ArgumentParser, name: str = "migrate") -> None:
     parser.add_argument("config", nargs="+", help="ds_config.json file(s) (JSON with optional comments); several "
                                                   "files are checked in one process, exit status = the worst")
-    parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
-    parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    parser.add_argument("--world-size", type=positive_int, default=1, help="data-parallel ranks (default 1)")
+    parser.add_argument("--nodes", type=positive_int, default=1, help="nodes (default 1)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="device type (default cuda)")
-    parser.add_argument("--hidden-size", type=int, default=None, help="model hidden size, for the HF autos")
+    parser.add_argument("--hidden-size", type=positive_int, default=None,
+                        help="model hidden size, for the HF autos")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help=f"TrainingArguments value for \"auto\" keys; KEY in {', '.join(SET_KEYS)}")
     parser.add_argument("--hf-defaults", action="store_true",
@@ -59,9 +62,14 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
         else:
             try:
                 num = float(text)
-                ctx[key] = int(num) if num.is_integer() and "." not in text and "e" not in low else num
             except ValueError:
                 problems.append(Problem(f"--set {key}", f"{text!r} is not a number or true/false", ""))
+                continue
+            if not (math.isfinite(num) and abs(num) < 2**63):
+                problems.append(Problem(f"--set {key}", f"{text!r}: must be a finite number below 2**63",
+                                        "e.g. 1e-4"))
+                continue
+            ctx[key] = int(text.strip()) if num.is_integer() and "." not in text and "e" not in low else num
     if problems:
         raise ConfigError(problems)
     return ctx
@@ -95,7 +103,11 @@ def evaluate(args: argparse.Namespace, path: str) -> tuple[int, dict]:
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "emit", None) and len(args.config) > 1:
-        print("--emit takes one config", file=sys.stderr)
+        print(f"fsdpzero {args.command}: error: --emit takes one config", file=sys.stderr)
+        return 2
+    if args.world_size % args.nodes:
+        print(f"fsdpzero {args.command}: error: --world-size {args.world_size} is not a multiple of --nodes "
+              f"{args.nodes} (every node runs the same number of ranks)", file=sys.stderr)
         return 2
     codes, results = [], []
     for path in args.config:
@@ -177,6 +189,11 @@ Fates: **mapped** (same behaviour), **approximated** (same training result, diff
 - Wrong types and out-of-range values, fp16 and bf16 both enabled, `offload_param` below stage 3, optimizer offload
   at stage 0, NVMe without `nvme_path`, optimizer or scheduler parameters the class does not take, and
   `optimizer.params.max_grad_norm` (DeepSpeed raises at initialize) are errors before any GPU is touched.
+- So are a whole section written as `"auto"` (`"bf16": "auto"`) and `"stage": "auto"`, values that size memory,
+  threads or loops out of range (`fp16.initial_scale_power` above 127, `hysteresis: 0`, `aio.intra_op_parallelism`
+  above 256, a non-finite `lr`), and files that are not UTF-8 JSON objects (a FIFO, a device, more than 32 levels
+  deep); near-integer floats in size keys (`0.9 * d_model**2`) are rounded, noted in the table. The full list is in
+  docs/deepspeed_differences.md.
 - Keys DeepSpeed 0.19.8 removed (`sparse_attention`, `progressive_layer_drop`, `amp`, `elasticity`,
   `curriculum_learning`, `compression_training`, `quantize_training`, `eigenvalue`, `sparse_gradients`,
   `graph_harvesting`, `nebula`, `zero_optimization.zeropp_loco_param`) are rejected as DeepSpeed rejects them.
@@ -224,11 +241,14 @@ One object per config (a list for several configs), a stable contract:
 
 ## 6. Every key
 
-Defaults are DeepSpeed {version}'s. Where the value changes the fate (a feature switched on, a stage), the table
-gives the usual case and `fsdpzero migrate` shows the actual one.
+Both tables below are printed from the one rule table that decides every fate (`fsdpzero.plan.fate_table.RULES`):
+a key's fate is the first of its conditional rules (6.2, tried in order) whose condition holds, else its default
+(6.1). `fsdpzero migrate` shows the fate a given config gets. Defaults are DeepSpeed {version}'s.
 
-| key | DeepSpeed default | fate | how; where the value changes it |
-|---|---|---|---|
+### 6.1 Default fate of each key
+
+| key | DeepSpeed default | fate | how | conditional rules |
+|---|---|---|---|---|
 """
 
 
@@ -236,15 +256,26 @@ def render_migration_doc() -> str:
     from pydantic import BaseModel
 
     from fsdpzero.config.load import default_at
-    from fsdpzero.plan.fates import FATES, WHEN
+    from fnmatch import fnmatchcase
+
+    from fsdpzero.plan.fates import CONDITIONAL, FATES
 
     def default(key: str) -> str:
         d = default_at(tuple(key.split(".")))
         return "" if isinstance(d, (BaseModel, dict, list)) else f"`{json.dumps(d)}`"
 
-    rows = [f"| `{k}` | {default(k)} | {s} | {d.replace('|', '/')}" + (f"; {WHEN[k]}" if k in WHEN else "") + " |"
-            for k, (s, d) in sorted(FATES.items())]
-    return GUIDE.format(version=COMPAT_VERSION) + "\n".join(rows) + "\n"
+    def cell(text: str) -> str:
+        return text.replace("|", "/")
+
+    def refs(key: str) -> str:
+        return ", ".join(str(i) for i, r in enumerate(CONDITIONAL, 1) if fnmatchcase(key, r.pattern))
+
+    rows = [f"| `{k}` | {default(k)} | {s} | {cell(d)} | {refs(k)} |" for k, (s, d) in sorted(FATES.items())]
+    rules = [f"| {i} | `{r.pattern}` | {cell(r.when.text)} | {r.status} | {cell(r.how)} |"
+             for i, r in enumerate(CONDITIONAL, 1)]
+    return (GUIDE.format(version=COMPAT_VERSION) + "\n".join(rows) + "\n\n### 6.2 Conditional rules, in the order "
+            "they are tried\n\n`{value}` and the like stand for the key's value and the config's settings.\n\n"
+            "| # | key | when | fate | how |\n|---|---|---|---|---|\n" + "\n".join(rules) + "\n")
 
 
 if __name__ == "__main__":       # python -m fsdpzero.cli.migrate --write-docs

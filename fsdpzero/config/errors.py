@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,17 @@ class ConfigError(ValueError):
 
     def to_list(self) -> list[dict]:
         return [p.to_dict() for p in self.problems]
+
+
+def brief(v: Any, limit: int = 60) -> str:
+    """repr for messages, cut to one short line (a 4000-digit integer must not flood the terminal)."""
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10**100:
+        try:
+            return f"<a {len(str(abs(v)))}-digit integer>"
+        except ValueError:                     # str() refuses more than 4300 digits
+            return "<an integer of more than 4300 digits>"
+    text = repr(v)
+    return text if len(text) <= limit else f"{text[:limit - 15]}...({len(text)} chars)"
 
 
 def closest(word: str, candidates: Iterable[str], cutoff: float = 0.75) -> str | None:

@@ -2,6 +2,7 @@
 adds because DeepSpeed would silently ignore a setting (offload_param below stage 3, NVMe without a path)."""
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 from fsdpzero.config.errors import Problem, did_you_mean
@@ -60,6 +61,10 @@ def optimizer_kind(name: str | None) -> str:
 
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _finite(v) -> bool:
+    return _is_number(v) and math.isfinite(v)
 
 
 def check(cfg: DSConfig, raw: dict, deferred: list[str]) -> list[Problem]:
@@ -154,15 +159,23 @@ def _check_optimizer(name: str | None, params: dict) -> list[Problem]:
                                "(DeepSpeed passes params as kwargs: TypeError at initialize)",
                                did_you_mean(key, allowed) or f"valid: {', '.join(sorted(allowed))}"))
     p = params
-    if "lr" in p and not (_is_number(p["lr"]) and p["lr"] >= 0):
-        out.append(Problem("optimizer.params.lr", f"must be a number >= 0, got {p['lr']!r}", "e.g. 1e-4"))
+    if "lr" in p and not (_finite(p["lr"]) and p["lr"] >= 0):
+        out.append(Problem("optimizer.params.lr", f"must be a finite number >= 0, got {p['lr']!r}", "e.g. 1e-4"))
     if "betas" in p and not (isinstance(p["betas"], (list, tuple)) and len(p["betas"]) == 2
-                             and all(_is_number(b) and 0 <= b < 1 for b in p["betas"])):
+                             and all(_finite(b) and 0 <= b < 1 for b in p["betas"])):
         out.append(Problem("optimizer.params.betas", f"must be two numbers in [0, 1), got {p['betas']!r}",
                            "e.g. [0.9, 0.999]"))
-    for key in ("eps", "weight_decay"):
-        if key in p and not (_is_number(p[key]) and p[key] >= 0):
-            out.append(Problem(f"optimizer.params.{key}", f"must be a number >= 0, got {p[key]!r}", ""))
+    if "eps" in p and not (_finite(p["eps"]) and p["eps"] > 0):
+        out.append(Problem("optimizer.params.eps", f"must be a finite number > 0, got {p['eps']!r} (0 divides "
+                           "by zero where a second moment is 0)", "e.g. 1e-8"))
+    if "weight_decay" in p and not (_finite(p["weight_decay"]) and p["weight_decay"] >= 0):
+        out.append(Problem("optimizer.params.weight_decay", f"must be a finite number >= 0, got "
+                           f"{p['weight_decay']!r}", "e.g. 0.01"))
+    for key, value in p.items():               # any other number reaches the update: NaN/inf poisons the weights
+        if key not in ("lr", "betas", "eps", "weight_decay") and isinstance(value, float) \
+                and not math.isfinite(value):
+            out.append(Problem(f"optimizer.params.{key}", f"must be a finite number, got {value!r}",
+                               "write a finite value"))
     return out
 
 
@@ -194,15 +207,17 @@ def _check_scheduler(name: str | None, params: dict, deferred: list[str]) -> lis
                 continue
             ok = isinstance(value, int) and not isinstance(value, bool) or (
                 isinstance(value, float) and value.is_integer())
-            positive = key in ("warmup_num_steps", "total_num_steps", "lr_range_test_step_size")
+            # DeepSpeed raises on these at 0 when the scheduler is built (lr_schedules.py), after the process group
+            positive = key in ("warmup_num_steps", "total_num_steps", "lr_range_test_step_size",
+                               "cycle_first_step_size")
             if not ok or value < (1 if positive else 0):
                 floor = 1 if positive else 0
                 out.append(Problem(path, f"must be a {'positive' if positive else 'non-negative'} integer, "
                                    f"got {value!r}", f"use an integer >= {floor}" + (
                                        f" (DeepSpeed's default: {spec[key]!r})"
                                        if spec[key] not in (REQUIRED, None) else "")))
-        elif not (_is_number(value) or (value is None and spec[key] is None)):
-            out.append(Problem(path, f"must be a number, got {value!r}",
+        elif not (_finite(value) or (value is None and spec[key] is None)):
+            out.append(Problem(path, f"must be a finite number, got {value!r}",
                                f"DeepSpeed's default: {spec[key]!r}" if spec[key] != REQUIRED else ""))
     for key, default in spec.items():
         if default == REQUIRED and key not in params and key not in deferred:

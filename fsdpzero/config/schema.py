@@ -286,12 +286,16 @@ class DSConfig(Lenient):
     _autos: dict = PrivateAttr(default_factory=dict)          # path -> (value, TrainingArguments source)
     _deferred: tuple = PrivateAttr(default=())                # scheduler params the trainer must fill
     _notes: list = PrivateAttr(default_factory=list)          # warnings: renamed aliases, ignored keys, ...
+    _rounded: dict = PrivateAttr(default_factory=dict)        # path -> float as written (size keys rounded)
 
-    def record_load(self, *, raw: dict, notes: list, explicit, unknown: dict, autos: dict, deferred) -> None:
+    def record_load(self, *, raw: dict, notes: list, explicit, unknown: dict, autos: dict, deferred,
+                    rounded: dict | None = None) -> None:
         """What load_config learned beyond the fields: the normalised dict, the user's keys, unknown keys, resolved
-        autos, deferred scheduler params and warnings (read back through the properties below)."""
+        autos, deferred scheduler params, sizes rounded from floats and warnings (read back through the
+        properties below)."""
         self._raw, self._notes, self._explicit = raw, notes, tuple(explicit)
         self._unknown, self._autos, self._deferred = unknown, autos, tuple(deferred)
+        self._rounded = dict(rounded or {})
 
     @property
     def raw(self) -> dict:
@@ -308,6 +312,11 @@ class DSConfig(Lenient):
     @property
     def autos(self) -> dict[str, tuple[Any, str]]:
         return dict(self._autos)
+
+    @property
+    def rounded(self) -> dict[str, float]:
+        """Size keys written as near-integer floats (path -> the float), stored rounded to int."""
+        return dict(self._rounded)
 
     @property
     def deferred(self) -> tuple[str, ...]:

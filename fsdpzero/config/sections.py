@@ -167,6 +167,11 @@ class TensorParallel(Strict):
 
 
 class Compile(Strict):
+    # older DeepSpeed releases' torch.compile keys (DeepSpeed 0.19 rejects them and compiles in engine.compile());
+    # fsdpzero reads them: torch.compile per transformer block (fsdpzero/compile.py)
+    enabled: bool = False
+    backend: str = "inductor"
+    kwargs: dict[str, Any] = Field(default_factory=dict)
     deepcompile: bool = False
     autoep_non_moe: bool = False
     free_activation: bool = False

@@ -24,12 +24,14 @@ With `offload_param: cpu` (stage 3, FSDP2 CPUOffloadPolicy, set by sharding.shar
 already live on the CPU: nothing is copied, the kernel reads the CPU grad and writes the param shard in place. The
 shards are cast to the low-precision dtype, so FSDP2's per-all-gather H2D carries 2 bytes/param instead of 4.
 
-FSDPZERO_OFFLOAD_OVERLAP=1: step() returns at once and a worker thread steps the chunks while the next forward
-runs; a pre-forward hook on each FSDP unit waits for that unit's chunks (see OffloadGradPath).
+Overlap (the default, knob offload_overlap): step() returns at once and a worker thread steps the chunks while the
+next forward runs; a pre-forward hook on each FSDP unit waits for that unit's chunks, and every read of the weights
+outside a forward waits for the whole step (fsdpzero/offload/access.py). Exact: the clip factor and the skip
+decision are known before step() starts it.
 
 Threads: torchrun sets OMP_NUM_THREADS=1, which makes the CPU step ~6x slower. With an accelerator the CPU step gets
-usable cores / local ranks threads (FSDPZERO_OFFLOAD_THREADS overrides); FSDPZERO_OFFLOAD_BIND=1 also pins each
-local rank to its own slice of cores.
+usable cores / local ranks threads (knob offload_threads overrides); offload_bind also pins each local rank to its
+own slice of cores. Knobs: fsdpzero/tuning.py (FSDPZERO_OFFLOAD_*).
 """
 from __future__ import annotations
 
@@ -45,14 +47,16 @@ from fsdpzero.optim.factory import OptimizerFactory
 from fsdpzero.plan import Plan
 from fsdpzero.dist import local_tensor
 from fsdpzero.precision import DTYPES
+from fsdpzero.tuning import Tuning, current
 
 log = logging.getLogger("fsdpzero")
 
 
-def cpu_threads(local_world_size: int) -> int:
-    """Threads for the CPU step: FSDPZERO_OFFLOAD_THREADS, else this process's usable cores / local ranks."""
-    if os.environ.get("FSDPZERO_OFFLOAD_THREADS"):
-        return max(1, int(os.environ["FSDPZERO_OFFLOAD_THREADS"]))
+def cpu_threads(local_world_size: int, override: int | None = None) -> int:
+    """Threads for the CPU step: `override` (knob offload_threads), else this process's usable cores / local
+    ranks."""
+    if override is not None:
+        return max(1, int(override))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // max(1, local_world_size))
 
@@ -135,13 +139,12 @@ def device_stepped(units: list[list[tuple[str, int]]], chunk_size: int, ratio: f
     return device
 
 
-def drop_shards_default(plan: Plan) -> bool:
+def drop_shards_default(plan: Plan, override: bool | None = None) -> bool:
     """Free the device shards of stage-2 units between forward and the step (fsdp_state.DroppableShards): on
     with CUDA and no gradient accumulation (each extra micro-batch would copy them back H2D for its all-gather).
-    FSDPZERO_OFFLOAD_DROP_SHARDS=0 turns it off, =1 forces it on (also on CPU, for tests)."""
-    env = os.environ.get("FSDPZERO_OFFLOAD_DROP_SHARDS")
-    if env is not None:
-        return env == "1"
+    `override` (knob offload_drop_shards, None = auto): False turns it off, True forces it on (also on CPU)."""
+    if override is not None:
+        return override
     return torch.cuda.is_available() and plan.batch.gradient_accumulation_steps == 1
 
 
@@ -160,17 +163,15 @@ def _param_swapper(model: nn.Module, plan: Plan, entries: list[Entry]):
     return param_swapper_from_plan(model, plan)
 
 
-def overlap_default() -> bool:
-    """FSDPZERO_OFFLOAD_OVERLAP=1 overlaps the CPU step with the next forward (see OffloadGradPath)."""
-    return os.environ.get("FSDPZERO_OFFLOAD_OVERLAP", "0") == "1"
-
-
 def build_offload_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFactory, mesh=None,
-                       *, stage: bool | None = None, overlap: bool | None = None) -> OffloadGradPath:
+                       *, stage: bool | None = None, overlap: bool | None = None,
+                       tuning: Tuning | None = None) -> OffloadGradPath:
     """The offload gradient path over an already fully_shard-ed model. `stage` forces (True) or forbids (False)
     staging through CPU buffers; default: stage exactly when the shards live on an accelerator. `overlap`: step
-    the CPU side in a worker thread while the next forward runs (default: overlap_default())."""
+    the CPU side in a worker thread while the next forward runs (default: the offload_overlap knob, on).
+    `tuning`: the knobs (default: fsdpzero.tuning.current(), i.e. the environment)."""
     from fsdpzero.ops import CPUAdam
+    knobs = tuning if tuning is not None else current()
     if plan.offload.optimizer_device not in ("cpu", "nvme"):
         raise NotImplementedError(f"offload_optimizer.device = {plan.offload.optimizer_device!r}: only \"cpu\" and "
                                   "\"nvme\" are handled here")
@@ -191,9 +192,9 @@ def build_offload_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFa
     threads = torch.get_num_threads()
     if torch.cuda.is_available():
         local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        if os.environ.get("FSDPZERO_OFFLOAD_BIND") == "1":
+        if knobs.offload_bind:
             bind_cores(local_rank, local_world)
-        threads = cpu_threads(local_world)
+        threads = cpu_threads(local_world, knobs.offload_threads)
         torch.set_num_threads(threads)
     # Only the copy buffers take part in DMA: they are pinned whenever there is an accelerator (pageable H2D was
     # measured 8x slower). Masters and states never leave the CPU and stay pageable, whatever pin_memory says;
@@ -271,12 +272,14 @@ def build_offload_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFa
     if nvme:
         from fsdpzero.offload.nvme_path import NVMeGradPath as path_class
     swap_params = plan.offload.param_device == "nvme" and plan.shard.stage == 3 and units[0][0] is not None
-    overlap = (overlap_default() if overlap is None else overlap) and not swap_params   # one thread swaps
+    overlap = (knobs.offload_overlap if overlap is None else overlap) and not swap_params   # one thread swaps
     path = path_class(model, optimizer, [(m, [by_name[n] for n in ns]) for m, ns in units], chunk,
                       threads=threads, overlap=overlap,
-                      drop_shards=not nvme and drop_shards_default(plan),
-                      early_d2h=os.environ.get("FSDPZERO_OFFLOAD_EARLY_D2H", "1") == "1",
-                      speculate_max_norm=_speculate_max_norm(plan, entries, nvme or swap_params))
+                      drop_shards=not nvme and drop_shards_default(plan, knobs.offload_drop_shards),
+                      early_d2h=knobs.offload_early_d2h,
+                      speculate_max_norm=_speculate_max_norm(plan, entries, nvme or swap_params,
+                                                             knobs.offload_speculate),
+                      profile=knobs.offload_profile, profile_file=knobs.offload_profile_file)
     if swap_params:
         path.param_swapper = _param_swapper(model, plan, entries)
     log.info("offload: %d params, %.1f M elements on this rank, %d chunks, %d CPU threads, staged=%s, pinned "
@@ -287,14 +290,14 @@ def build_offload_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFa
     return path
 
 
-def _speculate_max_norm(plan: Plan, entries, nvme: bool) -> float | None:
+def _speculate_max_norm(plan: Plan, entries, nvme: bool, enabled: bool) -> float | None:
     """gradient_clipping when the CPU step may run speculatively during backward (fsdpzero.offload.speculate),
     else None: not with fp16 loss scaling (the grad factor is never 1.0), not with NVMe (the optimizer states and,
     with offload_param nvme, the shards' residency belong to the swappers), and only when the shadow buffers fit in
     host memory."""
     from fsdpzero.offload import speculate as offload_speculate
     staged = [e for e in entries if e.grad_buf is not None and not e.on_device]
-    if not (offload_speculate.enabled_by_env() and staged and plan.precision.loss_scale is None and not nvme):
+    if not (enabled and staged and plan.precision.loss_scale is None and not nvme):
         return None
     if not offload_speculate.fits_in_host(staged, int(os.environ.get("LOCAL_WORLD_SIZE", 1))):
         return None

@@ -155,8 +155,11 @@ class NVMeAdam(torch.optim.Optimizer):
 
     # -- the step
     @torch.no_grad()
-    def step(self, closure=None, *, grad_scale: float = 1.0, grads: dict[int, torch.Tensor] | None = None):
-        """grads: id(param) -> gradient, instead of param.grad (any of fp32/bf16/fp16, CPU)."""
+    def step(self, closure=None, *, grad_scale: float = 1.0, grads: dict[int, torch.Tensor] | None = None,
+             hyper: dict[int, dict] | None = None):
+        """grads: id(param) -> gradient, instead of param.grad (any of fp32/bf16/fp16, CPU). hyper: id(param) ->
+        the group's hyperparameters to use instead of the live ones (an overlapped step runs while the scheduler
+        already sets the next step's lr)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -170,7 +173,7 @@ class NVMeAdam(torch.optim.Optimizer):
                     st = self.state[p]
                     st["step"] = st.get("step", torch.tensor(0.0)) + 1
         flat = {k: local_tensor(g).contiguous().view(-1) for k, g in grads.items()}
-        self._pipeline(todo, lambda buf, g: self._compute(buf, g, flat, grad_scale), carry=True)
+        self._pipeline(todo, lambda buf, g: self._compute(buf, g, flat, grad_scale, hyper or {}), carry=True)
         return loss
 
     def _pipeline(self, todo: list[_SubGroup], compute, write_back: bool = True, carry: bool = False) -> None:
@@ -232,7 +235,7 @@ class NVMeAdam(torch.optim.Optimizer):
             req.wait()
         self._prefetched = []
 
-    def _compute(self, buf, g: _SubGroup, grads: dict, grad_scale: float) -> None:
+    def _compute(self, buf, g: _SubGroup, grads: dict, grad_scale: float, hyper: dict | None = None) -> None:
         """grads: id(param) -> flat contiguous gradient."""
         for s in g.slices:
             p, group, start, stop, _ = s
@@ -242,6 +245,7 @@ class NVMeAdam(torch.optim.Optimizer):
                 self.before_update(p)
             v = self._views(buf, s)
             out = None if local_tensor(p).dtype == torch.float32 else local_tensor(p).view(-1)[start:stop]
+            group = (hyper or {}).get(id(p), group)
             beta1, beta2 = group["betas"]
             adam_step_(v["master"], grads[id(p)][start:stop], v["exp_avg"], v["exp_avg_sq"], out, lr=group["lr"],
                        beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],

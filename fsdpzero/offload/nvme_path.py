@@ -30,7 +30,7 @@ class NVMeGradPath(OffloadGradPath):
             if chunk.h2d_done is not None:       # last step's H2D must have read the buffers we overwrite
                 chunk.h2d_done.synchronize()
             grads.update({id(e.master): grad for e, grad in items})
-        self.optimizer.step(grad_scale=factor, grads=grads)
+        self.optimizer.step(grad_scale=factor, grads=grads, hyper=self._hyper)   # this step's lr, not the next
         for chunk, items in work:
             with on_stream(self.h2d):
                 for e, _ in items:

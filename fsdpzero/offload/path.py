@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from fsdpzero.offload import device_step, fsdp_state
+from fsdpzero.offload.access import guard_reads
 from fsdpzero.offload.chunks import (Chunk, Entry, on_stream, chunk_layout, load_offload_state_dict,
                                      offload_state_dict)
-from fsdpzero.offload.timeline import Timeline, profiling
+from fsdpzero.offload.timeline import Timeline
 from fsdpzero.dist import local_tensor
 from fsdpzero.optim.grad_path import GradPath
 
@@ -28,7 +29,8 @@ class OffloadGradPath(GradPath):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, units: list[tuple[nn.Module | None,
                  list[Entry]]], chunk_size: int, *, threads: int, overlap: bool = False,
-                 drop_shards: bool = False, early_d2h: bool = True, speculate_max_norm: float | None = None):
+                 drop_shards: bool = False, early_d2h: bool = True, speculate_max_norm: float | None = None,
+                 profile: bool = False, profile_file: str | None = None):
         self.model = model
         self.optimizer = optimizer          # a CPUAdam over the masters: schedulers drive its param_groups
         self.entries = [e for _, es in units for e in es]
@@ -69,7 +71,7 @@ class OffloadGradPath(GradPath):
             self.spec = Speculator([e for c in self.cpu_chunks for e in c.entries], optimizer,
                                    max_norm=speculate_max_norm, threads=threads,
                                    device=self.h2d.device if self.h2d is not None else None)
-        self.tl = Timeline(threads, len(units)) if profiling() else None   # FSDPZERO_OFFLOAD_PROFILE=1
+        self.tl = Timeline(threads, len(units), profile_file) if profile else None   # knob offload_profile
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
         self._index = {id(c): k for k, c in enumerate(self.cpu_chunks)}
@@ -104,6 +106,8 @@ class OffloadGradPath(GradPath):
         self._unit_entries = [entries for _, entries in units]
         if self.tl is not None:   # prepended last: runs before any wait hook, so the waits count in the step
             model.register_forward_pre_hook(lambda *_: self.tl.forward_start(), prepend=True)
+        # overlap: between step() and the next forward the worker writes the weights; every other read waits
+        self.reads = guard_reads(model, self.pending, self.wait) if self.overlap else None
 
     # -- device shards of stage-2 units: dropped after forward, back for the step (fsdp_state.DroppableShards) -----
     def _drop(self, unit: int, module: nn.Module) -> None:
@@ -197,9 +201,15 @@ class OffloadGradPath(GradPath):
             if e.out_buf is not None:   # the out buffer is the exact copy of the shard (DroppableShards)
                 e.out_buf.copy_(local)
 
+    def pending(self) -> bool:
+        """An overlapped CPU step has not been joined yet: the weights may still change."""
+        return self._worker is not None
+
     def wait(self) -> None:
         """Block until an overlapped CPU step has finished (before reading the weights outside a forward)."""
         self._join()
+        if self.h2d is not None and self.overlap:   # and the current stream sees its last H2D copies
+            torch.cuda.current_stream().wait_stream(self.h2d)
         self._restore_all()
         if self.tl is not None:
             self.tl.flush()

@@ -17,24 +17,19 @@ Early stop: this rank's partial sum of squared gradients is a lower bound of the
 gradient_clipping², the step will clip, and the rest of this backward is not speculated.
 
 Cost: a second fp32 master and moments (12 bytes/param) and pinned low-precision buffer (2 bytes/param) in host
-memory. Opt-in: FSDPZERO_OFFLOAD_SPECULATE=1. Even then it stays off when the shadows would not fit comfortably in
-the host's available memory, with fp16 loss scaling (the factor is never 1.0) and with NVMe offload.
+memory. Opt-in: the offload_speculate knob (FSDPZERO_OFFLOAD_SPECULATE=1). Even then it stays off when the shadows
+would not fit comfortably in the host's available memory, with fp16 loss scaling (the factor is never 1.0) and with
+NVMe offload.
 """
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 
 import torch
 
 log = logging.getLogger("fsdpzero")
-
-
-def enabled_by_env() -> bool:
-    """Opt-in (FSDPZERO_OFFLOAD_SPECULATE=1): on 2x H200 it has not paid off yet (BENCHMARKS.md, session 3)."""
-    return os.environ.get("FSDPZERO_OFFLOAD_SPECULATE", "0") == "1"
 
 
 def host_available_bytes() -> int | None:

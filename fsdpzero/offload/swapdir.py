@@ -105,6 +105,12 @@ class SwapDir:
             raise PermissionError(errno.EACCES, f"config key '{key}' = {str(self.root)!r}: not writable (or not "
                                   f"reachable) by this user (uid {os.getuid()}); fix its permissions or choose "
                                   "another directory", str(self.root)) from None
+        except OSError as e:            # a read-only mount (EROFS), /proc, ...: name the key, not just the errno
+            if f"config key '{key}'" in str(e.strerror):
+                raise
+            raise OSError(e.errno, f"config key '{key}' = {str(self.root)!r}: cannot create swap space there "
+                          f"({e.strerror or e}); point it at a writable directory on the NVMe disk",
+                          str(self.root)) from None
         self._finalizer = weakref.finalize(self, _remove_swap_dir, self.path)
 
     def check_space(self, nbytes: int) -> None:

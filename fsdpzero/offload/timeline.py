@@ -1,6 +1,7 @@
-"""Opt-in per-step timeline of the offload path: FSDPZERO_OFFLOAD_PROFILE=1 (off: the path holds None, no cost).
+"""Opt-in per-step timeline of the offload path: knob offload_profile, FSDPZERO_OFFLOAD_PROFILE=1 (off: the path holds
+None, no cost).
 
-One JSON line per optimizer step, from rank 0, to FSDPZERO_OFFLOAD_PROFILE_FILE (appended) or stderr. A step's
+One JSON line per optimizer step, from rank 0, to the offload_profile_file knob's file (appended) or stderr. A step's
 record starts at the first forward of the step (a forward pre-hook on the root) and ends when the CPU side of its
 optimizer step is done (during the next forward in overlap mode). Host times are perf_counter seconds from that
 origin; GPU times come from CUDA events, as seconds from an event recorded at the origin on the compute stream.
@@ -27,10 +28,6 @@ import time
 import torch
 
 
-def profiling() -> bool:
-    return os.environ.get("FSDPZERO_OFFLOAD_PROFILE") == "1"
-
-
 class _Ev:
     """A CUDA event, or None on CPU-only runs (GPU fields are then left out)."""
 
@@ -44,12 +41,12 @@ class _Ev:
 
 
 class Timeline:
-    def __init__(self, threads: int, n_units: int):
+    def __init__(self, threads: int, n_units: int, path: str | None = None):
         self.threads = threads
         self.n_units = n_units
         rank = int(os.environ.get("RANK", 0))
         self.enabled = rank == 0
-        self.path = os.environ.get("FSDPZERO_OFFLOAD_PROFILE_FILE")
+        self.path = path
         self.step_no = 0
         self.cur: dict | None = None     # the record of the step whose forward/backward runs now
         self.pending: list[dict] = []    # stepped records whose events are read one step later

@@ -25,6 +25,7 @@ import mmap
 import os
 import threading
 import warnings
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
@@ -37,6 +38,14 @@ from .build import extensions_dir, load_op
 ALIGN = 4096                     # O_DIRECT alignment that satisfies 512-byte and 4 KiB logical blocks
 BACKENDS = ("io_uring", "libaio", "threads", "python")
 _NATIVE = {"io_uring": 0, "libaio": 1, "threads": 2}
+DEFAULT_BACKEND = "auto"   # what backend="auto" means; the library sets it (`aio_backend` knob), no env read here
+
+
+def set_default_backend(backend: str) -> None:
+    global DEFAULT_BACKEND
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"aio backend {backend!r}: choose one of {BACKENDS} or 'auto'")
+    DEFAULT_BACKEND = backend
 
 
 def padded_nbytes(nbytes: int) -> int:
@@ -135,7 +144,10 @@ class _NativeEngine:
                                             cfg.intra_op_parallelism, int(cfg.single_submit),
                                             int(cfg.overlap_events), ALIGN)
         if not self._ptr:
-            raise RuntimeError(f"fsdpzero aio: could not start the {backend} engine with {cfg}")
+            raise RuntimeError(f"fsdpzero aio: could not start the {backend} engine with {cfg} (bad sizes, or the "
+                               "system refused the threads or kernel queues: lower intra_op_parallelism/queue_depth)")
+        # its native threads are joined when the engine is closed, collected or the interpreter exits
+        self._finalizer = weakref.finalize(self, _destroy_native, self._lib, self._ptr, os.getpid())
 
     def submit(self, fd, write, ptr, nbytes, offset) -> int:
         rid = self._lib.fz_aio_submit(self._ptr, fd, int(write), ptr, nbytes, offset)
@@ -152,9 +164,15 @@ class _NativeEngine:
         return -rc, off.value
 
     def close(self):
-        if self._ptr:
-            self._lib.fz_aio_destroy(self._ptr)
-            self._ptr = None
+        self._finalizer()
+        self._ptr = None
+
+
+def _destroy_native(lib, ptr, pid: int) -> None:
+    """Stop and join the engine's threads (after its queued chunks), in the process that started them only: a
+    forked child has the engine's memory but not its threads, and joining those would hang."""
+    if os.getpid() == pid:
+        lib.fz_aio_destroy(ptr)
 
 
 # ------------------------------------------------------------------------------------------- python reference engine
@@ -306,7 +324,7 @@ class AioHandle:
     def __init__(self, config: AioConfig | None = None, backend: str = "auto"):
         self.config = config or AioConfig()
         if backend == "auto":
-            backend = os.environ.get("FSDPZERO_AIO_BACKEND") or available_backends()[0]
+            backend = DEFAULT_BACKEND if DEFAULT_BACKEND != "auto" else available_backends()[0]
         if backend not in BACKENDS:
             raise ValueError(f"aio backend {backend!r}: choose one of {BACKENDS} or 'auto'")
         if not backend_available(backend):

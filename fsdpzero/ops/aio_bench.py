@@ -16,28 +16,77 @@ from pathlib import Path
 
 import torch
 
-from .aio import AioConfig, AioHandle, aligned_empty, available_backends
+from .aio import ALIGN, BACKENDS, AioConfig, AioHandle, aligned_empty, available_backends
 
 
-def _sizes(text: str) -> list[int]:
+# The bounds the config layer puts on the `aio` section (fsdpzero/config/bounds.py; ops never import the library, a
+# test keeps the two equal), and a cap on the one buffer the sweep allocates.
+MAX_BLOCK_SIZE = 2**30
+MAX_QUEUE_DEPTH = 1024
+MAX_INTRA_OP_PARALLELISM = 256
+MAX_REQUEST = 16 * 2**30
+
+
+def _size(part: str, hi: int) -> int:
     units = {"k": 2**10, "m": 2**20, "g": 2**30}
+    text = part.strip().lower().rstrip("b").rstrip("i")
+    try:
+        value = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{part.strip()!r} is not a size (bytes, or with K/M/G: 256K, 1M)") from None
+    if not (ALIGN <= value <= hi) or value % ALIGN:
+        raise argparse.ArgumentTypeError(f"{part.strip()!r}: must be a multiple of {ALIGN} bytes (O_DIRECT) "
+                                         f"between 4K and {hi >> 30}G")
+    return int(value)
+
+
+def request_size(text: str) -> int:
+    return _size(text, MAX_REQUEST)
+
+
+def block_sizes(text: str) -> list[int]:
+    return [_size(part, MAX_BLOCK_SIZE) for part in text.split(",")]
+
+
+def _ints(text: str, hi: int) -> list[int]:
     out = []
     for part in text.split(","):
-        part = part.strip().lower().rstrip("b").rstrip("i")
-        out.append(int(float(part[:-1]) * units[part[-1]]) if part[-1] in units else int(part))
+        try:
+            value = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part.strip()!r} is not an integer") from None
+        if not 1 <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value}: must be between 1 and {hi}")
+        out.append(value)
     return out
+
+
+def queue_depths(text: str) -> list[int]:
+    return _ints(text, MAX_QUEUE_DEPTH)
+
+
+def parallelism(text: str) -> list[int]:
+    return _ints(text, MAX_INTRA_OP_PARALLELISM)
+
+
+def repeats(text: str) -> int:
+    values = _ints(text, 1000)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: one integer")
+    return values[0]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="a directory on the disk to test (a scratch file is created and removed)")
-    parser.add_argument("--size", default="256M", help="bytes per request (default 256M)")
-    parser.add_argument("--block-sizes", default="256K,1M,4M", help="aio.block_size values")
-    parser.add_argument("--queue-depths", default="4,8,32", help="aio.queue_depth values")
-    parser.add_argument("--parallelism", default="1,2,4", help="aio.intra_op_parallelism values")
+    parser.add_argument("--size", type=request_size, default="256M", help="bytes per request (default 256M)")
+    parser.add_argument("--block-sizes", type=block_sizes, default="256K,1M,4M", help="aio.block_size values")
+    parser.add_argument("--queue-depths", type=queue_depths, default="4,8,32", help="aio.queue_depth values")
+    parser.add_argument("--parallelism", type=parallelism, default="1,2,4", help="aio.intra_op_parallelism values")
     parser.add_argument("--submit-modes", action="store_true",
                         help="also sweep single_submit and overlap_events (4x the settings)")
-    parser.add_argument("--backend", default="auto", help=f"one of {available_backends()} or auto")
-    parser.add_argument("--repeat", type=int, default=2, help="timed repetitions per setting; the best counts")
+    parser.add_argument("--backend", default="auto", choices=("auto",) + BACKENDS,
+                        help=f"one of {available_backends()} or auto")
+    parser.add_argument("--repeat", type=repeats, default=2, help="timed repetitions per setting; the best counts")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
@@ -58,14 +107,24 @@ def measure(handle: AioHandle, buf: torch.Tensor, path: Path, repeat: int = 2) -
 
 def sweep(path: Path, size: int, block_sizes, queue_depths, parallelism, submit_modes=((False, True),),
           backend="auto", repeat=2) -> list[dict]:
-    path.mkdir(parents=True, exist_ok=True)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} is not a directory; pass a directory on the disk to test")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create {path} ({e.strerror or e}); pass a writable directory on the disk to "
+                         "test") from None
     scratch = path / f".fsdpzero_nvme_bench.{os.getpid()}.bin"
     buf = aligned_empty(size)
     buf.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
     results = []
     try:
-        with AioHandle(AioConfig(), backend) as h, h.open(scratch, write=True) as f:
-            h.pwrite(buf, f).wait()                          # allocate the file's blocks before timing
+        try:
+            with AioHandle(AioConfig(), backend) as h, h.open(scratch, write=True) as f:
+                h.pwrite(buf, f).wait()                      # allocate the file's blocks before timing
+        except OSError as e:          # a read-only mount, no permission, a full disk: say so, not errno alone
+            raise ValueError(f"cannot write a scratch file in {path} ({e.strerror or e}); pass a writable "
+                             "directory on the disk to test") from None
         for bs, qd, par, (single, overlap) in itertools.product(block_sizes, queue_depths, parallelism,
                                                                 submit_modes):
             cfg = AioConfig(block_size=bs, queue_depth=qd, intra_op_parallelism=par, single_submit=single,
@@ -86,12 +145,11 @@ def best(results: list[dict]) -> dict:
 
 def run(args) -> int:
     modes = list(itertools.product((False, True), (False, True))) if args.submit_modes else [(False, True)]
-    results = sweep(Path(args.path), _sizes(args.size)[0], _sizes(args.block_sizes),
-                    [int(x) for x in args.queue_depths.split(",")], [int(x) for x in args.parallelism.split(",")],
+    results = sweep(Path(args.path), args.size, args.block_sizes, args.queue_depths, args.parallelism,
                     modes, args.backend, args.repeat)
     top = best(results)
     if args.json:
-        print(json.dumps({"path": str(args.path), "size": _sizes(args.size)[0], "results": results, "best": top}))
+        print(json.dumps({"path": str(args.path), "size": args.size, "results": results, "best": top}))
         return 0
     print(f"{'backend':<9} {'block_size':>10} {'queue_depth':>11} {'parallelism':>11} {'single':>6} "
           f"{'overlap':>7} {'write GB/s':>10} {'read GB/s':>9}")

@@ -2,7 +2,8 @@
 
 `load_op(name, sources)` returns the loaded library (ops registered through TORCH_LIBRARY become `torch.ops.<ns>`)
 or None, warning once, when no compiler/ninja is usable: callers then take their pure-torch reference path.
-FSDPZERO_NO_BUILD=1 forces the reference path (used by tests of the fallback).
+`set_no_build(True)` forces the reference path (the library calls it for the `no_build` knob, FSDPZERO_NO_BUILD=1;
+tests of the fallback too). This module reads no fsdpzero environment: its values come as arguments.
 """
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ from functools import lru_cache
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
+NO_BUILD = False   # set_no_build(): never compile, every op takes its reference path
+
+
+def set_no_build(flag: bool) -> None:
+    global NO_BUILD
+    NO_BUILD = bool(flag)
 
 
 def extensions_dir() -> Path:
@@ -36,11 +43,15 @@ def extensions_dir() -> Path:
     return root
 
 
-@lru_cache(maxsize=None)
 def load_op(name: str, sources: tuple[str, ...], extra_cflags: tuple[str, ...] = (),
             extra_ldflags: tuple[str, ...] = ()):
-    if os.environ.get("FSDPZERO_NO_BUILD") == "1":
+    if NO_BUILD:
         return None
+    return _load(name, sources, extra_cflags, extra_ldflags)
+
+
+@lru_cache(maxsize=None)
+def _load(name: str, sources: tuple[str, ...], extra_cflags: tuple[str, ...], extra_ldflags: tuple[str, ...]):
     try:
         from torch.utils import cpp_extension
         build_dir = extensions_dir() / name

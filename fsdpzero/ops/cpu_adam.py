@@ -8,24 +8,32 @@ cost nothing, and the step runs at memory speed (~28 bytes/param).
     opt.step_param(master, grad_bf16, out=pinned_bf16)                  # offload: one param, low-precision in/out
 
 Kernels (fsdpzero/ops/csrc/cpu_adam.cpp): AVX-512, AVX2 and scalar, picked at run time for the host CPU. Choose one with
-`impl=` or FSDPZERO_CPU_ADAM_IMPL = auto | avx512 | avx2 | scalar | reference. "reference" is the pure-torch path
-below; it also runs, after one warning, when the op cannot be built (no compiler, or FSDPZERO_NO_BUILD=1).
+`impl=` or `set_default_impl()` (the library's `cpu_adam_impl` knob, FSDPZERO_CPU_ADAM_IMPL) = auto | avx512 | avx2 |
+scalar | reference. "reference" is the pure-torch path below; it also runs, after one warning, when the op cannot be
+built (no compiler, or build.set_no_build(True), the `no_build` knob).
 Threads: the op uses torch's intra-op pool, i.e. torch.set_num_threads().
 """
 from __future__ import annotations
 
 import math
-import os
 import warnings
 
 import torch
 
+from . import build
 from .build import load_op
 
-IMPL_ENV = "FSDPZERO_CPU_ADAM_IMPL"
 _ISA = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
 IMPLS = ("auto", "avx512", "avx2", "scalar", "reference")
 _warned_fallback = False
+DEFAULT_IMPL = "auto"   # for impl=None; the library sets it from its tuning (this package reads no environment)
+
+
+def set_default_impl(impl: str) -> None:
+    global DEFAULT_IMPL
+    if impl not in IMPLS:
+        raise ValueError(f"CPU Adam impl={impl!r} is not one of {IMPLS}")
+    DEFAULT_IMPL = impl
 
 
 def _built() -> bool:
@@ -33,8 +41,8 @@ def _built() -> bool:
     global _warned_fallback
     if load_op("fsdpzero_cpu_adam", ("cpu_adam.cpp",), ("-fopenmp",), ("-fopenmp",)) is not None:
         return True
-    if not _warned_fallback and os.environ.get("FSDPZERO_NO_BUILD") == "1":  # load_op warns about failed builds
-        warnings.warn("fsdpzero: FSDPZERO_NO_BUILD=1, CPU Adam runs the pure-torch reference path (slower)",
+    if not _warned_fallback and build.NO_BUILD:  # load_op warns about failed builds itself
+        warnings.warn("fsdpzero: no_build (FSDPZERO_NO_BUILD=1): CPU Adam runs the pure-torch reference path (slower)",
                       RuntimeWarning, stacklevel=3)
     _warned_fallback = True
     return False
@@ -49,9 +57,9 @@ def available_impls() -> list[str]:
 
 
 def _resolve(impl: str | None) -> str:
-    impl = impl or os.environ.get(IMPL_ENV, "auto")
+    impl = impl or DEFAULT_IMPL
     if impl not in IMPLS:
-        raise ValueError(f"CPU Adam impl={impl!r} (or ${IMPL_ENV}) is not one of {IMPLS}")
+        raise ValueError(f"CPU Adam impl={impl!r} is not one of {IMPLS}")
     if impl != "reference" and not _built():
         return "reference"
     return impl

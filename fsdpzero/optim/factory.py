@@ -32,6 +32,21 @@ def check_optimizer(plan: Plan, client: Any = None) -> None:
             raise ValueError(
                 f"optimizer {name!r} is not one DeepSpeed tests with ZeRO (stage {plan.shard.stage}); DeepSpeed "
                 "refuses it unless the config sets \"zero_allow_untested_optimizer\": true. Add that key to run it.")
+    prec = plan.precision
+    # DeepSpeed: 16-bit masters keep the moments in their dtype on the device, so fp32 moments need offload_optimizer
+    # (DeepSpeed's CPU Adam); bf16_optimizer_states says the bf16 moments are meant. torch's optimizers allocate
+    # their state in the parameter's dtype, which is the master dtype here: the two must agree.
+    if prec.master_dtype != prec.optimizer_state_dtype and prec.optimizer_state_dtype == "float32" \
+            and plan.offload.optimizer_device == "none" and plan.shard.stage != 1:
+        key = ("bf16.bf16_optimizer_states' = false" if prec.master_dtype == "bfloat16"
+               else "fp16.fp16_master_weights_and_grads' = true")
+        fix = ("set bf16.bf16_optimizer_states to true (bf16 Adam moments), or offload the optimizer "
+               "(zero_optimization.offload_optimizer.device \"cpu\") to keep fp32 moments on the CPU"
+               if prec.master_dtype == "bfloat16" else "offload the optimizer (zero_optimization.offload_optimizer."
+               "device \"cpu\"), as DeepSpeed requires")
+        raise ValueError(f"config key '{key}: {prec.master_dtype} master weights would keep the optimizer's moments "
+                         f"in {prec.master_dtype} on the device, which DeepSpeed refuses without optimizer offload; "
+                         f"{fix}")
     if opt.type is not None and opt.type not in ("adam", "adamw", "lamb", "sgd", "adagrad") \
             and not hasattr(torch.optim, opt.type):
         raise ValueError(f"config key 'optimizer.type' = {opt.type!r} is neither a DeepSpeed optimizer nor a "

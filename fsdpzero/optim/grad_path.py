@@ -68,6 +68,11 @@ class GradPath:
     def wait(self) -> None:
         """Afterwards the model's parameters hold the last step's values (a path may still be moving them)."""
 
+    def close(self) -> None:
+        """Finish and release what runs beside the loop (worker threads, swap files, I/O engines): Engine.destroy
+        and interpreter exit call it, once. Not collective. The default waits for the parameters."""
+        self.wait()
+
     def state_dict(self, streaming: bool = False) -> dict[str, Any]:
         """Optimizer state for checkpoints (DCP-saveable). streaming (only when streams_checkpoints): on-disk
         states as entries DCP reads and writes a tensor at a time (fsdpzero.checkpoint.stream)."""
@@ -122,6 +127,34 @@ class FSDPGradPath(GradPath):
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
         with keeping_impl_flags(self.optimizer):   # the saver's flags (a converted DeepSpeed state: none) are not ours
             set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+class ForwardOnlyPath(GradPath):
+    """`deepspeed.initialize` without an optimizer (no section, none passed): ZeRO inference. The model is sharded
+    (and offloaded) per the config; forward and generate run; a step is refused with the fix."""
+
+    optimizer = None
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def _refuse(self, *_args, **_kwargs):
+        raise RuntimeError("this engine was initialized without an optimizer (no \"optimizer\" section and none "
+                           "passed): it runs forward and generate only. Add an \"optimizer\" section to train")
+
+    set_sync = lambda self, sync: None  # noqa: E731  (a backward for gradients alone is allowed, as in DeepSpeed)
+    finish_gradients = grad_norm = scale_grads_ = step = _refuse
+
+    def zero_grad(self) -> None:
+        for p in self.model.parameters():
+            p.grad = None
+
+    def state_dict(self, streaming: bool = False) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            self._refuse()
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:

@@ -6,7 +6,6 @@ replicated, and the stage-1 optimizer reduce-scatters gradients at the boundary,
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Callable
 
 import torch
@@ -16,26 +15,24 @@ from torch import nn
 from fsdpzero.ops.stage1 import Stage1Optimizer
 from fsdpzero.optim.grad_path import GradPath, skips_on_device
 from fsdpzero.precision import DTYPES
+from fsdpzero.tuning import Tuning, current, env_name
 
 
 _ELEMENTWISE = {"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta",
                 "AdamNoBiasCorrection", "CPUAdam", "DeepSpeedCPUAdam"}   # update of an element needs only that element
 
 
-# Speed-ups; "0" turns one off, "1" on (A/B runs: bench/stage1.py's *_legacy configs). All keep the result within
-# float rounding of the plain schedule (the stage-0 parity tests hold either way; see docs/stage1.md).
-KNOBS = {"ramp_buckets": "FSDPZERO_STAGE1_RAMP_BUCKETS",         # small first/last buckets: short exposed ends
-         "fold_grad_scale": "FSDPZERO_STAGE1_FOLD_GRAD_SCALE",   # clip/unscale factor inside the fused step
-         "pipeline_step": "FSDPZERO_STAGE1_PIPELINE_STEP",       # fused Adam bucket by bucket, under the all-gather
-         "forward_allgather": "FSDPZERO_STAGE1_FORWARD_ALLGATHER"}  # the all-gather finishes under the next forward
-# Off unless asked for: after step() returns, parameters read directly (p.norm(), model.weight.clone(), a
-# DeepSpeed-oracle comparison) would be stale until the next forward or wait_for_params(); DeepSpeed's stage 1
-# returns with them updated. Worth ~1% on 2x H200 (BENCHMARKS.md).
-OFF_BY_DEFAULT = {"forward_allgather"}
+# Speed-ups, the stage1_* knobs of fsdpzero.tuning (A/B runs: bench/stage1.py's *_legacy configs turn them off). All
+# keep the result within float rounding of the plain schedule (the stage-0 parity tests hold either way; see
+# docs/stage1.md). forward_allgather is off by default: after step() returns, parameters read directly (p.norm(),
+# model.weight.clone(), a DeepSpeed-oracle comparison) would be stale until the next forward or wait_for_params();
+# DeepSpeed's stage 1 returns with them updated. Worth ~1% on 2x H200 (BENCHMARKS.md).
+KNOBS = {key: env_name("stage1_" + key) for key in ("ramp_buckets", "fold_grad_scale", "pipeline_step",
+                                                     "forward_allgather")}
 
 
-def knobs_from_env() -> dict[str, bool]:
-    return {key: os.environ.get(env, "0" if key in OFF_BY_DEFAULT else "1") != "0" for key, env in KNOBS.items()}
+def stage1_knobs(tuning: Tuning) -> dict[str, bool]:
+    return {key: getattr(tuning, "stage1_" + key) for key in KNOBS}
 
 
 class Stage1GradPath(GradPath):
@@ -85,7 +82,8 @@ class Stage1GradPath(GradPath):
         self.stage1.load_state_dict(state)
 
 
-def build_stage1_path(model: nn.Module, plan, make_optimizer: Callable, mesh=None) -> Stage1GradPath:
+def build_stage1_path(model: nn.Module, plan, make_optimizer: Callable, mesh=None, *,
+                      tuning: Tuning | None = None) -> Stage1GradPath:
     """`zero_optimization.stage: 1`: the engine's optimizer (config section or client) over the whole parameters,
     then sharded by Stage1Optimizer.wrap. The model stays unwrapped; its parameters are cast to the plan's
     param_dtype after the fp32 masters are taken."""
@@ -104,7 +102,7 @@ def build_stage1_path(model: nn.Module, plan, make_optimizer: Callable, mesh=Non
             "per-tensor quantities (LAMB trust ratios, ...) are then taken over that flat shard and results differ "
             "from stage 0", type(optimizer).__name__)
     shard, precision, offload = plan.shard, plan.precision, plan.offload
-    knobs = knobs_from_env()
+    knobs = stage1_knobs(tuning if tuning is not None else current())
     forward_allgather = knobs.pop("forward_allgather")
     stage1 = Stage1Optimizer.wrap(
         optimizer, {id(p): n for n, p in named}, process_group=mesh.get_group() if mesh is not None else None,

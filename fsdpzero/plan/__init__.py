@@ -2,6 +2,6 @@
 function in translate.py, with every key's fate (fates.py over fate_table.py) and one renderer of that report
 (report.py). Nothing here imports torch."""
 from fsdpzero.plan.types import (  # noqa: F401
-    ActivationCheckpointPlan, AioPlan, BatchPlan, CheckpointPlan, Decision, DType, Env, LossScalePlan, MonitorPlan,
-    OffloadPlan, OptimizerPlan, Plan, PrecisionPlan, SchedulerPlan, ShardPlan, Status,
+    ActivationCheckpointPlan, AioPlan, BatchPlan, CheckpointPlan, CompilePlan, Decision, DType, Env, LossScalePlan,
+    MonitorPlan, OffloadPlan, OptimizerPlan, Plan, PrecisionPlan, SchedulerPlan, ShardPlan, Status,
 )

@@ -1,11 +1,28 @@
 """The key-fate table: what every DeepSpeed key becomes under FSDP2, as data.
 
-FATES maps a canonical dotted key (DeepSpeed's documented spelling, e.g. `stage3_prefetch_bucket_size`) to
-(status, detail); WHEN says in words where the value changes that fate. fsdpzero.plan.fates.decide starts from this
-table and overrides it where the value matters (a feature switched on, a stage that changes the meaning).
-docs/migration.md is generated from FATES and WHEN; a test checks that every field of the schema has an entry.
+One table of rules (key pattern, condition, fate, how). `CONDITIONAL` holds the rules whose condition looks at the
+value or the rest of the config (a feature switched on, a stage that changes the meaning), in the order they are
+tried; `FATES` holds the default rule of every canonical key (DeepSpeed's documented spelling), taken when no
+conditional rule matches. `RULES` is the two together, in that order: `fsdpzero.plan.fates.decide` walks it,
+docs/migration.md is generated from it (`fsdpzero.cli.migrate --write-docs`), and the startup report and
+`fsdpzero migrate` print what decide returns. A condition is a named predicate (`When`): its text is what the docs
+print, next to the code that evaluates it, so the two cannot drift apart.
+
+A mapped/approximated rule that names a plan field (`SomethingPlan.field`) claims that runtime code reads it:
+tests/plan/test_fate_consumers.py checks the field's declared consumer (fsdpzero.plan.types) reads it.
 """
 from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING, Any, Callable
+
+from fsdpzero.config.rules import SCHEDULERS, canonical_optimizer, optimizer_kind
+
+if TYPE_CHECKING:
+    from fsdpzero.config import DSConfig
+    from fsdpzero.plan.types import Env
 
 M, A, N, U = "mapped", "approximated", "noop", "unsupported"
 _Z = "zero_optimization."
@@ -19,14 +36,15 @@ FATES: dict[str, tuple[str, str]] = {
                                        "FSDPModule.set_requires_gradient_sync(False) off the boundary"),
     "managed_gradient_accumulation": (M, "engine owns the accumulation boundary (false: unsupported)"),
     "gradient_clipping": (M, "torch.nn.utils.clip_grad_norm_ on DTensor grads after unscaling (0 = off)"),
-    "gradient_predivide_factor": (M, "FSDPModule.set_gradient_divide_factor(f), then x f/dp after the reduce"),
+    "gradient_predivide_factor": (M, "1.0: the ranks' gradients averaged in the reduction, as DeepSpeed"),
     "prescale_gradients": (N, "FSDP2 averages in the reduce-scatter; pre- or post-scaling is the same mean"),
     "gradient_allreduce_op": (M, "mean: FSDP2's default reduce-scatter average"),
     "communication_data_type": (M, "MixedPrecisionPolicy(reduce_dtype=...); unset: the model dtype, as DeepSpeed"),
     "seq_parallel_communication_data_type": (N, "no sequence parallelism in fsdpzero"),
     "sequence_parallel_size": (N, "1: no sequence parallelism"),
     "steps_per_print": (M, "rank-0 progress log interval"),
-    "wall_clock_breakdown": (M, "rank-0 step timers (forward/backward/step)"),
+    "wall_clock_breakdown": (M, "BatchPlan.wall_clock_breakdown: rank-0 step timers in the step log and, with a "
+                                "monitor, DeepSpeed's Train/Samples/elapsed_time_ms_* events"),
     "memory_breakdown": (N, "use torch.cuda.memory_summary(); not logged per step"),
     "dump_state": (N, "the resolved plan is printed at start instead"),
     "disable_python_gc": (N, "Python GC is left alone"),
@@ -36,7 +54,7 @@ FATES: dict[str, tuple[str, str]] = {
                                        "counterpart"),
     "vocabulary_size": (N, "DeepSpeed only warns when not a multiple of 8"),
     "dataloader_drop_last": (M, "DataLoader(drop_last=...)"),
-    "log_level": (M, "fsdpzero logger level (rank 0)"),
+    "log_level": (N, "not applied: rank 0 logs at INFO; logging.getLogger('fsdpzero').setLevel(...) changes it"),
     "use_data_before_expert_parallelism": (N, "no expert parallelism"),
     # ---- precision
     "fp16": (M, "fp16 mixed precision section"),
@@ -49,13 +67,14 @@ FATES: dict[str, tuple[str, str]] = {
     "fp16.hysteresis": (M, "LossScalePlan.hysteresis: overflows tolerated before /2 (GradScaler has none)"),
     "fp16.consecutive_hysteresis": (M, "LossScalePlan.consecutive_hysteresis"),
     "fp16.min_loss_scale": (M, "LossScalePlan.min_loss_scale: the floor; overflow at the floor aborts"),
-    "fp16.fp16_master_weights_and_grads": (M, "PrecisionPlan.master_dtype=float16"),
+    "fp16.fp16_master_weights_and_grads": (M, "false: fp32 master weights (PrecisionPlan.master_dtype)"),
     "bf16": (M, "bf16 mixed precision section"),
     "bf16.enabled": (M, "MixedPrecisionPolicy(param_dtype=bfloat16) + fp32 sharded master weights"),
     "bf16.immediate_grad_update": (N, "FSDP2 accumulates reduced gradient shards directly"),
     "bf16.check_grad_overflow": (M, "PrecisionPlan.check_grad_overflow: non-finite grad norm => skip the step"),
-    "bf16.bf16_master_weights_and_grads": (M, "PrecisionPlan.master_dtype=bfloat16: pure-bf16 sharded params"),
-    "bf16.bf16_optimizer_states": (M, "PrecisionPlan.optimizer_state_dtype=bfloat16"),
+    "bf16.bf16_master_weights_and_grads": (M, "false: fp32 master weights (PrecisionPlan.master_dtype)"),
+    "bf16.bf16_optimizer_states": (M, "PrecisionPlan.optimizer_state_dtype: false, the moments stay fp32 (bf16 "
+                                      "master weights then need offload_optimizer, as in DeepSpeed)"),
     "torch_autocast": (M, "torch.autocast around forward with fp32 parameters"),
     "torch_autocast.enabled": (M, "PrecisionPlan.autocast_dtype: torch.autocast(device, dtype)"),
     "torch_autocast.dtype": (M, "PrecisionPlan.autocast_dtype (default bfloat16)"),
@@ -80,9 +99,9 @@ FATES: dict[str, tuple[str, str]] = {
     _Z + "stage": (M, "ShardPlan.stage"),
     _Z + "contiguous_gradients": (N, "FSDP2 always reduce-scatters flat per-group gradient buffers"),
     _Z + "reduce_scatter": (N, "FSDP2 always reduce-scatters"),
-    _Z + "reduce_bucket_size": (M, "ShardPlan.reduce_bucket_size (elements): bucket of the stage-0 all-reduce and "
-                                   "of the stage-1 reduce-scatter (fsdpzero/ops/stage1/optimizer.py); "
-                                   "at stages 2/3 FSDP2 reduces per wrapped block"),
+    _Z + "reduce_bucket_size": (M, "ShardPlan.reduce_bucket_size (elements): bucket of the stage-1 reduce-scatter "
+                                   "(fsdpzero/ops/stage1/optimizer.py); at stages 0/2/3 FSDP2 reduces per wrapped "
+                                   "block"),
     _Z + "use_multi_rank_bucket_allreduce": (N, "FSDP2 buckets per wrapped block"),
     _Z + "allgather_partitions": (N, "FSDP2 always all-gathers"),
     _Z + "allgather_bucket_size": (M, "ShardPlan.allgather_bucket_size: post-step all-gather bucket of the "
@@ -108,7 +127,7 @@ FATES: dict[str, tuple[str, str]] = {
     _Z + "stage3_module_granularity_threshold": (N, "fetch granularity is the wrapped block"),
     _Z + "stage3_use_all_reduce_for_fetch_params": (N, "FSDP2 all-gathers"),
     _Z + "stage3_allgather_sequential": (N, "FSDP2 all-gathers per block"),
-    _Z + "ignore_unused_parameters": (M, "FSDP2 tolerates None grads; stage 0 uses find_unused_parameters"),
+    _Z + "ignore_unused_parameters": (M, "true: FSDP2 tolerates parameters without gradients"),
     _Z + "legacy_stage1": (N, "false: the current stage-1 implementation"),
     _Z + "round_robin_gradients": (N, "CPU-offload copy ordering; no effect on results"),
     _Z + "parameter_alignment": (N, "flat-buffer padding detail of DeepSpeed"),
@@ -146,7 +165,8 @@ FATES: dict[str, tuple[str, str]] = {
     _OO + "fast_init": (N, "optimizer-state init speed-up only"),
     _OO + "ratio": (M, "OffloadPlan.ratio: 1.0, the whole optimizer step on CPU"),
     _OO + "super_offload": (N, "false"),
-    _OO + "cpuadam_cores_perc": (A, "CPU Adam uses torch's intra-op threads"),
+    _OO + "cpuadam_cores_perc": (N, "DeepSpeed reads it for super_offload's CPU Adam only; fsdpzero's CPU step "
+                                    "uses usable cores / local ranks threads (tuning offload_threads)"),
     # ---- NVMe I/O
     "aio": (M, "OffloadPlan.aio: parameters of the ops aio NVMe engine"),
     "aio.block_size": (M, "AioPlan.block_size"),
@@ -154,7 +174,7 @@ FATES: dict[str, tuple[str, str]] = {
     "aio.intra_op_parallelism": (M, "AioPlan.intra_op_parallelism (I/O threads)"),
     "aio.single_submit": (M, "AioPlan.single_submit"),
     "aio.overlap_events": (M, "AioPlan.overlap_events"),
-    "aio.use_gds": (M, "AioPlan.use_gds (CUDA only)"),
+    "aio.use_gds": (N, "false: swaps go through CPU buffers, DeepSpeed's default"),
     # ---- activation checkpointing
     "activation_checkpointing": (M, "ActivationCheckpointPlan: checkpoint_wrapper(NO_REENTRANT) per block before "
                                     "fully_shard"),
@@ -162,14 +182,16 @@ FATES: dict[str, tuple[str, str]] = {
     "activation_checkpointing.contiguous_memory_optimization": (N, "allocator detail"),
     "activation_checkpointing.cpu_checkpointing": (M, "ActivationCheckpointPlan.cpu_checkpointing: "
                                                       "torch.autograd.graph.save_on_cpu"),
-    "activation_checkpointing.number_checkpoints": (M, "ActivationCheckpointPlan.number_checkpoints"),
+    "activation_checkpointing.number_checkpoints": (N, "sizes DeepSpeed's contiguous activation buffers "
+                                                       "(contiguous_memory_optimization), which fsdpzero does not "
+                                                       "allocate: every wrapped block is checkpointed"),
     "activation_checkpointing.synchronize_checkpoint_boundary": (N, "profiling aid"),
     "activation_checkpointing.profile": (N, "profiling aid"),
     # ---- checkpoints
     "checkpoint": (M, "CheckpointPlan: DCP save/load under <save_dir>/<tag>/ plus `latest`"),
-    "checkpoint.tag_validation": (M, "CheckpointPlan.tag_validation: all-gather tags and compare"),
-    "checkpoint.load_universal": (M, "CheckpointPlan.load_universal: read DeepSpeed universal checkpoints"),
-    "checkpoint.use_node_local_storage": (M, "CheckpointPlan.use_node_local_storage"),
+    "checkpoint.tag_validation": (M, "CheckpointPlan.tag_validation: the tag's SHA-1 compared across ranks"),
+    "checkpoint.load_universal": (N, "false: checkpoints are fsdpzero's own (DCP)"),
+    "checkpoint.use_node_local_storage": (N, "false: checkpoints under save_dir, as DeepSpeed"),
     "checkpoint.parallel_write": (N, "pipeline-parallel write option"),
     "checkpoint.parallel_write.pipeline_stage": (N, "no pipeline parallelism"),
     "checkpoint.checkpoint_serialization": (N, "DCP writes its own format"),
@@ -179,26 +201,33 @@ FATES: dict[str, tuple[str, str]] = {
     "checkpoint.writer.io_buffer_double": (N, "DCP manages buffers"),
     "checkpoint.writer.show_statistics": (N, "no writer statistics"),
     "checkpoint.writer.data_parallel": (N, "every rank writes its shard"),
-    "checkpoint.writer.decoupled": (A, "CheckpointPlan.async_save: dcp.async_save"),
+    "checkpoint.writer.decoupled": (M, "CheckpointPlan.async_save: DCP async_save; complete before `latest` moves"),
     "checkpoint.writer.io_multiplier": (N, "DCP manages I/O"),
     # ---- monitoring
-    "tensorboard": (M, "MonitorPlan.tensorboard: rank-0 SummaryWriter (Train/Samples/*)"),
+    "tensorboard": (M, "MonitorPlan.tensorboard: the Engine writes DeepSpeed's Train/Samples/* events to a rank-0 "
+                       "SummaryWriter in output_path/job_name (fsdpzero.monitor; needs the tensorboard package, "
+                       "else one warning)"),
     "tensorboard.enabled": (M, "MonitorPlan.tensorboard"),
-    "tensorboard.output_path": (M, "log directory"),
-    "tensorboard.job_name": (M, "run name"),
-    "wandb": (M, "MonitorPlan.wandb: rank-0 wandb.log"),
+    "tensorboard.output_path": (M, "MonitorPlan.tensorboard: log directory (output_path/job_name)"),
+    "tensorboard.job_name": (M, "MonitorPlan.tensorboard: run directory name"),
+    "wandb": (M, "MonitorPlan.wandb: the Engine's events through rank-0 wandb.log(step=global samples) "
+                 "(fsdpzero.monitor; needs wandb, else one warning)"),
     "wandb.enabled": (M, "MonitorPlan.wandb"),
-    "wandb.group": (M, "wandb group"),
-    "wandb.team": (M, "wandb entity"),
-    "wandb.project": (M, "wandb project"),
-    "csv_monitor": (M, "MonitorPlan.csv_monitor: rank-0 CSV files"),
+    "wandb.group": (M, "MonitorPlan.wandb: wandb.init(group=...)"),
+    "wandb.team": (M, "MonitorPlan.wandb: wandb.init(entity=...)"),
+    "wandb.project": (M, "MonitorPlan.wandb: wandb.init(project=...)"),
+    "csv_monitor": (M, "MonitorPlan.csv_monitor: the Engine's events as rank-0 CSV files, one per tag, in "
+                       "DeepSpeed's layout (fsdpzero.monitor)"),
     "csv_monitor.enabled": (M, "MonitorPlan.csv_monitor"),
-    "csv_monitor.output_path": (M, "CSV directory"),
-    "csv_monitor.job_name": (M, "run name"),
-    "comet": (M, "MonitorPlan.comet: rank-0 comet_ml experiment"),
-    **{f"comet.{k}": (M, f"comet_ml {k}") for k in ("enabled", "samples_log_interval", "project", "workspace",
-                                                    "api_key", "experiment_name", "experiment_key", "online",
-                                                    "mode")},
+    "csv_monitor.output_path": (M, "MonitorPlan.csv_monitor: CSV directory (output_path/job_name)"),
+    "csv_monitor.job_name": (M, "MonitorPlan.csv_monitor: run directory name"),
+    "comet": (M, "MonitorPlan.comet: the Engine's events through a rank-0 comet_ml experiment (fsdpzero.monitor; "
+                 "needs comet_ml, else one warning)"),
+    "comet.enabled": (M, "MonitorPlan.comet"),
+    "comet.samples_log_interval": (M, "MonitorPlan.comet: a tag is logged again after this many samples"),
+    **{f"comet.{k}": (M, f"MonitorPlan.comet: comet_ml.start({k}=...)") for k in (
+        "project", "workspace", "api_key", "experiment_key", "online", "mode")},
+    "comet.experiment_name": (M, "MonitorPlan.comet: experiment.set_name(...)"),
     "comms_logger": (N, "use torch.profiler for collective timings"),
     **{f"comms_logger.{k}": (N, "torch.profiler instead") for k in ("enabled", "prof_all", "prof_ops", "verbose",
                                                                     "debug")},
@@ -210,15 +239,17 @@ FATES: dict[str, tuple[str, str]] = {
     "timers.throughput": (M, "samples/s in the step log"),
     "timers.throughput.enabled": (M, "samples/s in the step log"),
     "timers.throughput.synchronized": (N, "timings synchronise at log steps only"),
-    # ---- features fsdpzero does not carry (fates change when switched on; see translate.decide)
+    # ---- features fsdpzero does not carry (fates change when switched on: see CONDITIONAL)
     "tensor_parallel": (N, "autotp_size 0/1: no tensor parallelism"),
     **{f"tensor_parallel.{k}": (N, "no tensor parallelism") for k in (
         "dtype", "autotp_size", "tp_overlap_comm", "vocab_parallel_lm_head", "vocab_parallel_ce_backend", "tp",
         "tp.tp_size", "tp.tp_grain_size", "tp.mpu", "tp.tp_group", "injection_policy_tuple", "partition_config",
         "preset_model", "keep_module_on_host", "kernel_inject")},
-    "compile": (N, "DeepCompile off: compile with torch.compile per block after fully_shard"),
+    "compile": (N, "torch.compile per block when enabled (fsdpzero/compile.py)"),
+    "compile.enabled": (N, "off"), "compile.deepcompile": (N, "off"),
+    "compile.backend": (N, "compile is off"), "compile.kwargs": (N, "compile is off"),
     **{f"compile.{k}": (N, "DeepCompile option") for k in (
-        "deepcompile", "autoep_non_moe", "free_activation", "free_activation_threshold", "offload_activation",
+        "autoep_non_moe", "free_activation", "free_activation_threshold", "offload_activation",
         "offload_activation_pin_memory", "offload_opt_states", "double_buffer", "symmetric_memory", "debug_log",
         "offload_parameters", "sync_before_reduce", "sync_after_reduce", "sync_before_allgather",
         "sync_after_allgather", "keep_int_input_tensors", "keep_all_input_tensors", "passes")},
@@ -241,37 +272,272 @@ for _k in ("topk_ratio", "select_strategy", "select_interval", "update_interval"
 
 UNKNOWN_FATE = (N, "unknown to DeepSpeed, ignored as DeepSpeed does")
 
-# Where the value changes the fate (fsdpzero.plan.fates.decide), in words for docs/migration.md.
-WHEN = {
-    _Z + "stage": "0: replicated params, all-reduced grads; 1: ops stage1; 2/3: fully_shard per block + root",
-    _Z + "zero_hpz_partition_size": "k > 1 at stage 3: reshard_after_forward=k (k must divide the world size)",
-    _Z + "mics_shard_size": "k > 0: HSDP mesh (world/k, k) ('replicate', 'shard'); removed from DeepSpeed 0.19.8",
-    _Z + "zero_quantized_weights": "true: approximated (full-precision all-gather)",
-    _Z + "zero_quantized_gradients": "true: approximated (full-precision reduce-scatter)",
-    _Z + "zero_quantized_nontrainable_weights": "true: unsupported",
-    _Z + "legacy_stage1": "true: unsupported",
-    _Z + "reduce_bucket_size": "stages 2/3: noop (the wrapped block is the unit)",
-    _Z + "allgather_bucket_size": "stages 0/2/3: noop",
-    _Z + "sub_group_size": "without optimizer offload: noop",
-    _OP + "device": "cpu: CPUOffloadPolicy; nvme: fsdpzero.offload.param_swapper swapper with offload_optimizer on, "
-                    "else approximated (CPU memory)",
-    _OO + "device": "cpu: ops cpuadam; nvme: ops aio swapper + cpuadam",
-    _OO + "ratio": "< 1 (stage 3): that fraction of the elements steps on CPU, the rest on the GPU (fused torch "
-                   "Adam on device fp32 masters); with offload_param or nvme: unsupported",
-    _OO + "super_offload": "true: approximated (regular CPU offload)",
-    "optimizer.type": "Adam -> 'adamw' unless adam_w_mode false; OneBitAdam/ZeroOneAdam/OneBitLamb, Lion, "
-                      "MuAdam/MuAdamW/MuSGD, Muon: unsupported",
-    "gradient_allreduce_op": "sum: unsupported",
-    "managed_gradient_accumulation": "false: unsupported",
-    "sequence_parallel_size": "> 1: unsupported",
-    "tensor_parallel.autotp_size": "> 1: unsupported",
-    "compile.deepcompile": "true: unsupported",
-    "hybrid_engine.enabled": "true: unsupported",
-    "data_efficiency": "enabled: unsupported",
-    "datastates": "enabled: unsupported",
-    "activation_checkpointing.partition_activations": "true: approximated",
-    "fp16.enabled": "false: noop (and every other fp16 key)",
-    "bf16.enabled": "false: noop (and every other bf16 key)",
-    "pipeline": "absent: noop", "expert_parallel": "absent: noop", "weight_quantization": "absent: noop",
-    _Z + "zenflow": "absent: noop",
+
+# ---------------------------------------------------------------- conditions
+@dataclass(frozen=True)
+class Ctx:
+    """What a condition and a `how` template see: the key, its value, the config and the environment."""
+    key: str
+    value: Any
+    cfg: "DSConfig"
+    env: "Env"
+
+    @property
+    def on(self) -> bool:
+        return bool(self.value) and self.value not in ("none", "auto")
+
+    @property
+    def stage(self) -> int:
+        return self.cfg.zero_optimization.stage
+
+    def device(self, section: str) -> str:
+        """offload_param / offload_optimizer device ("none" when the section is absent)."""
+        sub = getattr(self.cfg.zero_optimization, section)
+        return sub.device if sub is not None and sub.device else "none"
+
+    def fields(self) -> dict[str, Any]:
+        """The names a `how` template may use."""
+        parts = self.key.split(".")
+        opt, sch = self.cfg.optimizer, self.cfg.scheduler
+        v = self.value
+        return {"value": v, "stage": self.stage, "leaf": parts[-1], "section": parts[0],
+                "part": parts[1] if len(parts) > 2 else parts[-1],
+                "dev": self.device(parts[1]) if len(parts) > 2 and parts[1].startswith("offload_") else "",
+                "mics_mesh": (self.env.world_size // v, v) if isinstance(v, int) and v > 0 else None,
+                "canon": canonical_optimizer(v, opt.params if opt else {}) if self.key == "optimizer.type" else "",
+                "opt_type": opt.type if opt else "", "sched_type": sch.type if sch else ""}
+
+
+@dataclass(frozen=True)
+class When:
+    text: str                                   # printed in docs/migration.md
+    test: Callable[[Ctx], bool]
+
+    def __and__(self, other: "When") -> "When":
+        return When(f"{self.text} and {other.text}", lambda c: self.test(c) and other.test(c))
+
+    def __or__(self, other: "When") -> "When":
+        return When(f"({self.text} or {other.text})", lambda c: self.test(c) or other.test(c))
+
+
+def value_is(v: Any) -> When:
+    return When(f"value {json.dumps(v)}", lambda c: type(c.value) is type(v) and c.value == v)
+
+
+def value_in(*vs: Any) -> When:
+    return When("value in " + ", ".join(json.dumps(v) for v in vs), lambda c: c.value in vs)
+
+
+def value_above(n: float) -> When:
+    return When(f"value > {n}", lambda c: isinstance(c.value, (int, float)) and not isinstance(c.value, bool)
+                and c.value > n)
+
+
+def value_below(n: float) -> When:
+    return When(f"value < {n}", lambda c: isinstance(c.value, (int, float)) and not isinstance(c.value, bool)
+                and c.value < n)
+
+
+def stage_in(*stages: int) -> When:
+    return When("stage " + "/".join(map(str, stages)), lambda c: c.stage in stages)
+
+
+def device_is(section: str, *devices: str) -> When:
+    return When(f"{section}.device " + "/".join(devices), lambda c: c.device(section) in devices)
+
+
+def leaf_in(*leaves: str) -> When:
+    return When("key is one of " + ", ".join(leaves), lambda c: c.key.rsplit(".", 1)[1] in leaves)
+
+
+def section_off(section: str) -> When:
+    return When(f"{section}.enabled false", lambda c: not getattr(c.cfg, section).enabled)
+
+
+ON = When("true (on)", lambda c: c.on)
+OFF = When("false (off)", lambda c: not c.on)
+ABSENT = When("absent or off", lambda c: c.value is None or c.value is False or c.value == {})
+SECTION_ENABLED = When("the section is enabled", lambda c: isinstance(c.value, dict) and bool(c.value.get("enabled")))
+OFFLOADED_OPT = device_is("offload_optimizer", "cpu", "nvme")
+NO_OFFLOADED_OPT = device_is("offload_optimizer", "none")
+OWN_DEVICE_NONE = When("its section's device is none", lambda c: c.device(c.key.split(".")[1]) == "none")
+OWN_DEVICE_CPU = When("its section's device is cpu", lambda c: c.device(c.key.split(".")[1]) == "cpu")
+MULTI_NODE = When("more than one node", lambda c: c.env.nodes > 1)
+ALWAYS = When("otherwise", lambda c: True)
+COMPILE_ON = When("compile.enabled or compile.deepcompile", lambda c: c.cfg.compile is not None and bool(
+    c.cfg.compile.enabled or c.cfg.compile.deepcompile))
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: str                                # a canonical key, or an fnmatch pattern over keys
+    when: When
+    status: str
+    how: str                                    # str.format template over Ctx.fields()
+
+    def matches(self, ctx: Ctx) -> bool:
+        return fnmatchcase(ctx.key, self.pattern) and self.when.test(ctx)
+
+
+_NVME_ONLY = ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pipeline_read", "pipeline_write")
+_ADAM_HOW = {"adamw": "torch.optim.AdamW (foreach) on DTensor shards", "adam": "torch.optim.Adam (foreach)",
+             "lamb": "fsdpzero.optim.lamb.Lamb (torch has no LAMB)", "sgd": "torch.optim.SGD",
+             "adagrad": "torch.optim.Adagrad"}
+_UNSUPPORTED_WHEN_ON = {   # key: (condition, why)
+    "gradient_allreduce_op": (value_is("sum"), "summed (not averaged) gradients are not carried"),
+    "managed_gradient_accumulation": (value_is(False), "client-managed accumulation boundaries are not carried"),
+    "sequence_parallel_size": (value_above(1), "sequence parallelism is not implemented"),
+    "tensor_parallel.autotp_size": (value_above(1), "AutoTP tensor parallelism is not implemented"),
+    "hybrid_engine.enabled": (ON, "the RLHF hybrid engine is not implemented"),
+    "data_efficiency": (SECTION_ENABLED, "DeepSpeed data_efficiency is not implemented"),
+    "datastates": (SECTION_ENABLED, "DeepSpeed datastates is not implemented"),
 }
+
+# Tried in order before the key's default rule in FATES; the first whose pattern and condition match decides.
+CONDITIONAL: tuple[Rule, ...] = (
+    # ---- ZeRO layout
+    Rule(_Z + "stage", value_is(0), M, "FSDP2 on a (world, 1) mesh: replicated params, gradients all-reduced per "
+                                       "wrapped block (DDP-style)"),
+    Rule(_Z + "stage", value_is(1), M, "fsdpzero/ops/stage1/optimizer.py: replicated params; grads reduce-scattered "
+                                       "into fp32 shards at the boundary, sharded optimizer step, params all-gathered"),
+    Rule(_Z + "stage", value_is(2), M, "fully_shard(reshard_after_forward=False) per block + root"),
+    Rule(_Z + "stage", value_is(3), M, "fully_shard(reshard_after_forward=True) per block + root"),
+    Rule(_Z + "zero_hpz_partition_size", value_above(1) & stage_in(0, 1, 2), N, "hpZ acts only at ZeRO stage 3"),
+    Rule(_Z + "zero_hpz_partition_size", value_above(1), M,
+         "fully_shard(reshard_after_forward={value}): hpZ secondary shard group"),
+    Rule(_Z + "mics_shard_size", value_above(0), M, "HSDP: init_device_mesh({mics_mesh}, ('replicate','shard')) "
+                                                    "(MiCS was removed from DeepSpeed 0.19.8)"),
+    Rule(_Z + "zero_quantized_weights", ON, A, "ZeRO++ quantized collectives are not carried: full-precision "
+                                               "communication"),
+    Rule(_Z + "zero_quantized_gradients", ON, A, "ZeRO++ quantized collectives are not carried: full-precision "
+                                                 "communication"),
+    Rule(_Z + "zero_quantized_nontrainable_weights", ON, U, "quantized frozen weights (ZeRO++) are not implemented"),
+    Rule(_Z + "legacy_stage1", ON, U, "DeepSpeed's legacy stage-1 implementation"),
+    # ---- offload
+    Rule(_OP + "device", value_is("nvme") & NO_OFFLOADED_OPT, A,
+         "parameters offloaded to CPU memory (CPUOffloadPolicy), not to NVMe: the NVMe parameter swapper runs with "
+         "offload_optimizer (cpu or nvme), which steps one FSDP unit at a time"),
+    Rule(_OP + "device", value_is("nvme"), M,
+         "fsdpzero.offload.param_swapper: FSDP2's CPU shards (CPUOffloadPolicy) swapped per FSDP unit to ops aio "
+         "swap files, read back ahead of each unit in forward and backward, written back after the optimizer step"),
+    *(Rule(_OP + leaf, device_is("offload_param", "nvme") & NO_OFFLOADED_OPT, N,
+           "no parameter swapper without offload_optimizer: parameters stay in CPU memory")
+      for leaf in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")),
+    Rule(_OP + "device", value_is("cpu"), M,
+         "fully_shard(offload_policy=CPUOffloadPolicy(pin_memory)); the optimizer steps on CPU"),
+    Rule(_OO + "device", value_is("cpu"), M, "ops cpuadam: fp32 master + Adam state on CPU, grad shards copied D2H"),
+    Rule(_OO + "device", value_is("nvme"), M, "ops aio NVMe optimizer-state swapper + ops cpuadam"),
+    Rule(_OO + "ratio", value_below(1) & (device_is("offload_optimizer", "nvme") | device_is("offload_param", "cpu",
+                                                                                             "nvme")), U,
+         "ratio {value} with offload_param or an nvme optimizer: partial offload needs the params on the GPU (set "
+         "ratio to 1.0)"),
+    Rule(_OO + "ratio", value_below(1), M,
+         "ratio {value}: the CPU steps that fraction of each rank's elements (the last chunks in forward order), the "
+         "GPU the rest with fused torch Adam on device fp32 masters"),
+    Rule(_OO + "super_offload", ON, A, "SuperOffload's overlap: fsdpzero's CPU step overlaps the next forward by "
+         "default (exact); its speculative step during backward is the tuning knob offload_speculate (exact: shadow "
+         "buffers, not rollback); no superchip-specific placement"),
+    # ---- optimizer and scheduler
+    Rule("optimizer.type", When("a 1-bit optimizer", lambda c: optimizer_kind(c.value) == "onebit"), U,
+         "{value}: compressed-communication optimizers are not implemented"),
+    Rule("optimizer.type", When("MuAdam, MuAdamW, MuSGD, Muon or Lion", lambda c: (c.value or "").lower() in (
+        "muadam", "muadamw", "musgd", "muon", "lion")), U, "{value}: no fsdpzero implementation"),
+    *(Rule("optimizer.type", When(f"{k} (canonical)", lambda c, k=k: c.fields()["canon"] == k), M,
+           "OptimizerPlan.type={canon!r}: " + how) for k, how in _ADAM_HOW.items()),
+    Rule("optimizer.type", ALWAYS, M, "OptimizerPlan.type={canon!r}: torch.optim.{value}"),
+    Rule("optimizer.params.*", leaf_in("torch_adam"), M, "OptimizerPlan.torch_adam"),
+    Rule("optimizer.params.*", leaf_in("adam_w_mode"), M, "OptimizerPlan.adam_w_mode"),
+    Rule("optimizer.params.*", leaf_in("fp32_optimizer_states", "set_grad_none"), N,
+         "DeepSpeed kernel option; torch optimizers keep fp32 state for fp32 params"),
+    Rule("optimizer.params.*", ALWAYS, M, "keyword argument of the {opt_type} optimizer"),
+    Rule("scheduler.type", When("a DeepSpeed scheduler", lambda c: c.value in SCHEDULERS), M,
+         "fsdpzero's {value}: same formula as DeepSpeed, stepped per optimizer step"),
+    Rule("scheduler.type", ALWAYS, M, "torch.optim.lr_scheduler.{value}"),
+    Rule("scheduler.params.*", ALWAYS, M, "{sched_type} keyword argument"),
+    # ---- features fsdpzero does not carry
+    *(Rule(k, cond, U, why) for k, (cond, why) in _UNSUPPORTED_WHEN_ON.items()),
+    # compile: enabled (older DeepSpeed's key) or deepcompile turn on torch.compile per block (fsdpzero/compile.py)
+    Rule("compile.enabled", ON, M, "torch.compile of each transformer block's forward, inside FSDP2's hooks, "
+                                   "activation checkpointing inside the compiled region (fsdpzero/compile.py)"),
+    Rule("compile.enabled", OFF, N, "off (fsdpzero's compile tuning knob, FSDPZERO_COMPILE=1, turns it on)"),
+    Rule("compile.deepcompile", ON, A, "DeepCompile's graph passes are not implemented: taken as a request for the "
+                                       "fastest compiled path, torch.compile per transformer block (compile.backend, "
+                                       "default inductor)"),
+    Rule("compile.backend", COMPILE_ON, M, "torch.compile(backend=...) per block"),
+    Rule("compile.kwargs", COMPILE_ON, M, "torch.compile keyword arguments (mode, dynamic, fullgraph, options) per "
+                                          "block"),
+    *(Rule(k, ABSENT, N, "not used") for k in ("pipeline", "expert_parallel", "weight_quantization",
+                                                _Z + "zenflow")),
+    Rule("activation_checkpointing.partition_activations", ON, A,
+         "needs tensor parallelism: activations are checkpointed whole"),
+    # ---- precision
+    Rule("aio.use_gds", ON, U, "GPUDirect Storage is not supported: swaps go through pinned CPU buffers (set it "
+                               "to false)"),
+    Rule("fp16.enabled", OFF, N, "off"),
+    Rule("bf16.enabled", OFF, N, "off"),
+    Rule("torch_autocast.enabled", OFF, N, "off"),
+    Rule("fp16.*", section_off("fp16"), N, "fp16 is off"),
+    Rule("bf16.*", section_off("bf16"), N, "bf16 is off"),
+    *(Rule(f"{sec}.{sec}_master_weights_and_grads", ON & OFFLOADED_OPT, A,
+           f"ops cpuadam keeps an fp32 copy of the {sec} master on the CPU and rounds the result into it (DeepSpeed's "
+           "CPU Adam updates the 16-bit master directly): differences of rounding") for sec in ("fp16", "bf16")),
+    *(Rule(f"{sec}.{sec}_master_weights_and_grads", ON & stage_in(1), A,
+           "the stage-1 optimizer keeps fp32 master shards (more precise, twice the master memory)")
+      for sec in ("fp16", "bf16")),
+    Rule("fp16.fp16_master_weights_and_grads", ON, M, "PrecisionPlan.master_dtype=float16 (DeepSpeed: with CPU "
+                                                      "Adam only)"),
+    Rule("bf16.bf16_master_weights_and_grads", ON, M, "PrecisionPlan.master_dtype=bfloat16: pure-bf16 sharded "
+                                                      "params"),
+    Rule("bf16.bf16_optimizer_states", ON & OFFLOADED_OPT, A,
+         "ops cpuadam keeps fp32 moments on the CPU, where DeepSpeed's CPU Adam keeps bf16 ones (more precise, "
+         "twice the CPU memory)"),
+    Rule("bf16.bf16_optimizer_states", ON & stage_in(1), A,
+         "the stage-1 optimizer keeps fp32 masters and so fp32 moments (more precise, twice the state memory)"),
+    Rule("bf16.bf16_optimizer_states", ON, M,
+         "PrecisionPlan.optimizer_state_dtype=bfloat16: the Adam moments are created in bf16, the dtype of the "
+         "bf16 master weights it requires (checked when the optimizer is built)"),
+    Rule("gradient_predivide_factor", When("value != 1.0", lambda c: c.value != 1.0), A,
+         "the reduced gradient is the same mean of the ranks' gradients; FSDP2 places the division itself (fp16: "
+         "~sqrt(world) before and the rest after the reduction, the overflow guard this factor exists for; "
+         "fp32/bf16: a fused average), so results differ from DeepSpeed's only by rounding. DeepSpeed 0.19.8 "
+         "accepts a factor != 1 at ZeRO 1-3 only with reduce_scatter false"),
+    Rule("checkpoint.load_universal", ON, M, "CheckpointPlan.load_universal: with no tag, load the DeepSpeed "
+         "universal checkpoint `latest_universal` names, converted once (fsdpzero.checkpoint.universal)"),
+    Rule("checkpoint.use_node_local_storage", ON & MULTI_NODE, U,
+         "DCP writes each rank's shards plus one metadata file (rank 0) under save_dir, and loading needs them all "
+         "in one directory: use storage every node sees"),
+    Rule("checkpoint.use_node_local_storage", ON, N,
+         "one node: every rank's files are on this node's storage already"),
+    # ---- ZeRO knobs whose meaning depends on the stage or the offload device
+    Rule(_Z + "ignore_unused_parameters", OFF, A,
+         "parameters without gradients are tolerated, not reported as DeepSpeed's ZeRO 2/3 assertion does"),
+    Rule("timers.throughput.enabled", OFF, N, "samples/s is always in the step log"),
+    Rule(_Z + "stage3_*", stage_in(0, 1, 2), N, "acts only at ZeRO stage 3 (stage is {stage})"),
+    Rule(_Z + "reduce_bucket_size", stage_in(1), M, "ops stage-1 reduce-scatter bucket (elements)"),
+    Rule(_Z + "allgather_bucket_size", stage_in(1), M, "ops stage-1 post-step all-gather bucket (elements)"),
+    Rule(_Z + "overlap_comm", stage_in(1), M, "ops stage-1 reduce-scatters buckets from backward hooks as they fill"),
+    Rule(_Z + "allgather_bucket_size", stage_in(0), N, "no sharding at stage 0"),
+    Rule(_Z + "allgather_bucket_size", stage_in(2, 3), N, "FSDP2 all-gathers per wrapped block"),
+    Rule(_Z + "reduce_bucket_size", stage_in(0), N,
+         "stage 0 is FSDP2 on a (world, 1) mesh: gradients are all-reduced per wrapped block, not in buckets"),
+    Rule(_Z + "load_from_fp32_weights", OFF, A,
+         "the fp32 masters are always restored from the checkpoint's fp32 copy (DeepSpeed: from the 16-bit weights "
+         "when false)"),
+    Rule(_Z + "reduce_bucket_size", stage_in(2, 3), N,
+         "FSDP2 reduce-scatters per wrapped block (the unit replaces the bucket)"),
+    Rule(_Z + "sub_group_size", NO_OFFLOADED_OPT, N, "only tiles the offloaded optimizer step"),
+    Rule(_Z + "offload_*.*", OWN_DEVICE_NONE, N, "{part} device is 'none'"),
+    *(Rule(_Z + "offload_*." + leaf, OWN_DEVICE_CPU, N, "{part} device is 'cpu'") for leaf in _NVME_ONLY),
+)
+
+# Every key's default rule, after the conditional ones: one table.
+RULES: tuple[Rule, ...] = CONDITIONAL + tuple(Rule(k, ALWAYS, s, how) for k, (s, how) in FATES.items())
+
+
+def decide(path: str, value: Any, cfg: "DSConfig", env: "Env") -> tuple[str, str]:
+    """The fate of one canonical key given its value: the first rule of RULES that matches."""
+    ctx = Ctx(path, value, cfg, env)
+    for rule in CONDITIONAL:
+        if rule.matches(ctx):
+            return rule.status, rule.how.format_map(ctx.fields()) if "{" in rule.how else rule.how
+    return FATES.get(path, UNKNOWN_FATE)

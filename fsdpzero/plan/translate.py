@@ -14,7 +14,7 @@ from fsdpzero.config import ConfigError, DSConfig, Problem, load_config, resolve
 from fsdpzero.config.load import model_of
 from fsdpzero.config.rules import SCHEDULERS, canonical_optimizer, optimizer_kind
 from fsdpzero.plan.fates import UNKNOWN_FATE, decide
-from fsdpzero.plan import (ActivationCheckpointPlan, AioPlan, BatchPlan, CheckpointPlan, Decision, Env,
+from fsdpzero.plan import (ActivationCheckpointPlan, AioPlan, BatchPlan, CheckpointPlan, CompilePlan, Decision, Env,
                            LossScalePlan, MonitorPlan, OffloadPlan, OptimizerPlan, Plan, PrecisionPlan,
                            SchedulerPlan, ShardPlan)
 
@@ -57,7 +57,7 @@ def translate(cfg: DSConfig, env: Env) -> Plan:
                                     cfg.flops_profiler and cfg.flops_profiler.enabled),
                                 dataloader_drop_last=cfg.dataloader_drop_last),
                 activation_checkpointing=_activation(cfg), checkpoint=_checkpoint(cfg), monitor=_monitor(cfg),
-                decisions=tuple(decisions(cfg, env)))
+                compile=_compile(cfg), decisions=tuple(decisions(cfg, env)))
     return plan
 
 
@@ -158,6 +158,17 @@ def _activation(cfg: DSConfig) -> ActivationCheckpointPlan:
                                     number_checkpoints=ac.number_checkpoints)
 
 
+def _compile(cfg: DSConfig) -> CompilePlan:
+    """enabled (older DeepSpeed's key) or deepcompile: torch.compile per block; DeepCompile's own graph passes are
+    not carried, so deepcompile asks for the same per-block compile, with the section's backend (inductor)."""
+    c = cfg.compile
+    if c is None:
+        return CompilePlan()
+    on = c.enabled or c.deepcompile     # off: backend and kwargs still serve the `compile` knob
+    return CompilePlan(enabled=on, backend=c.backend, kwargs=dict(c.kwargs),
+                       source=("compile.enabled" if c.enabled else "compile.deepcompile") if on else "")
+
+
 def _checkpoint(cfg: DSConfig) -> CheckpointPlan:
     c = cfg.checkpoint
     if c is None:
@@ -256,6 +267,8 @@ def decisions(cfg: DSConfig, env: Env) -> list[Decision]:
         status, detail = decide(canon, value, cfg, env)
         if path in autos:
             detail += f' ["auto" <- {autos[path][1]}]'
+        if path in cfg.rounded:
+            detail += f" [rounded from {cfg.rounded[path]!r}]"
         out.append(Decision(key=path, value=_jsonable(value), status=status, detail=detail))
         seen.add(canon)
     for canon in _defaulted(cfg):
@@ -284,7 +297,7 @@ def _is_row(cfg: DSConfig, path: str) -> bool:
 
 # Sections listed as one row: free-form dicts, and whole features that are either off or unsupported.
 _FREE_FORM = ("pipeline", "data_efficiency", "autotuning", "datastates", "expert_parallel",
-              "zero_optimization.zenflow", "weight_quantization")
+              "zero_optimization.zenflow", "weight_quantization", "compile.kwargs")
 
 
 def _jsonable(v: Any) -> Any:

@@ -124,7 +124,7 @@ class BatchPlan:
     micro_batch_size: int = 1
     gradient_accumulation_steps: int = 1
     gradient_clipping: float = 1.0          # DeepSpeed >= 0.19.3 default
-    gradient_predivide_factor: float = 1.0
+    gradient_predivide_factor: float = 1.0     # recorded, not applied: FSDP2 averages (fate approximated)
     prescale_gradients: bool = False
     steps_per_print: int | None = None
     wall_clock_breakdown: bool = False
@@ -135,20 +135,31 @@ class BatchPlan:
 class ActivationCheckpointPlan:
     enabled: bool = False                   # HF gradient_checkpointing or the section's presence
     cpu_checkpointing: bool = False
-    number_checkpoints: int | None = None
+    number_checkpoints: int | None = None   # recorded only: sizes DeepSpeed's contiguous buffers (fate noop)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompilePlan:
+    """torch.compile per transformer block (fsdpzero/compile.py): the `compile` section's enabled/backend/kwargs,
+    `deepcompile` (read as a request for the fastest compiled path), or fsdpzero's `compile` tuning knob."""
+    enabled: bool = False
+    backend: str = "inductor"
+    kwargs: dict[str, Any] = field(default_factory=dict)   # torch.compile keyword arguments (mode, dynamic, ...)
+    source: str = ""                                       # what turned it on: a config key or the knob
 
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointPlan:
     tag_validation: Literal["ignore", "warn", "fail"] = "warn"
     load_universal: bool = False
-    use_node_local_storage: bool = False
+    use_node_local_storage: bool = False    # recorded only: one node is a noop, several unsupported
     async_save: bool = False
     keep_last: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
 class MonitorPlan:
+    """The enabled monitor sections as DeepSpeed spells them (None = off): the Engine's fsdpzero.monitor.Monitor."""
     tensorboard: dict[str, Any] | None = None
     csv_monitor: dict[str, Any] | None = None
     wandb: dict[str, Any] | None = None
@@ -165,6 +176,7 @@ class Plan:
     scheduler: SchedulerPlan = field(default_factory=SchedulerPlan)
     batch: BatchPlan = field(default_factory=BatchPlan)
     activation_checkpointing: ActivationCheckpointPlan = field(default_factory=ActivationCheckpointPlan)
+    compile: CompilePlan = field(default_factory=CompilePlan)
     checkpoint: CheckpointPlan = field(default_factory=CheckpointPlan)
     monitor: MonitorPlan = field(default_factory=MonitorPlan)
     decisions: tuple[Decision, ...] = ()
@@ -178,3 +190,55 @@ class Plan:
         d = dataclasses.asdict(self)
         d.pop("decisions")
         return d
+
+
+# Who reads each plan field that a mapped/approximated fate names ("module:qualname", or a module where a whole
+# section is read by name): the claim "this key is carried" points here, and tests/plan/test_fate_consumers.py
+# imports each consumer and checks that it reads the field. A field no runtime code reads has no entry, and a fate
+# naming it fails that test.
+CONSUMERS: dict[str, tuple[str, ...]] = {
+    "ActivationCheckpointPlan.cpu_checkpointing": ("fsdpzero.sharding:shard_model",),
+    **{f"AioPlan.{f}": ("fsdpzero.ops.aio:AioConfig",) for f in (
+        "block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events", "use_gds")},
+    "BatchPlan.train_batch_size": ("fsdpzero.engine:Engine.train_batch_size",),
+    "BatchPlan.micro_batch_size": ("fsdpzero.engine:Engine.train_micro_batch_size_per_gpu",),
+    "BatchPlan.gradient_accumulation_steps": ("fsdpzero.engine:Engine.gradient_accumulation_steps",),
+    "BatchPlan.wall_clock_breakdown": ("fsdpzero.engine:Engine.__init__",),
+    "CheckpointPlan.tag_validation": ("fsdpzero.checkpoint.engine_state:save_engine",),
+    "CheckpointPlan.async_save": ("fsdpzero.checkpoint.engine_state:save_engine",),
+    "CheckpointPlan.load_universal": ("fsdpzero.checkpoint.engine_state:from_deepspeed",),
+    **{f"LossScalePlan.{f}": ("fsdpzero.loss_scaler:make_loss_scaler",) for f in (
+        "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
+        "min_loss_scale")},
+    **{f"MonitorPlan.{f}": ("fsdpzero.monitor",) for f in (   # the Engine's Monitor(plan.monitor)
+        "tensorboard", "csv_monitor", "wandb", "comet")},
+    "OffloadPlan.optimizer_device": ("fsdpzero.api:grad_path_name",),
+    "OffloadPlan.param_device": ("fsdpzero.sharding:offload_policy",),
+    "OffloadPlan.pin_memory": ("fsdpzero.sharding:offload_policy",),
+    "OffloadPlan.optimizer_nvme_path": ("fsdpzero.offload.nvme_adam:nvme_optimizer_from_plan",),
+    "OffloadPlan.buffer_count": ("fsdpzero.offload.nvme_adam:nvme_optimizer_from_plan",),
+    "OffloadPlan.aio": ("fsdpzero.offload.nvme_adam:nvme_optimizer_from_plan",
+                        "fsdpzero.offload.param_swapper:param_swapper_from_plan"),
+    **{f"OffloadPlan.{f}": ("fsdpzero.offload.param_swapper:param_swapper_from_plan",) for f in (
+        "param_nvme_path", "param_buffer_count", "param_buffer_size", "max_in_cpu")},
+    "OffloadPlan.ratio": ("fsdpzero.offload.build:build_offload_path",),
+    "OffloadPlan.sub_group_size": ("fsdpzero.offload.build:build_offload_path",),
+    "OptimizerPlan.type": ("fsdpzero.optim.factory:make_optimizer_factory",),
+    "OptimizerPlan.params": ("fsdpzero.optim.factory:make_optimizer_factory",),
+    "OptimizerPlan.torch_adam": ("fsdpzero.optim.factory:make_optimizer_factory",),
+    "OptimizerPlan.adam_w_mode": ("fsdpzero.optim.factory:make_optimizer_factory",),
+    "OptimizerPlan.zero_allow_untested_optimizer": ("fsdpzero.optim.factory:check_optimizer",),
+    "PrecisionPlan.master_dtype": ("fsdpzero.precision:upcast_to_master",),
+    "PrecisionPlan.optimizer_state_dtype": ("fsdpzero.optim.factory:check_optimizer",),
+    "PrecisionPlan.check_grad_overflow": ("fsdpzero.precision:checks_overflow",),
+    "PrecisionPlan.autocast_dtype": ("fsdpzero.precision:autocast",),
+    "SchedulerPlan.type": ("fsdpzero.optim.schedulers:build_scheduler",),
+    "SchedulerPlan.params": ("fsdpzero.optim.schedulers:build_scheduler",),
+    "ShardPlan.stage": ("fsdpzero.sharding:shard_model",),
+    "ShardPlan.reshard_after_forward": ("fsdpzero.sharding:reshard_policy",),
+    "ShardPlan.prefetch_depth": ("fsdpzero.sharding:prefetch_depth",),
+    "ShardPlan.param_persistence_threshold": ("fsdpzero.sharding:shard_model",),
+    "ShardPlan.reduce_bucket_size": ("fsdpzero.optim.stage1:build_stage1_path",),
+    "ShardPlan.allgather_bucket_size": ("fsdpzero.optim.stage1:build_stage1_path",),
+    "ShardPlan.gather_16bit_weights_on_model_save": ("fsdpzero.hf.trainer:Trainer.save_model",),
+}

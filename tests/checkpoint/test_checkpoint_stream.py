@@ -115,8 +115,8 @@ def test_nvme_checkpoint_streams_and_reshards(tmp_path):
         assert count > 20 and largest < total / 10
         assert r["after"] == r["resumed"]
         (s_total, s_peak), = r["save"]          # the async save does not stream
-        assert s_total == total and s_peak <= checkpoint.WRITER_THREADS * largest, (r["save"], r["entries"])
-        assert r["held"][0] <= checkpoint.WRITER_THREADS * largest, (r["held"], r["entries"])
+        assert s_total == total and s_peak <= checkpoint.writer_threads() * largest, (r["save"], r["entries"])
+        assert r["held"][0] <= checkpoint.writer_threads() * largest, (r["held"], r["entries"])
         (l_total, l_peak), = r["load"]
         assert l_total == total and l_peak <= largest, (r["load"], r["entries"])
     one, = run_distributed(_run, 1, nvme_path, save_dir, "reshard", timeout=240)

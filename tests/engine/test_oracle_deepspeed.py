@@ -219,3 +219,74 @@ def test_deepspeed_is_this_torch_recipe(name):
     if "default_clip" in name:
         unclipped = _torch_recipe("llama", config, STEPS, clip=None)
         assert max((ds["params"][n] - unclipped["params"][n]).abs().max().item() for n in ref["params"]) > 3 * TOL
+
+
+def _train_poisoned(rank, world, library, config, steps, bad):
+    """fp32, no loss scaler: rank 0's loss at step `bad` times NaN, so every gradient of that step is non-finite
+    after the reduction. Per step: loss (None where NaN), skipped_steps read right after step(), the reported norm,
+    lr, and whether every weight is finite; the final parameters."""
+    if library == "deepspeed":
+        import deepspeed
+        initialize = deepspeed.initialize
+    else:
+        import fsdpzero
+        initialize = fsdpzero.initialize
+    model = _model("llama")
+    engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(config))
+    g = torch.Generator().manual_seed(1234)
+    data = [torch.randint(0, VOCAB, (MICRO, SEQ), generator=g) for _ in range(steps * world)]
+    seen = []
+    stage3 = library == "deepspeed" and config["zero_optimization"]["stage"] == 3
+    for step in range(steps):
+        x = data[step * world + rank]
+        loss = engine(input_ids=x, labels=x).loss
+        if step == bad and rank == 0:
+            loss = loss * float("nan")
+        engine.backward(loss)
+        engine.step()
+        skipped = engine.skipped_steps
+        norm = engine.get_global_grad_norm()
+        params = _gathered(engine, stage3)
+        seen.append(dict(loss=None if step == bad else loss.item(), skipped=skipped,
+                         norm=None if norm is None else float(norm), lr=float(engine.get_lr()[0]),
+                         finite=all(bool(torch.isfinite(p).all()) for p in params.values())))
+    return dict(seen=seen, params=_gathered(engine, stage3))
+
+
+def _gathered(engine, stage3):
+    if stage3:
+        import deepspeed
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            return {n: _full(p) for n, p in engine.module.named_parameters()}
+    return {n: _full(p) for n, p in engine.module.named_parameters()}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fp32_nonfinite_step_matches_deepspeed(stage):
+    """DeepSpeed 0.19.8's ZeRO 1-3 optimizers skip an fp32 step whose gradient norm is not finite: no update, no
+    scheduler step, skipped_steps 1, the norm reported as inf. fsdpzero does the same, at every stage; DeepSpeed's
+    stage 0 (no ZeRO optimizer) writes the NaN into the weights instead, which fsdpzero does not copy
+    (docs/deepspeed_differences.md)."""
+    _deepspeed()
+    config = _config(stage, 1, SCHEDULERS["WarmupDecayLR"])
+    ds = run_distributed(_train_poisoned, WORLD, "deepspeed", config, 4, 1, timeout=300)
+    ours = run_distributed(_train_poisoned, WORLD, "fsdpzero", config, 4, 1, timeout=300)
+    for r in ours:
+        assert [s["skipped"] for s in r["seen"]] == [0, 1, 1, 1]
+        assert all(s["finite"] for s in r["seen"])
+    o = ours[0]
+    if stage == 0:   # DeepSpeed's plain optimizer path: the NaN goes in, nothing is counted
+        assert [s["skipped"] for s in ds[0]["seen"]] == [0, 0, 0, 0]
+        assert [s["finite"] for s in ds[0]["seen"]] == [True, False, False, False]
+        return
+    d = ds[0]
+    for a, b in zip(d["seen"], o["seen"]):
+        assert a["skipped"] == b["skipped"] and a["finite"] and b["finite"]
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-12, abs=0)
+        assert (a["loss"] is None) == (b["loss"] is None)
+        if a["loss"] is not None:
+            assert abs(a["loss"] - b["loss"]) <= TOL
+        assert abs(a["norm"] - b["norm"]) <= TOL * max(1.0, abs(a["norm"])) or a["norm"] == b["norm"] == float("inf")
+    worst = max((d["params"][n] - o["params"][n]).abs().max().item() for n in d["params"])
+    assert worst <= TOL, f"final params differ by {worst} (stage {stage})"

@@ -172,10 +172,11 @@ def test_dcp_state_dict_roundtrip_continues_identically(tmp_path):
 
 
 def test_threads_default_and_override(monkeypatch):
-    monkeypatch.setenv("FSDPZERO_OFFLOAD_THREADS", "3")
-    assert offload.cpu_threads(8) == 3
+    from fsdpzero.tuning import current
+    monkeypatch.setenv("FSDPZERO_OFFLOAD_THREADS", "3")   # the offload_threads knob, typed by fsdpzero.tuning
+    assert offload.cpu_threads(8, current().offload_threads) == 3
     monkeypatch.delenv("FSDPZERO_OFFLOAD_THREADS")
-    assert offload.cpu_threads(1) >= 1
+    assert current().offload_threads is None and offload.cpu_threads(1) >= 1
 
 
 def test_non_adam_optimizer_is_refused_clearly():

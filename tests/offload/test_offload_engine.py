@@ -119,3 +119,78 @@ def test_bf16_offload_keeps_buffers_and_the_first_loss():
     offload = run_distributed(_first_loss_and_buffers, 2, True, timeout=180)
     assert offload[0][1] and all(d == torch.float32 for d in offload[0][1].values()), offload[0][1]
     assert [r[0] for r in offload] == [r[0] for r in plain]
+
+
+def _reads_run(rank, world, overlap, fp16, save_dir=None, load_dir=None, steps=6, bad_step=2, save_at=3):
+    """The engine loop with the parameters read right after every step() (named_parameters of the model, of a
+    submodule, state_dict), an overflow injected at `bad_step` and a checkpoint saved mid-run; a slow CPU step, so
+    that without the read guard these reads would see the old weights."""
+    import time
+
+    from fsdpzero.plan import LossScalePlan, PrecisionPlan
+    plan = _plan(world, 2, 1, False)
+    precision = (PrecisionPlan(loss_scale=LossScalePlan(initial_scale_power=8, loss_scale_window=2)) if fp16
+                 else PrecisionPlan(check_grad_overflow=True))
+    plan = dataclasses.replace(plan, precision=precision)
+    engine = wrap(build_model("llama"), plan, tuning={"offload_overlap": overlap})
+    path = engine.grad_path
+    assert path.overlap is overlap and (path.reads is not None) is overlap
+    step_param = path.optimizer.step_param
+    path.optimizer.step_param = lambda *a, **k: (time.sleep(0.002), step_param(*a, **k))[1]
+    first = 0
+    if load_dir is not None:
+        engine.load_checkpoint(load_dir)
+        first = save_at + 1
+    data = batches(steps, 1, plan.batch.micro_batch_size * world)
+    m = plan.batch.micro_batch_size
+    losses, reads = [], []
+    for i in range(first, steps):
+        x = data[i, 0, rank * m:(rank + 1) * m]
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        if i == bad_step and rank == 0:   # one rank's gradient overflows: every rank skips the step
+            g = next(p.grad for p in engine.module.parameters() if p.grad is not None)
+            g.to_local().view(-1)[0] = float("inf")
+        engine.step()
+        read = {n: p.to_local().clone() for n, p in engine.module.named_parameters()}
+        layer = engine.module.model.layers[1]
+        read["layer1"] = [p.to_local().clone() for p in layer.parameters()]
+        read["state_dict"] = {k: v.to_local().clone() for k, v in engine.module.state_dict().items()
+                              if hasattr(v, "to_local")}
+        reads.append(read)
+        losses.append(loss.item())
+        if i == save_at and save_dir is not None:
+            engine.save_checkpoint(save_dir)
+    waits = path.reads.waits if path.reads is not None else 0
+    return {"losses": losses, "reads": reads, "skipped": engine.skipped_steps, "waits": waits,
+            "params": full_params(engine.module)}
+
+
+def _reads_scenario(rank, world, fp16, save_dir):
+    serial = _reads_run(rank, world, False, fp16)
+    overlap = _reads_run(rank, world, True, fp16, save_dir=save_dir)
+    resumed = _reads_run(rank, world, True, fp16, load_dir=save_dir)
+    return serial, overlap, resumed
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fp16", [False, True], ids=["overflow_check", "fp16_scaler"])
+def test_overlap_is_exact_for_reads_right_after_step_and_mid_run_checkpoints(tmp_path, fp16):
+    """Overlap (the default) against the serial step, through the engine with clipping 1.0 and one overflowed
+    (skipped) step: the same losses and, read right after each step() through named_parameters, a submodule's
+    parameters() and state_dict(), the same weights bit for bit; a checkpoint saved right after a step() and loaded
+    into a fresh engine continues exactly as the straight run."""
+    for serial, overlap, resumed in run_distributed(_reads_scenario, 2, fp16, str(tmp_path / "ck"), timeout=300):
+        assert serial["skipped"] == overlap["skipped"] == 1
+        assert overlap["losses"] == serial["losses"]
+        assert _equal(overlap["reads"], serial["reads"])
+        assert overlap["waits"] > 0          # the reads did wait for a pending CPU step
+        assert resumed["losses"] == serial["losses"][4:]
+        assert _equal(resumed["params"], serial["params"])

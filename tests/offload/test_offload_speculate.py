@@ -142,3 +142,84 @@ def test_speculation_on_gpu_is_bit_identical(one_rank_nccl):
     assert losses == ref_losses
     assert all(torch.equal(got[k], ref[k]) for k in ref)
     assert stats["entries_committed"] > 0 and stats["dropped"] >= 2
+
+
+def _steps(model, path, gen, n, clip, reads):
+    losses = []
+    for i in range(n):
+        x, y = torch.randn(6, 7, generator=gen), torch.randn(6, 5, generator=gen)
+        path.set_sync(True)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        path.finish_gradients()
+        if path.spec is not None:   # every chunk speculated before the step: commits do not depend on timing
+            path.spec.drain()
+        path.scale_grads_(clip_factor(path.grad_norm(), clip))
+        path.step()
+        path.zero_grad()
+        reads.append([p.to_local().clone() for p in model.parameters()])   # right after step(): must wait
+        losses.append(loss.item())
+    return losses
+
+
+def _checkpoint_scenario(rank, world, ckpt_dir):
+    """8 serial steps against 4 speculative + overlapped steps, a DCP checkpoint taken right after the 4th step()
+    (the CPU step may still be running), a fresh model and path loading it, and 4 more steps. Steps alternate
+    between never clipping (speculation committed) and always clipping (dropped)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    torch.set_num_threads(1)
+
+    def build(speculate, overlap, seed=0):
+        os.environ["FSDPZERO_OFFLOAD_SPECULATE"] = "1" if speculate else "0"
+        torch.manual_seed(seed)
+        model = _stage2_model() if seed == 0 else _reseeded_stage2_model(seed)
+        plan = Plan(offload=OffloadPlan(optimizer_device="cpu", sub_group_size=700),
+                    batch=BatchPlan(gradient_clipping=NEVER))
+        path = offload.build_offload_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER), stage=True,
+                                          overlap=overlap)
+        return model, path
+
+    clips = [NEVER, ALWAYS, NEVER, NEVER, ALWAYS, NEVER, NEVER, ALWAYS]
+    model, path = build(False, False)
+    gen, ref_reads = torch.Generator().manual_seed(7 + rank), []
+    ref = [l for c in clips for l in _steps(model, path, gen, 1, c, ref_reads)]
+    ref_params = {n: p.full_tensor() for n, p in model.named_parameters()}
+
+    model, path = build(True, True)
+    step_param = path.optimizer.step_param   # a slow CPU step: the checkpoint comes while it is running
+    path.optimizer.step_param = lambda *a, **k: (time.sleep(0.002), step_param(*a, **k))[1]
+    gen, reads = torch.Generator().manual_seed(7 + rank), []
+    first = [l for c in clips[:4] for l in _steps(model, path, gen, 1, c, reads)]
+    dcp.save({"model": get_model_state_dict(model), "optim": path.state_dict()}, checkpoint_id=ckpt_dir)
+    committed = path.spec.stats["entries_committed"]
+    model2, path2 = build(True, True, seed=123)
+    state = {"model": get_model_state_dict(model2), "optim": path2.state_dict()}
+    dcp.load(state, checkpoint_id=ckpt_dir)
+    set_model_state_dict(model2, state["model"])
+    path2.load_state_dict(state["optim"])
+    second = [l for c in clips[4:] for l in _steps(model2, path2, gen, 1, c, reads)]
+    params = {n: p.full_tensor() for n, p in model2.named_parameters()}
+    committed += path2.spec.stats["entries_committed"]
+    waits = path.reads.waits + path2.reads.waits
+    path.close(), path2.close()
+    return ref, ref_reads, ref_params, first + second, reads, params, committed, waits
+
+
+def _reseeded_stage2_model(seed):
+    model = _stage2_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().add_(0.1 * seed)   # other weights until the checkpoint is loaded
+    return model
+
+
+def test_speculative_overlapped_run_reads_and_checkpoints_exactly(tmp_path):
+    """Speculation + overlap against the serial path: the same losses, the same weights read through
+    model.parameters() right after every step(), a checkpoint taken right after step() that resumes exactly."""
+    for ref, ref_reads, ref_params, losses, reads, params, committed, waits in run_distributed(
+            _checkpoint_scenario, 2, str(tmp_path / "ck"), timeout=240):
+        assert committed > 0 and waits > 0      # speculation was committed, reads did wait
+        assert losses == ref
+        assert all(torch.equal(a, b) for ra, rb in zip(reads, ref_reads) for a, b in zip(ra, rb))
+        assert all(torch.equal(params[k], ref_params[k]) for k in ref_params)

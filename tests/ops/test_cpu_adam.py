@@ -150,18 +150,21 @@ def test_parallel_split_matches_single_thread():
     assert torch.equal(res[0], res[1])
 
 
-def test_env_selects_reference(monkeypatch):
-    monkeypatch.setenv(cpu_adam.IMPL_ENV, "reference")
+def test_default_impl_selects_reference(monkeypatch):
+    """The library's cpu_adam_impl knob (FSDPZERO_CPU_ADAM_IMPL) arrives through set_default_impl: ops read no env."""
+    monkeypatch.setattr(cpu_adam, "DEFAULT_IMPL", "auto")
+    cpu_adam.set_default_impl("reference")
     assert cpu_adam.CPUAdamW([torch.zeros(3)]).impl == "reference"
-    monkeypatch.setenv(cpu_adam.IMPL_ENV, "avx9")
     with pytest.raises(ValueError, match="avx9"):
-        cpu_adam.CPUAdamW([torch.zeros(3)])
+        cpu_adam.set_default_impl("avx9")
+    with pytest.raises(ValueError, match="avx9"):
+        cpu_adam.CPUAdamW([torch.zeros(3)], impl="avx9")
 
 
 def test_no_build_falls_back_with_one_warning(monkeypatch):
     monkeypatch.setattr(cpu_adam, "load_op", lambda *a, **k: None)
     monkeypatch.setattr(cpu_adam, "_warned_fallback", False)
-    monkeypatch.setenv("FSDPZERO_NO_BUILD", "1")
+    monkeypatch.setattr(cpu_adam.build, "NO_BUILD", True)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         p = torch.ones(5)

@@ -109,6 +109,13 @@ def test_resume_auto_continues_the_same_curve(tmp_path):
                               init_pg=False)[0]["train"]
     assert [s for s, _ in resumed] == list(range(6, 11))
     assert max(abs(a - b) for (_, a), (_, b) in zip(resumed, straight[5:])) <= 1e-5, (resumed, straight)
+    # the curve file holds both legs; starting the finished run again changes nothing
+    curve = tmp_path / "split" / "loss_curve.json"
+    assert [s for s, _ in json.loads(curve.read_text())["train"]] == list(range(1, 11))
+    before = curve.read_bytes()
+    again = run_distributed(_recipe_curve, 2, common + ["trainer.max_steps=10", f"run_dir={tmp_path}/split"],
+                            timeout=240, init_pg=False)[0]["train"]
+    assert again == [] and curve.read_bytes() == before
 
 
 def _sft(rank, world, overrides):
@@ -182,7 +189,15 @@ def test_user_ds_config_file_with_overrides(tmp_path):
     want["steps_per_print"] = 7
     want["gradient_clipping"] = 0.5
     del want["wall_clock_breakdown"]
-    assert ds == want
+
+    def same_but_autos(got, file):     # the file's own values kept; its "auto"s filled (checked against HF below)
+        if isinstance(file, dict):
+            assert set(got) == set(file)
+            for k in file:
+                same_but_autos(got[k], file[k])
+        else:
+            assert got != "auto" if file == "auto" else got == file
+    same_but_autos(ds, want)
 
 
 def _bad_input(rank, world, argv):
@@ -283,3 +298,82 @@ def test_csv_monitor_matches_deepspeed_byte_for_byte(tmp_path, monkeypatch):
     assert names == sorted(p.name for p in (tmp_path / "ours" / "j").iterdir())
     for n in names:
         assert (tmp_path / "ds" / "j" / n).read_bytes() == (tmp_path / "ours" / "j" / n).read_bytes()
+
+
+# -- Hugging Face configs full of "auto", and one configuration per run directory -----------------------------------
+
+HF_AUTO = ["hf_transformers_zero3", "llamafactory_ds_z3_offload"]
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("name", HF_AUTO)
+def test_autos_are_filled_as_the_trainer_fills_them(name, tmp_path, monkeypatch):
+    """transformers' own HfTrainerDeepSpeedConfig, given TrainingArguments with the recipe's values, fills the file
+    exactly as the recipe does (the recipe adds its optimizer/scheduler where the file has none, as the Trainer
+    then uses its own)."""
+    import types
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    pytest.importorskip("deepspeed", reason="the [oracle] extra (DeepSpeed) is not installed")
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+    src = ROOT / "tests" / "ds_configs" / f"{name}.json"
+    cfg = recipe_utils.compose("config", [f"ds_config={src}", "precision=bf16", "trainer.grad_accum=2",
+                                          "optim.lr=1e-3", "sched.params.warmup_num_steps=7", "resume=never"])
+    ours = recipe_utils.ds_config_dict(cfg)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, gradient_accumulation_steps=2,
+                             learning_rate=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8,
+                             weight_decay=0.1, max_grad_norm=1.0, warmup_steps=7, max_steps=200, bf16=True,
+                             use_cpu=True, report_to=[])
+    hf = HfTrainerDeepSpeedConfig(json.loads(src.read_text()))
+    try:
+        hf.trainer_config_process(args)
+        hf.trainer_config_finalize(args, types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=128)), 200)
+        theirs = hf.config
+    finally:
+        del hf                                     # transformers keeps a weak global reference while it lives
+    for section in ("optimizer", "scheduler"):
+        if section not in theirs:
+            assert ours.pop(section) == recipe_utils.ds_config_dict(recipe_utils.compose(
+                "config", ["precision=bf16", "optim.lr=1e-3", "sched.params.warmup_num_steps=7"]))[section]
+    assert ours == theirs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", HF_AUTO)
+def test_recipe_trains_with_hf_auto_configs_as_written(name, tmp_path):
+    over = ["experiment=smoke", "monitor=none", "trainer.export_hf=false", "trainer.max_steps=6",
+            "trainer.log_every=1", "sched.params.warmup_num_steps=1", f"run_dir={tmp_path}/run",
+            f"ds_config={ROOT}/tests/ds_configs/{name}.json"]
+    res = run_distributed(_recipe_curve, 2, over, timeout=240, init_pg=False)[0]
+    assert "error" not in res, res
+    losses = [v for _, v in res["train"]]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.2, losses
+    ran = json.loads((tmp_path / "run" / "ds_config.json").read_text())
+    assert '"auto"' not in json.dumps(ran) and ran["zero_optimization"]["stage"] == 3
+    assert ran["zero_optimization"]["offload_param"]["device"] == "cpu"
+
+
+def _fake_run(run_dir: Path, cfg) -> None:
+    """A run directory as a finished run of `cfg` leaves it: its record and a checkpoint."""
+    (run_dir / "checkpoints" / "global_step5").mkdir(parents=True)
+    (run_dir / "checkpoints" / "latest").write_text("global_step5")
+    (run_dir / "run.json").write_text(json.dumps({"identity": recipe_utils.run_identity(cfg)}))
+
+
+def test_another_configuration_never_resumes_a_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    first = recipe_utils.compose("config", [])
+    assert first.run_dir == "outputs/train_lm"
+    _fake_run(tmp_path / "outputs" / "train_lm", first)
+    assert recipe_utils.compose("config", ["trainer.max_steps=400"]).run_dir == "outputs/train_lm"   # same run, longer
+    other = recipe_utils.compose("config", ["zero=stage2", "precision=bf16"])
+    assert other.run_dir.startswith("outputs/train_lm-")                                        # its own directory
+    assert recipe_utils.compose("config", ["zero=stage2", "precision=bf16"]).run_dir == other.run_dir
+    assert recipe_utils.compose("config", ["zero=stage2", "resume=never"]).run_dir == "outputs/train_lm"
+    _fake_run(tmp_path / "mine", first)
+    with pytest.raises(recipe_utils.RecipeError) as e:                    # a run_dir the user chose: refused
+        recipe_utils.compose("config", [f"run_dir={tmp_path}/mine", "zero=stage2"])
+    assert "ds_config.zero_optimization.stage: 3 -> 2" in str(e.value) and "resume=never" in str(e.value)
+    (tmp_path / "mine" / "run.json").unlink()                              # a checkpoint of unknown origin
+    with pytest.raises(recipe_utils.RecipeError, match="no record of its configuration"):
+        recipe_utils.compose("config", [f"run_dir={tmp_path}/mine"])

@@ -39,17 +39,16 @@ class Engine {
       : backend_(backend), block_(block_size), qd_(queue_depth), single_submit_(single_submit),
         overlap_(overlap_events), align_(align) {
     int n = backend == kThreads ? threads * queue_depth : threads;
-    for (int i = 0; i < n; ++i) workers_.emplace_back([this] { backend_ == kThreads ? run_blocking() : run_async(); });
+    try {
+      for (int i = 0; i < n; ++i)
+        workers_.emplace_back([this] { backend_ == kThreads ? run_blocking() : run_async(); });
+    } catch (...) {  // out of threads: join the ones started (a joinable std::thread destroyed would abort)
+      stop_workers();
+      throw;
+    }
   }
 
-  ~Engine() {
-    {
-      std::lock_guard<std::mutex> g(qm_);
-      stop_ = true;
-    }
-    qcv_.notify_all();
-    for (auto& t : workers_) t.join();
-  }
+  ~Engine() { stop_workers(); }
 
   int64_t submit(int fd, bool write, char* buf, int64_t nbytes, int64_t offset) {
     int fl = fcntl(fd, F_GETFL);
@@ -220,6 +219,16 @@ class Engine {
     }
   }
 
+  void stop_workers() {
+    {
+      std::lock_guard<std::mutex> g(qm_);
+      stop_ = true;
+    }
+    qcv_.notify_all();
+    for (auto& t : workers_) t.join();
+    workers_.clear();
+  }
+
   int backend_;
   int64_t block_;
   int qd_;
@@ -256,7 +265,11 @@ int fz_aio_backend_available(int backend) {
 void* fz_aio_create(int backend, int64_t block_size, int queue_depth, int threads, int single_submit,
                     int overlap_events, int64_t align) {
   if (block_size <= 0 || queue_depth <= 0 || threads <= 0 || align <= 0 || block_size % align) return nullptr;
-  return new Engine(backend, block_size, queue_depth, threads, single_submit != 0, overlap_events != 0, align);
+  try {  // no C++ exception may cross the C ABI: it would abort the process
+    return new Engine(backend, block_size, queue_depth, threads, single_submit != 0, overlap_events != 0, align);
+  } catch (...) {
+    return nullptr;
+  }
 }
 
 void fz_aio_destroy(void* engine) { delete static_cast<Engine*>(engine); }

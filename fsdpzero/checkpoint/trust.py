@@ -1,0 +1,249 @@
+"""What fsdpzero trusts in a checkpoint directory, and how it checks the rest.
+
+DCP keeps its index (`.metadata`) as a pickle, and torch's FileSystemReader reads it with plain `pickle.load`: a
+planted file would run code as soon as it is loaded. `SafeFileSystemReader` reads it with an unpickler that rebuilds
+only DCP's metadata classes, torch.Size, dtypes, layouts and plain containers (`METADATA_GLOBALS`), refuses anything
+else with an `UnsafeCheckpointError` naming the file and the global, and then checks the index before DCP acts on it
+(entries stored in plain files of the same directory). DCP reads tensor data itself with torch.load(weights_only=True);
+a non-tensor ("bytes") entry DCP would read with torch.load(weights_only=False), so `SafeLoadPlanner` refuses those
+(fsdpzero never writes them: non-tensor state goes to JSON).
+
+Checksums: `ChecksumWriter` computes each data file's CRC-32 from the bytes as DCP writes them (no second read) and
+leaves them in a side file per rank; fsdpzero.checkpoint.files puts every file's CRC-32 into the manifest, and
+`checksum_problems` recomputes them on load. CRC-32 detects corruption (flipped bits, a torn copy), not tampering:
+whoever can rewrite a file can rewrite the manifest too. Trust comes from the readers above, not from the checksums.
+"""
+from __future__ import annotations
+
+import builtins
+import collections
+import json
+import pathlib
+import pickle
+import zlib
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+METADATA_FILE = ".metadata"
+CRC_SIDE_PREFIX = ".crc-"     # a rank's data-file checksums, left in the temp dir until the manifest takes them
+_CHUNK = 8 << 20
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError, ValueError):
+    """A checkpoint file asked to unpickle something that is not on the allowlist (nothing from it was run). A
+    ValueError too: a bad input file, which the CLI reports in one line."""
+
+
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+# (module, name) a DCP .metadata may name. Enum / dataclass constructors, torch.Size and a layout lookup by name:
+# building them runs no code of the file's choosing.
+METADATA_GLOBALS = {
+    *((_DCP_MD, n) for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                             "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    *(("builtins", n) for n in ("set", "frozenset", "tuple", "list", "dict", "int", "float", "str", "bytes")),
+    *((m, n) for m in ("pathlib", "pathlib._local") for n in ("Path", "PosixPath", "PurePosixPath",
+                                                                "WindowsPath", "PureWindowsPath")),
+}
+_CONTAINERS = {"collections": collections, "builtins": builtins}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, source: Path):
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in METADATA_GLOBALS:
+            if module.startswith("pathlib"):
+                return getattr(pathlib, name)
+            if module in _CONTAINERS:
+                return getattr(_CONTAINERS[module], name)
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(
+            f"{self.source}: refused to unpickle {module}.{name}: a DCP checkpoint index holds only DCP metadata, "
+            f"torch.Size, dtypes and containers; the file is corrupt or was planted, nothing from it was run")
+
+    def persistent_load(self, pid):
+        raise UnsafeCheckpointError(f"{self.source}: refused a persistent id in a DCP checkpoint index")
+
+
+def read_dcp_metadata(path: str | Path, name: str = METADATA_FILE) -> Metadata:
+    """<path>/.metadata through the allowlisted unpickler, checked: a Metadata whose entries live in plain files of
+    <path>. Raises UnsafeCheckpointError (one line, naming the file) otherwise."""
+    source = Path(path) / name
+    try:
+        with open(source, "rb") as f:
+            md = _MetadataUnpickler(f, source).load()
+    except UnsafeCheckpointError:
+        raise
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{source} does not exist: not a DCP checkpoint directory") from None
+    except Exception as e:   # truncated or garbage: a clear line instead of an unpickler traceback
+        raise UnsafeCheckpointError(f"{source}: not a readable DCP checkpoint index ({type(e).__name__}: {e})") \
+            from None
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
+        raise UnsafeCheckpointError(f"{source}: holds a {type(md).__name__}, not DCP Metadata")
+    storage = md.storage_data if md.storage_data is not None else {}
+    if not isinstance(storage, dict):
+        raise UnsafeCheckpointError(f"{source}: storage_data is a {type(storage).__name__}, not a dict")
+    for info in storage.values():
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str) or not _plain_file_name(rel):
+            raise UnsafeCheckpointError(f"{source}: an entry is stored in {rel!r}, which is not a file of {path}")
+    return md
+
+
+def _plain_file_name(name: str) -> bool:
+    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """FileSystemReader whose read_metadata goes through read_dcp_metadata instead of pickle.load."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        rank = kwargs.get("rank")
+        md = read_dcp_metadata(Path(self.path), METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner that refuses non-tensor entries (DCP unpickles them with weights_only=False)."""
+
+    def load_bytes(self, read_item, value) -> None:
+        raise UnsafeCheckpointError(f"checkpoint entry {read_item.dest_index.fqn!r} is stored as pickled bytes, "
+                                    f"which fsdpzero never writes and does not unpickle; nothing from it was run")
+
+
+def tensor_entries(md: Metadata, path: Path, keys) -> None:
+    """Refuse before loading if one of `keys` is not a tensor entry of the checkpoint index."""
+    for key in keys:
+        entry = md.state_dict_metadata.get(key)
+        if entry is not None and not isinstance(entry, TensorStorageMetadata):
+            raise UnsafeCheckpointError(f"{path / METADATA_FILE}: entry {key!r} is {type(entry).__name__}, not a "
+                                        f"tensor; fsdpzero does not unpickle checkpoint entries")
+
+
+# ---- checksums --------------------------------------------------------------------------------------------------
+
+def crc_text(crc: int) -> str:
+    return f"crc32:{crc & 0xFFFFFFFF:08x}"
+
+
+def file_crc(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc_text(crc)
+
+
+class _CrcStream:
+    """A file DCP writes into, hashed as it goes (DCP only appends)."""
+
+    def __init__(self, raw):
+        self.raw, self.crc = raw, 0
+
+    def write(self, b) -> int:
+        self.crc = zlib.crc32(b, self.crc)   # releases the GIL on large buffers: writer threads overlap
+        return self.raw.write(b)
+
+    def writable(self) -> bool:
+        return True
+
+    def __getattr__(self, name):             # tell, fileno, flush, close
+        return getattr(self.raw, name)
+
+
+class _CrcFileSystem(FileSystem):
+    def __init__(self):
+        super().__init__()
+        self.crcs: dict[str, str] = {}
+        self.errors: list[BaseException] = []
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        if "w" not in mode or not str(path).endswith(".distcp"):
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        try:
+            with super().create_stream(path, mode) as stream:
+                hashed = _CrcStream(stream)
+                yield hashed
+        except BaseException as e:
+            self.errors.append(e)   # DCP's extra writer threads drop their exceptions: write_data re-raises it
+            raise
+        self.crcs[Path(path).name] = crc_text(hashed.crc)
+
+
+class ChecksumWriter(FileSystemWriter):
+    """FileSystemWriter that leaves the CRC-32 of each data file it wrote in <dir>/.crc-<prefix>json, and fails
+    the save when a writer thread failed (torch's writer threads die silently, e.g. on a full disk, and the save
+    would report success with entries missing)."""
+
+    def __init__(self, path, **kwargs):
+        super().__init__(path, **kwargs)
+        self.fs = _CrcFileSystem()
+
+    def write_data(self, plan, planner):
+        try:
+            fut = super().write_data(plan, planner)
+            results = fut.wait()   # torch's writer has finished its files when write_data returns anyway
+        except Exception as e:
+            self.fs.errors.insert(0, e)
+        if self.fs.errors:
+            raise _underlying_os_error(self.fs.errors[0])
+        if len(results) != len(plan.items):
+            raise OSError(f"checkpoint writer wrote {len(results)} of {len(plan.items)} entries to {self.path}: a "
+                          f"writer thread failed")
+        prefix = getattr(plan.storage_data, "prefix", "__0_")
+        side = Path(self.path) / f"{CRC_SIDE_PREFIX}{prefix.strip('_')}.json"
+        mine = {name: crc for name, crc in self.fs.crcs.items() if name.startswith(prefix)}
+        side.write_text(json.dumps(mine))
+        return fut
+
+
+def _underlying_os_error(e: BaseException) -> BaseException:
+    """torch.save reports a full disk as "unexpected pos" with the OSError as its context, which DCP loses when it
+    sends the exception to the other ranks (pickled: args only). The OSError itself, rebuilt from its fields."""
+    seen, cause = set(), e
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, OSError):
+            return OSError(cause.errno, cause.strerror, cause.filename) if cause.errno else cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return e
+
+
+def collect_side_checksums(tmp: Path) -> dict[str, str]:
+    """The ranks' side files merged (and removed): data file name -> checksum."""
+    out: dict[str, str] = {}
+    for side in sorted(tmp.glob(f"{CRC_SIDE_PREFIX}*.json")):
+        out.update(json.loads(side.read_text()))
+        side.unlink()
+    return out
+
+
+def checksum_problems(path: Path, checksums: dict[str, str], rank: int = 0, world: int = 1) -> list[str]:
+    """This rank's share of the files (every world-th) re-hashed and compared with the manifest."""
+    problems = []
+    for i, (name, want) in enumerate(sorted(checksums.items())):
+        if i % world != rank:
+            continue
+        got = file_crc(path / name)
+        if got != want:
+            problems.append(f"{path / name} does not match its checksum in the manifest ({got}, saved {want}): "
+                            f"the file is corrupt or was changed after the save")
+    return problems

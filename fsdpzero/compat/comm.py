@@ -1,0 +1,15 @@
+"""`deepspeed.comm` under `fsdpzero launch`: torch.distributed, which DeepSpeed's comm wraps with the same names
+(get_rank, get_world_size, barrier, all_reduce, ...), plus DeepSpeed's get_local_rank."""
+from __future__ import annotations
+
+import os
+
+import torch.distributed as _dist
+
+
+def get_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def __getattr__(name):
+    return getattr(_dist, name)

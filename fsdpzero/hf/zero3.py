@@ -1,0 +1,217 @@
+"""`HfDeepSpeedConfig` on fsdpzero: the Trainer-less ZeRO-3 loading of the Hugging Face DeepSpeed guide.
+
+    dschf = HfDeepSpeedConfig(ds_config)        # keep this object alive
+    model = AutoModelForSeq2SeqLM.from_pretrained(name)            # no full copy on any rank
+    engine = fsdpzero.initialize(model=model, config_params=ds_config)[0]
+
+While an `HfDeepSpeedConfig` whose config is ZeRO stage 3 is alive, `from_pretrained` of any transformers model
+builds it on the meta device (shapes, config, generation config, tied weights; no weights) and marks it so that
+`initialize`/`wrap` shards it per the config and then has each rank read only its rows of each tensor from the
+safetensors files (`fsdpzero.hf.load_sharded_safetensors`). Host memory per rank: ~1/N of the checkpoint.
+
+How: `PreTrainedModel.from_pretrained` (a classmethod every transformers model and Auto class reaches) is wrapped
+once, when the first HfDeepSpeedConfig is made, and the wrapper routes here only while a live stage-3 config exists
+(found through a weak reference, as transformers finds its own); otherwise it calls transformers' own. transformers'
+DeepSpeed path (`is_deepspeed_zero3_enabled`) stays off, so DeepSpeed is never imported. The wrapper is removed
+when the last HfDeepSpeedConfig is collected.
+
+Limits: safetensors checkpoints only (a local folder, or a Hub id fetched with huggingface_hub's snapshot_download);
+no device_map, quantisation, tensor-parallel plans or custom positional model arguments (refused with the
+argument's name); the model computes only after initialize (its parameters are meta until then).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import weakref
+from pathlib import Path
+from typing import Any
+
+import transformers
+from torch import nn
+
+from fsdpzero.config.load import read_source
+from fsdpzero.hf.trainer import load_sharded_safetensors
+from fsdpzero.zero import defer_weights
+
+_live: weakref.ref | None = None
+_original: Any = None         # transformers' from_pretrained (the classmethod object) while ours is installed
+
+# transformers' from_pretrained arguments that only locate files (passed to the config and to the download)
+_HUB_KEYS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder",
+             "trust_remote_code", "resume_download", "use_auth_token", "_from_auto", "_from_pipeline", "_commit_hash")
+# ... that change nothing here (weights always come from safetensors, a shard at a time)
+_IGNORED_KEYS = ("low_cpu_mem_usage", "use_safetensors", "weights_only", "variant", "ignore_mismatched_sizes")
+# ... that this path cannot honour
+_REFUSED_KEYS = ("device_map", "quantization_config", "load_in_8bit", "load_in_4bit", "tp_plan", "tp_size",
+                 "device_mesh", "gguf_file", "from_tf", "from_flax", "state_dict", "max_memory", "offload_folder",
+                 "key_mapping")
+
+
+class HfDeepSpeedConfig:
+    """`transformers.integrations.HfDeepSpeedConfig(config_file_or_dict)`: a dict, a path or JSON/base64 text.
+    Keep the object alive (a module-level variable) from before `from_pretrained` until after `initialize`."""
+
+    def __init__(self, config_file_or_dict: Any):
+        global _live
+        self.config = copy.deepcopy(read_source(config_file_or_dict))
+        self._stage = self.get_value("zero_optimization.stage", -1)
+        devices = {self.get_value("zero_optimization.offload_optimizer.device"),
+                   self.get_value("zero_optimization.offload_param.device")}
+        self._offload = self._stage in (2, 3) and bool(devices & {"cpu", "nvme"})
+        _live = weakref.ref(self)
+        _install()
+        weakref.finalize(self, _release)
+
+    def find_config_node(self, ds_key_long: str):
+        config = self.config
+        nodes = ds_key_long.split(".")
+        key = nodes.pop()
+        for node in nodes:
+            config = config.get(node)
+            if config is None:
+                return None, key
+        return config, key
+
+    def get_value(self, ds_key_long: str, default: Any = None) -> Any:
+        config, key = self.find_config_node(ds_key_long)
+        return default if config is None else config.get(key, default)
+
+    def del_config_sub_tree(self, ds_key_long: str, must_exist: bool = False) -> None:
+        config, parent = self.config, None
+        nodes = ds_key_long.split(".")
+        for node in nodes:
+            parent, config = config, config.get(node)
+            if config is None:
+                if must_exist:
+                    raise ValueError(f"Can't find {ds_key_long} entry in the config: {self.config}")
+                return
+        if parent is not None:
+            parent.pop(nodes[-1])
+
+    def is_true(self, ds_key_long: str) -> bool:
+        value = self.get_value(ds_key_long)
+        return False if value is None else bool(value)
+
+    def is_false(self, ds_key_long: str) -> bool:
+        value = self.get_value(ds_key_long)
+        return False if value is None else not bool(value)
+
+    def is_zero2(self) -> bool:
+        return self._stage == 2
+
+    def is_zero3(self) -> bool:
+        return self._stage == 3
+
+    def is_offload(self) -> bool:
+        return self._offload
+
+
+def live_config() -> HfDeepSpeedConfig | None:
+    return _live() if _live is not None else None
+
+
+def is_deepspeed_zero3_enabled() -> bool:
+    """transformers' function of the same name, for fsdpzero's HfDeepSpeedConfig."""
+    config = live_config()
+    return config is not None and config.is_zero3()
+
+
+def deepspeed_config() -> dict | None:
+    config = live_config()
+    return config.config if config is not None else None
+
+
+def routing_installed() -> bool:
+    """Whether transformers' from_pretrained is wrapped (some HfDeepSpeedConfig is, or was until collected, alive)."""
+    return _original is not None
+
+
+def _install() -> None:
+    global _original
+    if _original is not None:
+        return
+    original = transformers.PreTrainedModel.__dict__["from_pretrained"]
+
+    @functools.wraps(original.__func__)
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        if is_deepspeed_zero3_enabled():
+            return sharded_from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+        return original.__func__(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+
+    _original = original
+    transformers.PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+
+
+def _release() -> None:
+    """The last HfDeepSpeedConfig is gone: transformers' own from_pretrained again."""
+    global _original
+    if live_config() is None and _original is not None:
+        transformers.PreTrainedModel.from_pretrained = _original
+        _original = None
+
+
+def _folder(name: str | os.PathLike, hub: dict) -> Path:
+    subfolder = hub.get("subfolder") or ""
+    if os.path.isdir(name):
+        return Path(name) / subfolder
+    from huggingface_hub import snapshot_download   # a Hub id: the configs and safetensors files only
+    where = snapshot_download(str(name), revision=hub.get("revision"), cache_dir=hub.get("cache_dir"),
+                              token=hub.get("token"), local_files_only=bool(hub.get("local_files_only")),
+                              allow_patterns=[f"{subfolder}/*.json" if subfolder else "*.json",
+                                              f"{subfolder}/*.safetensors" if subfolder else "*.safetensors"])
+    return Path(where) / subfolder
+
+
+def sharded_from_pretrained(cls, name: str | os.PathLike, *model_args: Any, **kwargs: Any) -> nn.Module:
+    """`cls.from_pretrained(name, ...)` as a meta-device model whose weights initialize/wrap loads shard by shard."""
+    import torch
+    if model_args:
+        raise ValueError(f"{cls.__name__}.from_pretrained under fsdpzero's HfDeepSpeedConfig: positional model "
+                         "arguments are not supported; pass them through the config")
+    refused = sorted(k for k in _REFUSED_KEYS if kwargs.get(k) not in (None, False))
+    if refused:
+        raise ValueError(f"{cls.__name__}.from_pretrained({', '.join(f'{k}=...' for k in refused)}) under "
+                         "fsdpzero's HfDeepSpeedConfig: not supported (the model is loaded sharded per the "
+                         "DeepSpeed config); remove the argument")
+    hub = {k: kwargs.pop(k) for k in _HUB_KEYS if k in kwargs}
+    for k in _IGNORED_KEYS:
+        kwargs.pop(k, None)
+    if (kwargs.pop("adapter_kwargs", None) or {}).get("_adapter_model_path"):   # the Auto class found an adapter
+        raise ValueError(f"{cls.__name__}.from_pretrained: PEFT adapters are not loaded under fsdpzero's "
+                         "HfDeepSpeedConfig; load the base model, then the adapter with PEFT")
+    kwargs.pop("adapter_name", None)
+    want_info = kwargs.pop("output_loading_info", False)
+    dtype = kwargs.pop("dtype", None)
+    dtype = kwargs.pop("torch_dtype", None) if dtype is None else dtype
+    attn = kwargs.pop("attn_implementation", None)
+    config = kwargs.pop("config", None)
+    if not isinstance(config, transformers.PretrainedConfig):
+        config, kwargs = cls.config_class.from_pretrained(config if config is not None else name,
+                                                          return_unused_kwargs=True, **hub, **kwargs)
+    if kwargs:
+        raise ValueError(f"{cls.__name__}.from_pretrained: {sorted(kwargs)} are neither config attributes nor "
+                         "arguments fsdpzero's sharded loading takes")
+    folder = _folder(name, hub)
+    if dtype == "auto":
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    build: dict[str, Any] = {} if attn is None else {"attn_implementation": attn}
+    if dtype is not None:
+        build["dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"] = dtype
+    with torch.device("meta"):
+        model = cls._from_config(config, **build)
+    model.config._name_or_path = str(name)
+    if model.can_generate() and (folder / "generation_config.json").is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(str(folder))
+    model.eval()                       # as from_pretrained returns it
+    defer_weights(model, lambda _model: functools.partial(load_sharded_safetensors, path=folder))
+    if want_info:
+        return model, {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
+    return model
+
+
+__all__ = ["HfDeepSpeedConfig", "is_deepspeed_zero3_enabled", "deepspeed_config", "sharded_from_pretrained",
+           "live_config", "routing_installed"]

@@ -1,0 +1,300 @@
+"""What a checkpoint directory can make fsdpzero do (issue 22): nothing runs from a planted DCP index on any load path,
+a flipped bit fails the load, tags and `latest` stay inside the save dir, a checkpoint of another model is an error.
+
+The planted `.metadata` is a pickle whose __reduce__ calls os.system to write a marker file; the attacker also
+rewrites the manifest (sizes, checksums) so the completeness checks pass: only the allowlisted reader stands in the
+way. Every path must leave no marker and raise one line naming the file.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import shutil
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import transformers  # noqa: F401  imported before forking the ranks
+
+from fsdpzero.checkpoint import dcp as ck
+from fsdpzero.checkpoint.agree import CheckpointError
+from fsdpzero.checkpoint.stream import streamed
+from fsdpzero.checkpoint.trust import UnsafeCheckpointError, read_dcp_metadata
+from tests.multirank import run_distributed
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets" / "deepspeed_ckpts"
+
+
+class _Evil:
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _fix_manifest(tag_dir: Path) -> None:
+    """What an attacker who can write the directory does: the manifest made to match the planted files."""
+    m = json.loads((tag_dir / ck.MANIFEST).read_text())
+    for name in m["files"]:
+        data = (tag_dir / name).read_bytes()
+        m["files"][name] = len(data)
+        m.setdefault("checksums", {})[name] = f"crc32:{zlib.crc32(data):08x}"
+    (tag_dir / ck.MANIFEST).write_text(json.dumps(m))
+
+
+def _plant(tag_dir: Path, marker: Path) -> None:
+    (tag_dir / ".metadata").write_bytes(pickle.dumps(_Evil(marker)))
+    _fix_manifest(tag_dir)
+
+
+def _one_line(e: BaseException, *needles: str) -> None:
+    text = str(e)
+    assert "\n" not in text, text
+    for n in needles:
+        assert n in text, (n, text)
+
+
+def _small_state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": {"a": torch.randn(64, 32, generator=g), "b": torch.randn(100, generator=g)}}
+
+
+# ---- 1. the DCP index is read through the allowlisted unpickler on every load path ------------------------------
+
+def test_allowlisted_reader_reads_a_real_index_and_refuses_a_planted_one(tmp_path):
+    ck.save_checkpoint(tmp_path, "t", _small_state(), save_rng=False)
+    md = read_dcp_metadata(tmp_path / "t")
+    assert sorted(md.state_dict_metadata) == ["state/w/a", "state/w/b"]
+    marker = tmp_path / "pwned"
+    _plant(tmp_path / "t", marker)
+    with pytest.raises(UnsafeCheckpointError) as e:
+        ck.load_checkpoint(tmp_path, None, _small_state(1))
+    _one_line(e.value, str(tmp_path / "t" / ".metadata"), "refused to unpickle", "system")
+    # torch's own reader would have run it: the plant is live (the reason for all this)
+    import torch.distributed.checkpoint as dcp
+    assert not marker.exists()
+    with contextlib.suppress(Exception):   # it then fails on what os.system returned; the code has run
+        dcp.FileSystemReader(str(tmp_path / "t")).read_metadata()
+    assert marker.exists()
+
+
+def test_streamed_load_uses_the_allowlisted_reader(tmp_path):
+    """The NVMe path's streamed entries (StreamingLoadPlanner) load through the same reader."""
+    held = {"x": torch.arange(6, dtype=torch.float32)}
+
+    def entry():
+        return streamed(torch.empty(6), (6,), torch.float32, read=lambda: held["x"].clone(),
+                        write=lambda t: held.__setitem__("x", t.clone()))
+    ck.save_checkpoint(tmp_path, "s", {"opt": {"m": entry()}}, save_rng=False)
+    held["x"] = torch.zeros(6)
+    ck.load_checkpoint(tmp_path, "s", {"opt": {"m": entry()}})
+    assert torch.equal(held["x"], torch.arange(6, dtype=torch.float32))   # the streamed load works...
+    marker = tmp_path / "pwned"
+    _plant(tmp_path / "s", marker)
+    with pytest.raises(UnsafeCheckpointError) as e:                        # ...and refuses a planted index
+        ck.load_checkpoint(tmp_path, "s", {"opt": {"m": entry()}})
+    _one_line(e.value, ".metadata", "refused to unpickle")
+    assert not marker.exists()
+
+
+def test_a_tensor_entry_marked_as_pickled_bytes_is_refused(tmp_path):
+    """A valid index (allowlisted classes only) that marks a tensor as a bytes entry would make DCP unpickle the data
+    file with weights_only=False; that entry is refused before any data is read."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    ck.save_checkpoint(tmp_path, "t", _small_state(), save_rng=False)
+    tag_dir, marker = tmp_path / "t", tmp_path / "pwned"
+    md = read_dcp_metadata(tag_dir)
+    md.state_dict_metadata["state/w/a"] = BytesStorageMetadata()
+    for index, info in md.storage_data.items():
+        if index.fqn == "state/w/a":
+            data = pickle.dumps(_Evil(marker))
+            path = tag_dir / info.relative_path
+            blob = path.read_bytes()
+            path.write_bytes(blob[:info.offset] + data + blob[info.offset + len(data):])
+            info.length = len(data)
+    (tag_dir / ".metadata").write_bytes(pickle.dumps(md))
+    _fix_manifest(tag_dir)
+    with pytest.raises(UnsafeCheckpointError) as e:
+        ck.load_checkpoint(tmp_path, "t", _small_state(1))
+    _one_line(e.value, "state/w/a", "not a tensor")
+    assert not marker.exists()
+
+
+def test_fsdpzero_convert_refuses_a_planted_index(tmp_path, capsys):
+    from fsdpzero.cli import main as cli
+    ck.save_checkpoint(tmp_path / "run", None, {"train": {"model": {"w": torch.ones(3)}}}, step=1, save_rng=False)
+    assert cli(["convert", str(tmp_path / "run"), "--to", "safetensors", "--out", str(tmp_path / "ok")]) == 0
+    marker = tmp_path / "pwned"
+    _plant(tmp_path / "run" / "global_step1", marker)
+    for to in ("safetensors", "fp32"):
+        capsys.readouterr()
+        assert cli(["convert", str(tmp_path / "run"), "--to", to, "--out", str(tmp_path / to)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "refused to unpickle" in err[0] and ".metadata" in err[0], err
+    assert not marker.exists()
+
+
+def _engine_paths_job(rank, world, root):
+    """One rank, every Engine load path against planted files; returns what each raised."""
+    from fsdpzero.api import wrap
+    from tests.engine_cases import batches, build_model, engine_losses, make_plan
+    root = Path(root)
+    marker = root / "pwned"
+    plan = make_plan(stage=2, world=1, micro=2)
+    engine = wrap(build_model("gpt2"), plan)
+    engine_losses(engine, batches(1, 1, 2), rank, world)
+    engine.save_checkpoint(root / "run")                      # global_step1
+    out = {}
+    try:
+        engine.save_checkpoint(root / "run", tag="latest")
+    except ValueError as e:
+        out["save_latest"] = str(e)
+    engine.save_checkpoint(root / "run", tag="global_step2")  # the dir still works after the refused tag
+    out["after"] = (root / "run" / "latest").read_text()
+    _plant(root / "run" / "global_step2", marker)
+    for name, kwargs in (("load", {}), ("weights_only", {"load_module_only": True}),
+                         ("no_optimizer", {"load_optimizer_states": False})):
+        try:
+            wrap(build_model("gpt2", seed=3), plan).load_checkpoint(root / "run", **kwargs)
+            out[name] = "loaded"
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    # `latest` pointing at another directory (holding the planted checkpoint)
+    shutil.copytree(root / "run", root / "other")
+    (root / "run" / "latest").write_text("../other/global_step2")
+    for name, latest in (("latest_outside", "../other/global_step2"), ("latest_absolute",
+                                                                       str(root / "other" / "global_step2"))):
+        (root / "run" / "latest").write_text(latest)
+        try:
+            wrap(build_model("gpt2", seed=3), plan).load_checkpoint(root / "run")
+            out[name] = "loaded"
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    # a DeepSpeed checkpoint with a planted conversion cache: without our stamp it is rebuilt, not trusted
+    from transformers import GPT2Config, GPT2LMHeadModel
+    ds = root / "ds"
+    shutil.copytree(ASSETS / "z2_fp32", ds)
+    cache = ds / ".fsdpzero-global_step3"
+    shutil.copytree(root / "run", cache)
+    shutil.rmtree(cache / "global_step1")
+    (cache / "global_step2").rename(cache / "global_step3")
+    (cache / "latest").write_text("global_step3")
+
+    def ds_engine():
+        torch.manual_seed(5)
+        model = GPT2LMHeadModel(GPT2Config.from_pretrained(ASSETS))
+        model.transformer.wpe.weight.requires_grad_(False)
+        return wrap(model, json.loads((ASSETS / "record.json").read_text())["variants"]["z2_fp32"]["config"])
+    path, _ = ds_engine().load_checkpoint(ds)
+    out["ds_cache_rebuilt"] = str(path)
+    # a cache planted with a forged stamp is loaded like any checkpoint: the index is refused, nothing runs
+    _plant(cache / "global_step3", marker)
+    try:
+        ds_engine().load_checkpoint(ds)
+        out["ds_cache_forged"] = "loaded"
+    except Exception as e:
+        out["ds_cache_forged"] = f"{type(e).__name__}: {e}"
+    out["marker"] = marker.exists()
+    return out
+
+
+@pytest.mark.slow
+def test_no_engine_load_path_runs_a_planted_index(tmp_path):
+    out = run_distributed(_engine_paths_job, 1, str(tmp_path), timeout=240)[0]
+    assert not out["marker"] and not (tmp_path / "pwned").exists()
+    assert "reserved name" in out["save_latest"] and out["after"] == "global_step2"
+    for name in ("load", "weights_only", "no_optimizer", "ds_cache_forged"):
+        assert out[name].startswith("UnsafeCheckpointError: ") and "refused to unpickle" in out[name], out[name]
+        assert "\n" not in out[name]
+    for name in ("latest_outside", "latest_absolute"):
+        assert out[name].startswith("ValueError: ") and "path separator" in out[name], out[name]
+    assert out["ds_cache_rebuilt"].endswith("global_step3")
+
+
+# ---- 2. checksums -------------------------------------------------------------------------------------------
+
+def _flip_exponent(tag_dir: Path, values: torch.Tensor) -> Path:
+    """Set the top exponent bit of one float32 of `values` where it sits in a .distcp file (same size)."""
+    needle = values.contiguous().numpy().tobytes()[:64]
+    for f in sorted(tag_dir.glob("*.distcp")):
+        blob = bytearray(f.read_bytes())
+        at = blob.find(needle)
+        if at >= 0:
+            blob[at + 3] ^= 0x40   # little-endian float32: byte 3 holds the sign and the top exponent bits
+            f.write_bytes(bytes(blob))
+            return f
+    raise AssertionError("tensor bytes not found")
+
+
+def test_flipped_exponent_bits_fail_the_load_naming_the_file(tmp_path):
+    saved = _small_state()
+    ck.save_checkpoint(tmp_path, "t", saved, save_rng=False)
+    manifest = json.loads((tmp_path / "t" / ck.MANIFEST).read_text())
+    assert set(manifest["checksums"]) == set(manifest["files"])   # every file, data and JSON alike
+    before = {f.name: f.stat().st_size for f in (tmp_path / "t").iterdir()}
+    bad = _flip_exponent(tmp_path / "t", saved["w"]["a"])
+    assert {f.name: f.stat().st_size for f in (tmp_path / "t").iterdir()} == before   # sizes still match
+    with pytest.raises(CheckpointError) as e:
+        ck.load_checkpoint(tmp_path, "t", _small_state(1))
+    _one_line(e.value, str(bad), "checksum")
+    # a checkpoint from before checksums (no "checksums" key) still loads; nothing then catches the flip
+    del manifest["checksums"]
+    (tmp_path / "t" / ck.MANIFEST).write_text(json.dumps(manifest))
+    into = _small_state(1)
+    ck.load_checkpoint(tmp_path, "t", into)
+    a = into["w"]["a"]
+    assert not bool(torch.isfinite(a).all() and a.abs().max() < 1e30)   # a value blown up to inf/NaN/1e38
+    assert torch.equal(into["w"]["b"], saved["w"]["b"])
+
+
+# ---- 3. tags and `latest` ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tag", ["latest", " step1", "step1 ", "step1\n", "a\tb", "../x", "a/b", "/abs/x", ".tmp-x",
+                                 ".fsdpzero-global_step1", "", ".", "..", ck.MANIFEST])
+def test_bad_tags_are_refused_before_anything_is_written(tmp_path, tag):
+    with pytest.raises(ValueError, match="plain directory name"):
+        ck.save_checkpoint(tmp_path / "run", tag, _small_state(), save_rng=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_latest_is_checked_like_a_tag(tmp_path):
+    ck.save_checkpoint(tmp_path / "other", "global_step2", _small_state(2), save_rng=False)
+    ck.save_checkpoint(tmp_path / "run", "global_step1", _small_state(1), save_rng=False)
+    for bad in ("../other/global_step2", str(tmp_path / "other" / "global_step2"), " global_step1", "..",
+                "global_step1\n\n"):
+        (tmp_path / "run" / "latest").write_text(bad)
+        with pytest.raises(ValueError, match=r"the tag in .*latest"):
+            ck.load_checkpoint(tmp_path / "run", None, _small_state(3))
+    (tmp_path / "run" / "latest").write_text("global_step1\n")   # a hand-written file's newline is fine
+    into = _small_state(3)
+    path, _ = ck.load_checkpoint(tmp_path / "run", None, into)
+    assert path == tmp_path / "run" / "global_step1" and torch.equal(into["w"]["a"], _small_state(1)["w"]["a"])
+
+
+# ---- 4. strict loads ---------------------------------------------------------------------------------------
+
+def _mlp(layers: int, seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_a_checkpoint_of_another_model_is_an_error_unless_partial(tmp_path):
+    four, opt4 = _mlp(4, 0)
+    ck.save_checkpoint(tmp_path, "four", {"train": ck.ModelOptimizer(four, opt4)}, save_rng=False)
+    two, opt2 = _mlp(2, 1)
+    with pytest.raises(CheckpointError) as e:
+        ck.load_checkpoint(tmp_path, "four", {"train": ck.ModelOptimizer(two, opt2)})
+    _one_line(e.value, "does not match the model", "4 key(s) in it are not in the model", "2.weight", "strict=False")
+    ck.save_checkpoint(tmp_path, "two", {"train": ck.ModelOptimizer(two, opt2)}, save_rng=False)
+    with pytest.raises(CheckpointError, match=r"4 key\(s\) of the model are not in it \(2\.weight"):
+        ck.load_checkpoint(tmp_path, "two", {"train": ck.ModelOptimizer(*_mlp(4, 2))})
+    ck.load_checkpoint(tmp_path, "four", {"train": ck.ModelOptimizer(two, opt2)}, strict=False)
+    assert all(torch.equal(two[i].weight, four[i].weight) for i in range(2))

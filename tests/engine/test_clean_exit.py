@@ -1,0 +1,55 @@
+"""Clean shutdown: a finished run exits 0. A worker thread still inside a torch call when the interpreter finalizes
+is killed while it holds C++ frames, and the process aborts (`terminate called without an active exception`, exit
+-6; torchrun then fails the whole job). The engine closes its gradient path (joins the overlapped CPU step, closes
+the aio engines, removes the swap files) on `destroy()`, when it is collected, and at interpreter exit."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import transformers  # noqa: F401  imported before forking the ranks
+
+import fsdpzero
+from tests.engine.exit_script import offload_plan, train
+from tests.engine_cases import build_model
+from tests.multirank import free_port, run_distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_run_with_work_in_flight_exits_cleanly(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FSDPZERO_OFFLOAD_OVERLAP": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), str(ROOT / "tests/engine/exit_script.py"), str(tmp_path), "1024"]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=500)
+    out = proc.stdout + proc.stderr
+    assert "terminate called" not in out, out[-3000:]
+    assert proc.returncode == 0, out[-3000:]
+    for rank in (0, 1):   # the scenario happened: each rank returned with its last CPU step still running
+        assert f"finished rank {rank} step_running=True" in proc.stdout, out[-3000:]
+    assert (tmp_path / "ckpt/latest").read_text().strip() == "async"   # the async save was completed at exit
+    assert not any(p.name.startswith("fsdpzero") for p in tmp_path.glob("nvme*/*")), list(tmp_path.glob("nvme*/*"))
+
+
+def _destroy(rank, world, tmp):
+    os.environ["FSDPZERO_OFFLOAD_OVERLAP"] = "1"
+    nvme = os.path.join(tmp, f"nvme{rank}")
+    os.makedirs(nvme)
+    engine = fsdpzero.wrap(build_model("llama"), offload_plan(2, "nvme", world, nvme))
+    train(engine, rank, 2)
+    swap_dir = engine.grad_path.optimizer.swap_dir.path
+    running = engine.grad_path._worker is not None
+    existed = swap_dir.exists()
+    engine.destroy()
+    engine.destroy()       # idempotent
+    return dict(running=running, existed=existed, joined=engine.grad_path._worker is None,
+                removed=not swap_dir.exists())
+
+
+def test_destroy_joins_the_step_and_removes_the_swap_files(tmp_path):
+    for r in run_distributed(_destroy, 2, str(tmp_path), timeout=240):
+        assert r == dict(running=True, existed=True, joined=True, removed=True)
+
