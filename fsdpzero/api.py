@@ -122,13 +122,14 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
     return engine
 
 
-RANK_LOCAL_PLAN_FIELDS = frozenset({"plan offload.optimizer_nvme_path", "plan offload.param_nvme_path", "plan monitor"})
+RANK_LOCAL_PLAN_FIELDS = frozenset({"plan offload.optimizer_nvme_path", "plan offload.param_nvme_path"})
 
 
 def run_facts(plan: Plan, model: nn.Module) -> dict[str, str]:
     """What every rank must agree on, as text: each plan field and each parameter's name, dtype, shape and
     trainability (check_same_on_all_ranks compares a digest of it across ranks). Left out: what may differ per
-    rank without changing any collective (the NVMe swap paths, a node-local disk each; the monitors, rank 0's)."""
+    rank without changing any collective (the NVMe swap paths, a node-local disk each). The monitors count: a
+    monitored step averages the loss over the ranks (Engine._write_monitor), so every rank must agree on them."""
     facts = {}
 
     def flat(prefix: str, value: Any) -> None:

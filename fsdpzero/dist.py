@@ -156,7 +156,25 @@ def agree_on_error(error: BaseException | str | None, group=None) -> None:
     else:
         message = f"{len(per_rank)} ranks failed:\n" + "\n".join(f"  rank {r}: {m}"
                                                               for r, m in sorted(per_rank.items()))
-    raise RanksError(message, per_rank) from (error if isinstance(error, BaseException) else None)
+    raise _error_class(per_rank)(message, per_rank) from (error if isinstance(error, BaseException) else None)
+
+
+# A bad value is still a ValueError (a bad type a TypeError, a path an OSError) after the ranks agree on it: callers
+# and the CLI catch those by class. RanksError subclasses that are also the builtin class every failed rank raised.
+_AGREED_BUILTINS = {c.__name__: c for c in (ValueError, TypeError, KeyError, FileNotFoundError, FileExistsError,
+                                            NotADirectoryError, IsADirectoryError, PermissionError, OSError)}
+_typed_errors: dict[str, type] = {}
+
+
+def _error_class(per_rank: dict[int, str]) -> type:
+    names = {m.split(":", 1)[0] for m in per_rank.values()}
+    if len(names) != 1 or (name := names.pop()) not in _AGREED_BUILTINS:
+        return RanksError
+    if name not in _typed_errors:
+        _typed_errors[name] = type(f"Ranks{name}", (RanksError, _AGREED_BUILTINS[name]),
+                                   {"__init__": RanksError.__init__, "__str__": lambda self: self.args[0],
+                                    "__module__": __name__})
+    return _typed_errors[name]
 
 
 @contextlib.contextmanager

@@ -48,9 +48,11 @@ class Tuning:
     offload_overlap: bool = _knob(True, "bool", "the CPU step runs while the next forward does; each unit's "
                                   "forward waits only for its own update; reads of the weights wait (exact)")
     offload_speculate: bool = _knob(False, "bool", "step chunks during backward, committed only when the step does "
-                                    "not clip (exact); costs 14 bytes/param of host memory")
+                                    "not clip (exact); costs 14 bytes/param of host memory; needs a GPU "
+                                    "(staged copy buffers), no effect on a CPU-only run")
     offload_drop_shards: bool | None = _knob(None, "auto_bool", "free stage-2 device shards between forward and "
-                                             "the step (auto: on with CUDA and no gradient accumulation)")
+                                             "the step (auto: on with CUDA and no gradient accumulation; needs "
+                                             "a GPU's staged copy buffers, no effect on a CPU-only run)")
     offload_threads: int | None = _knob(None, "auto_int", "CPU step threads (auto: usable cores / local ranks)")
     offload_bind: bool = _knob(False, "bool", "pin each local rank to its own slice of cores")
     offload_early_d2h: bool = _knob(True, "bool", "copy a unit's grads D2H as soon as its reduce-scatter is done")

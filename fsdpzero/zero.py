@@ -103,9 +103,11 @@ def _rehold(p: nn.Parameter, full: torch.Tensor) -> None:
     p.data = _placeholder(h.shape, full.dtype)
 
 
-def _unhold_all(module: nn.Module) -> list[nn.Parameter]:
-    """Gather the held direct parameters of module (p.data full); returns them, for _rehold_all."""
-    params = [p for p in module.parameters(recurse=False) if is_held(p)]
+def _unhold_all(module: nn.Module, recurse: bool = False, gathered: list[nn.Parameter] = ()) -> list[nn.Parameter]:
+    """Gather the held direct (or all) parameters of module (p.data full), except those already `gathered`;
+    returns them, for _rehold_all."""
+    done = {id(p) for p in gathered}
+    params = [p for p in module.parameters(recurse=recurse) if is_held(p) and id(p) not in done]
     for p in params:
         p.data = gather_held(getattr(p, HELD))
     return params
@@ -122,10 +124,21 @@ def _rehold_all(params: list[nn.Parameter]) -> None:
 
 
 def _gathered_call(fn: Callable, module: nn.Module, *args: Any) -> Any:
-    """fn(module, ...) with module's own held parameters full; afterwards rank 0's values are held again."""
+    """fn(module, ...) with module's own held parameters full; afterwards rank 0's values are held again.
+    Some models' init writes a child's parameter from the parent (GPT-2's `c_proj.weight`, T5's attention): the
+    write into a held (one-element) parameter fails before drawing any random number, and the call is repeated
+    with the module's whole subtree gathered, so the weights still equal a plain build's."""
     params = _unhold_all(module)
     try:
         return fn(module, *args)
+    except RuntimeError as e:
+        if "refers to a single memory location" not in str(e):
+            raise
+        deeper = _unhold_all(module, recurse=True, gathered=params)
+        try:
+            return fn(module, *args)
+        finally:
+            _rehold_all(deeper)
     finally:
         _rehold_all(params)
 
@@ -445,6 +458,8 @@ class GatheredParameters:
                 p.data = gather_held(getattr(p, HELD))
                 continue
             holders = owners(p)
+            for module, _ in holders:   # an overlapped offload step may still be writing it: parameters() waits
+                module.parameters()     # (fsdpzero/offload/access.py guards it); a no-op everywhere else
             if holders:   # an FSDP2 unit may hold its gathered copy now: back to the shards first
                 reshard_holders(holders)
                 module, name = holders[0]

@@ -41,7 +41,7 @@ def dcp_to_safetensors(ckpt_dir: str | Path, tag: str | None = None, out: str | 
     except CheckpointError as e:   # damaged: a ValueError, which the CLI reports in one line (exit 2)
         raise ValueError(str(e)) from None
     if not keys:
-        raise SystemExit(f"{path}: no model weights (state/<name>/model/<fqn>) in this checkpoint")
+        raise ValueError(f"{path}: no model weights (state/<name>/model/<fqn>) in this checkpoint")
     by_fqn = {fqn: key for key, fqn in keys.items()}
 
     def out_dtype(md):

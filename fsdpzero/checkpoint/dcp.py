@@ -18,6 +18,7 @@ This module is the flow: the state split into DCP tensors and JSON, saved (sync 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import random
@@ -40,6 +41,7 @@ from fsdpzero.checkpoint.files import (MANIFEST, check_tag, checkpoint_problems,
 from fsdpzero.checkpoint.stream import StreamingLoadPlanner, StreamingSavePlanner, materialize, streamed_state
 from fsdpzero.checkpoint.trust import (ChecksumWriter, SafeFileSystemReader, SafeLoadPlanner, checksum_problems,
                                        read_dcp_metadata, tensor_entries)
+from fsdpzero.dist import agreed_errors
 from fsdpzero.tuning import current as current_tuning
 
 _SEP = "/"  # joins nested keys; FQNs contain dots, never slashes
@@ -188,6 +190,12 @@ def _wait_at_exit() -> None:
     wait_for_pending_save(agree_across_ranks=False)
 
 
+def client_state_json(client_state: dict | None) -> str:
+    """The caller's client_state as the JSON stored in client_state.json (no tensors allowed there); a TypeError or
+    ValueError names what cannot be stored."""
+    return json.dumps(_split(client_state or {}, "client", {}, "client_state"))
+
+
 def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_state: dict | None = None, *,
                     step: int | None = None, save_latest: bool = True, keep_last: int | None = None,
                     async_save: bool = False, save_rng: bool = True, no_dist: bool = False) -> Path | PendingSave:
@@ -205,10 +213,14 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
         if step is None:
             raise ValueError("save_checkpoint: pass tag=... or step=N (the default tag is f'global_step{N}')")
         tag = f"global_step{step}"
-    tag = check_tag(tag if isinstance(tag, str) else str(tag))
+    distributed = dist.is_initialized() and not no_dist
+    # what can fail on one rank alone (its tag, its client_state) is agreed before the first collective: every
+    # rank raises the same error instead of the others waiting in a mismatched collective
+    with agreed_errors() if distributed else contextlib.nullcontext():
+        tag = check_tag(tag if isinstance(tag, str) else str(tag))
+        client_json = client_state_json(client_state)
     save_dir = Path(save_dir)
     tmp = save_dir / f".tmp-{tag}"
-    distributed = dist.is_initialized() and not no_dist
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     tensors: dict[str, torch.Tensor] = {}
     rest = _split(_materialize(state), "state", tensors, "state")
@@ -216,7 +228,6 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
     if async_save:   # staged up front anyway: read them now
         tensors.update({k: materialize(tensors[k]) for k in streamed})
         streamed = {}
-    client_json = json.dumps(_split(client_state or {}, "client", {}, "client_state"))  # no tensors allowed there
     what = f"saving checkpoint {save_dir / tag}"
     undone = f"; {tmp} removed, nothing saved, `latest` unchanged"
 

@@ -18,12 +18,12 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from fsdpzero.checkpoint.agree import agree, check_tag_across_ranks, describe
-from fsdpzero.checkpoint.dcp import (MANIFEST, PendingSave, checkpoint_problems, load_checkpoint, resolve_tag,
-                                     save_checkpoint)
+from fsdpzero.checkpoint.dcp import (MANIFEST, PendingSave, checkpoint_problems, client_state_json, load_checkpoint,
+                                     resolve_tag, save_checkpoint)
 from fsdpzero.checkpoint.files import LATEST_UNIVERSAL, check_tag, read_latest, write_atomic
 from fsdpzero.checkpoint.stream import streamed_state
 from fsdpzero.checkpoint.trust import read_dcp_metadata
-from fsdpzero.dist import local_tensor
+from fsdpzero.dist import agreed_errors, local_tensor
 from fsdpzero.tuning import current as current_tuning
 
 log = logging.getLogger(__name__)
@@ -166,7 +166,10 @@ def save_engine(engine, save_dir, tag=None, client_state=None, save_latest=True,
     DeepSpeed does), writer.decoupled (async_save: the data is written in the background, the checkpoint completed
     and `latest` moved by the next save, a load, or PendingSave.result()), keep_last; explicit options win."""
     plan = engine.plan.checkpoint
-    tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag if isinstance(tag, str) else str(tag))
+    with agreed_errors():   # one rank's bad tag or client_state: the same error on every rank, collectives in step
+        tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag if isinstance(tag, str)
+                        else str(tag))
+        client_state_json(client_state)
     check_tag_across_ranks(tag, plan.tag_validation)
     options.setdefault("async_save", plan.async_save)
     if plan.keep_last is not None:
@@ -250,7 +253,9 @@ def load_engine(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_
         for key in ("engine", "counters", "loss_scaler"):
             if key in top:
                 state[key] = engine_state.setdefault(key, {})
-    path, client = load_checkpoint(load_dir, path.name, state, load_rng=not load_module_only, strict=strict)
+    # the tag as given (None: `latest`), not path.name: resolve_tag may have picked the `.old-<tag>` copy a crash
+    # during a re-save left, which is not a valid tag itself
+    path, client = load_checkpoint(load_dir, tag, state, load_rng=not load_module_only, strict=strict)
     if "engine" in engine_state:
         saved = engine_state["engine"]
         if not load_lr_scheduler_states:

@@ -183,6 +183,10 @@ def resolve_tag(load_dir: str | Path, tag: str | None = None) -> Path:
     tag = check_tag(tag)
     path = load_dir / tag
     aside = load_dir / f".old-{tag}"  # a crash while re-saving this tag left the previous copy here
-    if not path.exists() and aside.is_dir() and not checkpoint_problems(aside):
+    if not path.exists() and not path.is_symlink() and aside.is_dir() and not aside.is_symlink() \
+            and not checkpoint_problems(aside):
         return aside
+    if path.is_symlink():   # a plain name may still be a link to anywhere: the checkpoint must be in the directory
+        raise ValueError(f"{path} is a symbolic link (to {os.readlink(path)!r}): a checkpoint is loaded only from a "
+                         f"directory inside {load_dir}; copy it there instead of linking")
     return path

@@ -54,10 +54,24 @@ METADATA_GLOBALS = {
 _CONTAINERS = {"collections": collections, "builtins": builtins}
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(pickle._Unpickler):
+    """The pure-Python unpickler, so that BUILD can be checked too: BUILD sets attributes (or calls
+    __setstate__) on the object below it, and on an allowlisted class itself that would rewrite the class for the
+    whole process (e.g. `pathlib.PosixPath.is_file = ...`). Only instances may be built."""
+
     def __init__(self, file, source: Path):
         super().__init__(file)
         self.source = source
+
+    def load_build(self):
+        if isinstance(self.stack[-2], type) or not hasattr(self.stack[-2], "__dict__") and not hasattr(
+                self.stack[-2], "__setstate__"):
+            raise UnsafeCheckpointError(f"{self.source}: refused to set state on {self.stack[-2]!r}: a DCP "
+                                        "checkpoint index only builds instances of its metadata classes")
+        return super().load_build()
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+    dispatch[pickle.BUILD[0]] = load_build
 
     def find_class(self, module: str, name: str):
         if (module, name) in METADATA_GLOBALS:

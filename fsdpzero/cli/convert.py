@@ -90,10 +90,6 @@ def run(args: argparse.Namespace) -> int:
     # errors are what an unreadable checkpoint raises: one line, exit 2 (OSError/ValueError: main does the same)
     except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
         return _fail(f"{args.dir}: {e}")
-    except SystemExit as e:            # the converter's own one-line refusals carry their message
-        if isinstance(e.code, str):
-            return _fail(e.code.removeprefix("fsdpzero convert: "))
-        raise
     if config_text is not None:
         (Path(out) / "config.json").write_text(config_text)
     print(f"wrote {out}")

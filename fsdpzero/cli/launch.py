@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 DEFAULT_HOSTFILE = "/job/hostfile"    # DeepSpeed's default (DLTS); absent means "this machine only"
 DEFAULT_PORT = 29500                  # DeepSpeed's TORCH_DISTRIBUTED_DEFAULT_PORT
+MAX_SLOTS = 1024   # processes per host: a bound, so that a typo does not plan millions of processes
 _HOST_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")   # DeepSpeed's pattern: anything after the count is ignored
 
 
@@ -75,6 +76,8 @@ def parse_hostfile(lines: list[str]) -> collections.OrderedDict:
         if not match:
             raise ValueError(f"hostfile: bad entry {line!r}: each line is `HOSTNAME slots=N` (or a # comment)")
         host, slots = match.group(1), int(match.group(2))
+        if slots > MAX_SLOTS:
+            raise ValueError(f"hostfile: {host} slots={slots}: at most {MAX_SLOTS} processes per host")
         if host in pool:
             raise ValueError(f"hostfile: {host} is listed twice; give each host one `slots=N` line")
         pool[host] = slots
@@ -148,6 +151,8 @@ def trim_resources(active: dict[str, list[int]], num_nodes: int, num_gpus: int) 
 
 def select_resources(pool: dict[str, int] | None, args: argparse.Namespace, gpu_count: int) -> collections.OrderedDict:
     """host -> slots for this job, from the hostfile (or this machine) and the filters, with DeepSpeed's checks."""
+    if args.num_gpus > MAX_SLOTS:
+        raise ValueError(f"--num_gpus {args.num_gpus}: at most {MAX_SLOTS} processes per host")
     if (args.num_nodes >= 0 or args.num_gpus >= 0) and (args.include or args.exclude):
         raise ValueError("--num_nodes/--num_gpus cannot be combined with --include/--exclude (DeepSpeed's rule): "
                          "choose the slots with one or the other")

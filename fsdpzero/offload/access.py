@@ -9,6 +9,8 @@ must wait for the whole step first. `guard_reads(model, pending, wait)` makes th
 - `state_dict()` of the model or any submodule, hence `get_model_state_dict`, DCP saves and exports
   (a state_dict pre-hook on every module);
 - `load_state_dict()` of the model or any submodule (new weights must not race the worker's writes);
+- `state_dict()` / `load_state_dict()` of the CPU optimizer (`engine.optimizer`): its moments are being written too;
+- `fsdpzero.zero.GatheredParameters` (it reads each parameter's holder module through `parameters()`);
 - the Engine's own accessors, `save_checkpoint`, `save_16bit_model` and `wait_for_params()` (fsdpzero/engine.py).
 
 Inside a forward of the model (a root pre-hook / post-hook pair) `parameters()` does not wait: the unit hooks do,
@@ -16,7 +18,8 @@ unit by unit, and Hugging Face models read `self.dtype` (which iterates paramete
 `zero_grad()` reads only the gradients and does not wait either.
 
 Not covered: a parameter read as an attribute (`model.lm_head.weight`) right after `step()` and before the next
-forward; call `engine.wait_for_params()` first (docs/offload.md).
+forward, and a reference kept from before `step()` (a list of parameters an EMA helper took once): call
+`engine.wait_for_params()` first, or set the `offload_overlap` knob to False for such code (docs/offload.md).
 """
 from __future__ import annotations
 
@@ -78,5 +81,21 @@ class ReadGuard:
             setattr(module, fn.__name__, types.MethodType(fn, module))
 
 
-def guard_reads(model: nn.Module, pending: Callable[[], bool], wait: Callable[[], None]) -> ReadGuard:
-    return ReadGuard(model, pending, wait)
+def guard_reads(model: nn.Module, pending: Callable[[], bool], wait: Callable[[], None],
+                optimizer=None) -> ReadGuard:
+    """The model's reads (above) and, when given, the optimizer's state_dict()/load_state_dict(): the worker is
+    still writing its moments and step counts (instance attributes ahead of the class's methods, as for modules)."""
+    guard = ReadGuard(model, pending, wait)
+    if optimizer is not None:
+        cls = type(optimizer)
+
+        def state_dict(self, *args, **kwargs):
+            guard.wait()
+            return cls.state_dict(self, *args, **kwargs)
+
+        def load_state_dict(self, *args, **kwargs):
+            guard.wait()
+            return cls.load_state_dict(self, *args, **kwargs)
+        for fn in (state_dict, load_state_dict):
+            setattr(optimizer, fn.__name__, types.MethodType(fn, optimizer))
+    return guard

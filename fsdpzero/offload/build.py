@@ -190,7 +190,9 @@ def build_offload_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFa
     on_accel = local_tensor(named[0][1]).device.type != "cpu"   # else CPU-only, or offload_param put the shards there
     stage = on_accel if stage is None else stage
     threads = torch.get_num_threads()
-    if torch.cuda.is_available():
+    # with a GPU always (auto: cores / local ranks); on a CPU-only run only when a knob asks (the user's OMP setting
+    # otherwise stands)
+    if torch.cuda.is_available() or knobs.offload_threads is not None or knobs.offload_bind:
         local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         if knobs.offload_bind:
             bind_cores(local_rank, local_world)

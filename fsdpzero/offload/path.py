@@ -107,7 +107,7 @@ class OffloadGradPath(GradPath):
         if self.tl is not None:   # prepended last: runs before any wait hook, so the waits count in the step
             model.register_forward_pre_hook(lambda *_: self.tl.forward_start(), prepend=True)
         # overlap: between step() and the next forward the worker writes the weights; every other read waits
-        self.reads = guard_reads(model, self.pending, self.wait) if self.overlap else None
+        self.reads = guard_reads(model, self.pending, self.wait, optimizer) if self.overlap else None
 
     # -- device shards of stage-2 units: dropped after forward, back for the step (fsdp_state.DroppableShards) -----
     def _drop(self, unit: int, module: nn.Module) -> None:

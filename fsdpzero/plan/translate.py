@@ -110,7 +110,7 @@ def _offload(cfg: DSConfig) -> OffloadPlan:
     aio = cfg.aio
     return OffloadPlan(
         optimizer_device=oo.device if oo else "none", param_device=op.device if op else "none",
-        pin_memory=(oo.pin_memory if oo and oo.device != "none" else op.pin_memory if op else True),
+        pin_memory=op.pin_memory if op else True,   # offload_param's: FSDP2's CPUOffloadPolicy is its one reader
         optimizer_nvme_path=oo.nvme_path if oo else None, param_nvme_path=op.nvme_path if op else None,
         buffer_count=oo.buffer_count if oo else 4, param_buffer_count=op.buffer_count if op else 5,
         param_buffer_size=op.buffer_size if op else 100_000_000, max_in_cpu=op.max_in_cpu if op else 1_000_000_000,

@@ -223,3 +223,29 @@ def test_load_universal_resumes_a_deepspeed_universal_checkpoint(tmp_path):
     assert name == "global_step3_universal" and steps == record["save_step"] + record["cont_steps"]
     assert losses[0] == expected[0]     # the fp32 masters and Adam moments came over exactly
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 2e-6, (losses, expected)
+
+
+def _one_rank_bad_input_job(rank, world, root):
+    """A tag or a client_state that is bad on one rank only (found by review: the other rank aborted in a
+    mismatched collective). Through the engine, then a retry that must work."""
+    import fsdpzero
+    m = torch.nn.Linear(4, 4)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    engine, *_ = fsdpzero.initialize(model=m, model_parameters=m.parameters(), config=cfg)
+    out = {"client": _attempt(lambda: engine.save_checkpoint(root, tag="x", client_state={"obj": object() if rank
+                                                                                          else 1})),
+           "tag": _attempt(lambda: engine.save_checkpoint(root, tag="ok" if rank == 0 else "../bad"))}
+    engine.save_checkpoint(root, tag="good")
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    out["in_step"] = t.item()
+    return out
+
+
+def test_a_bad_tag_or_client_state_on_one_rank_is_every_ranks_error(tmp_path):
+    r0, r1 = run_distributed(_one_rank_bad_input_job, 2, str(tmp_path / "ck"), timeout=150)
+    assert r0 == r1, (r0, r1)
+    assert "client_state/obj" in r0["client"] and "(on rank 1)" in r0["client"], r0["client"]
+    assert "contains a path separator" in r0["tag"] and "(on rank 1)" in r0["tag"], r0["tag"]
+    assert r0["in_step"] == 3.0 and (tmp_path / "ck" / "good").is_dir()

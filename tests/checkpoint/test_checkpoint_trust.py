@@ -298,3 +298,54 @@ def test_a_checkpoint_of_another_model_is_an_error_unless_partial(tmp_path):
         ck.load_checkpoint(tmp_path, "two", {"train": ck.ModelOptimizer(*_mlp(4, 2))})
     ck.load_checkpoint(tmp_path, "four", {"train": ck.ModelOptimizer(two, opt2)}, strict=False)
     assert all(torch.equal(two[i].weight, four[i].weight) for i in range(2))
+
+
+# ---- found by review: class-level BUILD, symlinked tag directories, the `.old-<tag>` copy through the engine -----
+
+def test_a_planted_index_cannot_set_attributes_on_an_allowlisted_class(tmp_path):
+    """BUILD on a class object (not an instance) would rewrite that class for the whole process, e.g.
+    pathlib.PosixPath.is_file, which the checkpoint checks themselves rely on."""
+    def g(mod, name):
+        return b"c" + mod.encode() + b"\n" + name.encode() + b"\n"
+    payload = (b"\x80\x02" + g("pathlib", "PosixPath") + b"N}X" + (7).to_bytes(4, "little") + b"is_file"
+               + g("torch.distributed.checkpoint.metadata", "StorageMeta") + b"s\x86b0"
+               + g("torch.distributed.checkpoint.metadata", "Metadata") + b"}\x85R.")
+    (tmp_path / ".metadata").write_bytes(payload)
+    with pytest.raises(UnsafeCheckpointError, match="refused to set state on") as info:
+        read_dcp_metadata(tmp_path)
+    _one_line(info.value, ".metadata")
+    assert Path("/nonexistent").is_file() is False
+
+
+def test_a_tag_directory_that_is_a_symlink_is_refused(tmp_path):
+    ck.save_checkpoint(tmp_path / "outside", "global_step2", _small_state(2), save_rng=False)
+    ck.save_checkpoint(tmp_path / "run", "global_step1", _small_state(1), save_rng=False)
+    (tmp_path / "run" / "global_step9").symlink_to(tmp_path / "outside" / "global_step2")
+    (tmp_path / "run" / "latest").write_text("global_step9")
+    for tag in (None, "global_step9"):
+        with pytest.raises(ValueError, match="is a symbolic link"):
+            ck.load_checkpoint(tmp_path / "run", tag, _small_state(3))
+
+
+def _engine_loads_the_old_copy(rank, world, save_dir):
+    import fsdpzero
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    engine, *_ = fsdpzero.initialize(model=m, model_parameters=m.parameters(), config=cfg)
+    engine.backward(engine(torch.randn(2, 4)).sum())
+    engine.step()
+    engine.save_checkpoint(save_dir, tag="t1")
+    want = {k: v.full_tensor().clone() for k, v in engine.module.state_dict().items()}
+    os.rename(Path(save_dir) / "t1", Path(save_dir) / ".old-t1")   # a crash between a re-save's two renames
+    engine.backward(engine(torch.randn(2, 4)).sum())
+    engine.step()
+    path, _ = engine.load_checkpoint(save_dir)
+    got = {k: v.full_tensor() for k, v in engine.module.state_dict().items()}
+    return path.name, all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_engine_load_falls_back_to_the_copy_a_crashed_resave_left(tmp_path):
+    [(name, same)] = run_distributed(_engine_loads_the_old_copy, 1, str(tmp_path / "ck"), timeout=120)
+    assert name == ".old-t1" and same

@@ -207,6 +207,13 @@ def test_bad_flag_is_one_line_and_exit_2(tmp_path):
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == ["fsdpzero launch: error: hostfile: a is listed twice; give each host "
                                              "one `slots=N` line"]
+    # bounds (found by review: an OverflowError traceback, and 1e8 processes planned)
+    (tmp_path / "hosts").write_text("localhost slots=99999999999999999999\n")
+    for flags, words in ((["--hostfile", str(tmp_path / "hosts")], "slots=99999999999999999999: at most 1024"),
+                         (["--num_gpus", "100000000"], "--num_gpus 100000000: at most 1024")):
+        p = subprocess.run([*FSDPZERO, "launch", *flags, "--dry_run", "x.py"], cwd=ROOT, env=_env(),
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and words in p.stderr, p.stderr
 
 
 _SHIM_PROBE = """

@@ -50,6 +50,11 @@ def _scenarios(rank, world, tmp):
     engine = fsdpzero.wrap(build_model("llama"), plan)
     engine.destroy()
     out["nvme_paths"] = "ok"
+    # a monitor on rank 0 only: a monitored step averages the loss over the ranks, so this would hang at step 1
+    from fsdpzero.plan.types import MonitorPlan
+    csv = {"enabled": True, "output_path": f"{tmp}/csv", "job_name": "j"}
+    out["monitor"] = _outcome(lambda: fsdpzero.wrap(build_model("llama"), dataclasses.replace(
+        make_plan(stage=2, world=world), monitor=MonitorPlan(csv_monitor=csv if rank == 0 else None))))
     # one rank fails, both raise the same error; then the collectives are still in step
     out["one_fails"] = _outcome(lambda: agree_on_error(ValueError("bad value on this rank") if rank == 1 else None))
     out["both_fail"] = _outcome(lambda: agree_on_error(f"disk full on rank {rank}"))
@@ -82,6 +87,7 @@ def test_ranks_agree_on_errors_and_on_what_they_run(tmp_path):
     assert "plan shard.stage: rank 0 has 2; rank 1 has 3" in r0["stage"], r0["stage"]
     assert "plan precision.param_dtype: rank 0 has \"float32\"; rank 1 has \"bfloat16\"" in r0["dtype"], r0["dtype"]
     assert "model parameters: rank 0 has 21 tensors" in r0["model"], r0["model"]
+    assert "plan monitor" in r0["monitor"], r0["monitor"]
     assert "rank 1 has 28 tensors" in r0["model"], r0["model"]
     assert r0["one_fails"] == "ValueError: bad value on this rank (on rank 1)"
     assert r0["both_fail"] == "2 ranks failed:\n  rank 0: disk full on rank 0\n  rank 1: disk full on rank 1"

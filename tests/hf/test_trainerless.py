@@ -183,6 +183,20 @@ def _init_and_gather(rank, world):
         res[name] = {"held_bytes": max(held), "same_weights": same, "fwd": fwd, "row4": after[4].tolist(),
                      "edit_equal": torch.equal(after, plain_emb.weight), "fwd_after": fwd_after,
                      "sharded": sharded}
+    # models whose init writes a child's parameter from the parent (GPT-2's c_proj, T5's attention): the plain
+    # build's weights all the same (found by review: a RuntimeError on the held placeholders)
+    from transformers import GPT2Config
+    for name, build in (("gpt2", lambda: AutoModelForCausalLM.from_config(GPT2Config(
+            vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=16))),
+            ("t5", lambda: AutoModelForSeq2SeqLM.from_config(T5Config(
+                vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)))):
+        torch.manual_seed(0)
+        with deepspeed.zero.Init():
+            model = build()
+        torch.manual_seed(0)
+        plain = build()
+        got = _full(model.parameters())
+        res[name] = len(got) > 3 and all(torch.equal(a, b) for a, b in zip(got, plain.parameters()))
     # parameters that are not sharded at all: read as they are; rank 0's edit is broadcast
     torch.manual_seed(0)
     lin = nn.Linear(4, 3)
@@ -242,6 +256,7 @@ def test_zero_init_builds_the_plain_model(ranks):
             assert case["held_bytes"] <= 8, case["held_bytes"]          # placeholders: no full copy kept
             assert case["same_weights"], name     # gathered before initialize: the plain build's weights, exactly
             assert case["fwd"] < 1e-5, (name, case["fwd"])             # sharded forward = plain forward
+        assert r["init"]["gpt2"] and r["init"]["t5"], r["init"]
 
 
 @pytest.mark.slow

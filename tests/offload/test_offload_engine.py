@@ -127,12 +127,13 @@ def test_bf16_offload_keeps_buffers_and_the_first_loss(tmp_path):
 
 
 def _reads_run(rank, world, overlap, fp16, save_dir=None, load_dir=None, steps=6, bad_step=2, save_at=3):
-    """The engine loop with the parameters read right after every step() (named_parameters of the model, of a
-    submodule, state_dict), an overflow injected at `bad_step` and a checkpoint saved mid-run; a slow CPU step, so
+    """The engine loop with the parameters read right after every step() (the optimizer's state_dict or a
+    GatheredParameters first, then named_parameters of the model, of a submodule, state_dict), an overflow injected at `bad_step` and a checkpoint saved mid-run; a slow CPU step, so
     that without the read guard these reads would see the old weights."""
     import time
 
     from fsdpzero.plan import LossScalePlan, PrecisionPlan
+    from fsdpzero.zero import GatheredParameters
     plan = _plan(world, 2, 1, False)
     precision = (PrecisionPlan(loss_scale=LossScalePlan(initial_scale_power=8, loss_scale_window=2)) if fp16
                  else PrecisionPlan(check_grad_overflow=True))
@@ -157,7 +158,15 @@ def _reads_run(rank, world, overlap, fp16, save_dir=None, load_dir=None, steps=6
             g = next(p.grad for p in engine.module.parameters() if p.grad is not None)
             g.to_local().view(-1)[0] = float("inf")
         engine.step()
-        read = {n: p.to_local().clone() for n, p in engine.module.named_parameters()}
+        read = {}
+        if i % 3 == 0:    # first read after step(): the optimizer's moments (the worker is writing them too)
+            state = engine.optimizer.state_dict()["state"]
+            read["optimizer"] = [t.clone() for k in sorted(state) for t in state[k].values()
+                                 if isinstance(t, torch.Tensor)]
+        elif i % 3 == 1:  # first read after step(): a parameter gathered through fsdpzero.zero
+            with GatheredParameters(engine.module.model.layers[1].mlp.down_proj.weight):
+                read["gathered"] = engine.module.model.layers[1].mlp.down_proj.weight.detach().clone()
+        read.update({n: p.to_local().clone() for n, p in engine.module.named_parameters()})
         layer = engine.module.model.layers[1]
         read["layer1"] = [p.to_local().clone() for p in layer.parameters()]
         read["state_dict"] = {k: v.to_local().clone() for k, v in engine.module.state_dict().items()

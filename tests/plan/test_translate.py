@@ -94,8 +94,12 @@ def test_offload():
     o = plan_of({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nv"},
                                        "offload_optimizer": {"device": "cpu", "pin_memory": False}},
                  "aio": {"queue_depth": 32}}).offload
-    assert (o.param_device, o.param_nvme_path, o.optimizer_device, o.pin_memory) == ("nvme", "/nv", "cpu", False)
+    # pin_memory is offload_param's (FSDP2's CPUOffloadPolicy reads it); offload_optimizer's does not override it
+    assert (o.param_device, o.param_nvme_path, o.optimizer_device, o.pin_memory) == ("nvme", "/nv", "cpu", True)
     assert o.aio.queue_depth == 32 and o.aio.block_size == 1_048_576
+    o = plan_of({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": False},
+                                       "offload_optimizer": {"device": "cpu"}}}).offload
+    assert o.pin_memory is False
 
 
 def test_unsupported_features_are_decisions_not_exceptions():
