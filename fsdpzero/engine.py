@@ -170,6 +170,8 @@ class Engine(nn.Module):
                 self._printer.maybe_print(step=self.global_steps, skipped=self.skipped_steps,
                                           samples=self.global_samples, loss=self._last_loss, lr=self.get_lr(),
                                           grad_norm=self._grad_norm, loss_scale=self.get_loss_scale())
+            elif self.timers.enabled:   # wall_clock_breakdown: the timings every optimizer step, as DeepSpeed
+                self._printer.print_timers()
             self._timer_mark = dict(self.timers.total)   # the printer may have reset them: next step's baseline
             if self._compile_watch is not None:
                 self._report_compile()

@@ -85,6 +85,13 @@ class StepPrinter:
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
 
+    def print_timers(self) -> None:
+        """wall_clock_breakdown on a step without a step line: the timings alone, as DeepSpeed logs them every
+        optimizer step."""
+        report = self.timers.report()
+        if is_rank0():
+            log.info(report)
+
     def maybe_print(self, *, step: int, skipped: int, samples: int, loss, lr, grad_norm, loss_scale) -> None:
         if not self.due(step):
             return
