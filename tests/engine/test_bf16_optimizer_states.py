@@ -1,13 +1,12 @@
 """`bf16.bf16_optimizer_states` (with the bf16_master_weights_and_grads it requires): bf16 Adam moments, against
 DeepSpeed itself on the same run (CPU oracle, 2 gloo ranks, ZeRO 2): the moments are bf16 on both sides and take the
 same bytes per rank (half of fp32 moments), and losses and final parameters agree within bf16 tolerance."""
-import copy
 
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from tests.engine.test_oracle_deepspeed import MICRO, SCHEDULERS, SEQ, VOCAB, WORLD, _config, _deepspeed, _model
+from tests.engine.test_oracle_deepspeed import MICRO, SCHEDULERS, SEQ, VOCAB, WORLD, _config, _deepspeed, oracle_engine
 from tests.multirank import run_distributed
 
 pytestmark = [pytest.mark.oracle, pytest.mark.slow]
@@ -23,14 +22,7 @@ def _local(t):
 
 
 def _train(rank, world, library, config):
-    if library == "deepspeed":
-        import deepspeed
-        initialize = deepspeed.initialize
-    else:
-        import fsdpzero
-        initialize = fsdpzero.initialize
-    model = _model("llama")
-    engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(config))
+    engine = oracle_engine(library, config)
     g = torch.Generator().manual_seed(1234)
     data = [torch.randint(0, VOCAB, (MICRO, SEQ), generator=g) for _ in range(STEPS * world)]
     losses = []

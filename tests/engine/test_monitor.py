@@ -1,7 +1,6 @@
 """The Engine writes DeepSpeed's monitor events itself: the same files, tags, x values (global samples) and values
 as DeepSpeed's engine on the same run (CPU oracle, 2 gloo ranks), plus `Train/Samples/train_loss` equal to the
 losses the run saw; the optional writers (comet, wandb) get DeepSpeed's calls."""
-import copy
 import csv
 import sys
 import types
@@ -9,7 +8,7 @@ import types
 import pytest
 import torch
 
-from tests.engine.test_oracle_deepspeed import MICRO, SCHEDULERS, VOCAB, WORLD, _config, _deepspeed, _model
+from tests.engine.test_oracle_deepspeed import MICRO, SCHEDULERS, VOCAB, WORLD, _config, _deepspeed, oracle_engine
 from tests.multirank import run_distributed
 
 STEPS, GA = 4, 2
@@ -20,14 +19,7 @@ def _rows(path):
 
 
 def _train(rank, world, library, config, steps):
-    if library == "deepspeed":
-        import deepspeed
-        initialize = deepspeed.initialize
-    else:
-        import fsdpzero
-        initialize = fsdpzero.initialize
-    model = _model("llama")
-    engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(config))
+    engine = oracle_engine(library, config)
     g = torch.Generator().manual_seed(1234)
     data = [torch.randint(0, VOCAB, (MICRO, 16), generator=g) for _ in range(steps * GA * world)]
     losses = []

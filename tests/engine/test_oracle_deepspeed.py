@@ -52,8 +52,8 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().clone()
 
 
-def _train(rank, world, library, model_kind, config, steps):
-    """One rank of one run. Rank r takes micro-batch r of each group of `world`: the same global batch both ways."""
+def oracle_engine(library: str, config: dict, model_kind: str = "llama"):
+    """The engine of one run: DeepSpeed's or fsdpzero's `initialize` over the same freshly built model and config."""
     if library == "deepspeed":
         import deepspeed
         initialize = deepspeed.initialize
@@ -61,7 +61,12 @@ def _train(rank, world, library, model_kind, config, steps):
         import fsdpzero
         initialize = fsdpzero.initialize
     model = _model(model_kind)
-    engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(config))
+    return initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(config))[0]
+
+
+def _train(rank, world, library, model_kind, config, steps):
+    """One rank of one run. Rank r takes micro-batch r of each group of `world`: the same global batch both ways."""
+    engine = oracle_engine(library, config, model_kind)
     ga = config["gradient_accumulation_steps"]
     g = torch.Generator().manual_seed(1234)
     data = [torch.randint(0, VOCAB, (MICRO, SEQ), generator=g) for _ in range(steps * ga * world)]
@@ -225,14 +230,7 @@ def _train_poisoned(rank, world, library, config, steps, bad):
     """fp32, no loss scaler: rank 0's loss at step `bad` times NaN, so every gradient of that step is non-finite
     after the reduction. Per step: loss (None where NaN), skipped_steps read right after step(), the reported norm,
     lr, and whether every weight is finite; the final parameters."""
-    if library == "deepspeed":
-        import deepspeed
-        initialize = deepspeed.initialize
-    else:
-        import fsdpzero
-        initialize = fsdpzero.initialize
-    model = _model("llama")
-    engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(config))
+    engine = oracle_engine(library, config)
     g = torch.Generator().manual_seed(1234)
     data = [torch.randint(0, VOCAB, (MICRO, SEQ), generator=g) for _ in range(steps * world)]
     seen = []
