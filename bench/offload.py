@@ -14,8 +14,9 @@ All configs in sequence, one table (each config is its own torchrun, so nothing 
     python bench/offload.py --all --nproc 2 --out out/offload
 Configs: fsdp_z2, fsdp_z3 (no offload); fsdp_z3_cpuoffload (CPUOffloadPolicy + CPU fused AdamW); ours_z2 (stage 2 +
 optimizer offload, fsdpzero's defaults: overlapped); ours_z3_both (stage 3 + optimizer and param offload); *_serial
-(tuning offload_overlap=false: the CPU step inside step()); *_overlap (the CPU step overlaps the next forward, the
-default); *_spec (and tuning offload_speculate=true: the speculative CPU step during backward); *_noclip
+(tuning offload_overlap=false and offload_speculate=false: the CPU step inside step()); *_overlap (the CPU step
+overlaps the next forward, the default; with the default speculation, offload_speculate=auto); *_nospec
+(offload_speculate=false); *_spec (offload_speculate=true: shadows for all that fit in half the host's memory); *_noclip
 (gradient_clipping 0, both implementations); ours_z3_ratio_overlap / ds_z3_ratio (stage 3, offload_optimizer.ratio = FSDPZERO_BENCH_RATIO, default 0.5:
 the rest steps on the GPU); ds_z2_offload, ds_z3_offload_both (DeepSpeed, when importable). --layers/--hidden/--vocab/--seq/--micro shrink the model for a smoke run;
 ref_gpu_noopt (FSDP2 stage 2, bf16: forward + backward + grad norm, no optimizer step) and ref_cpu_adam (the fused
@@ -42,11 +43,14 @@ CONFIGS = ["fsdp_z2", "fsdp_z3", "fsdp_z3_cpuoffload", "ours_z2", "ours_z2_seria
            "ours_z2_overlap_spec", "ours_z2_overlap_noclip", "ours_z2_overlap_noclip_spec", "ours_z3_both",
            "ours_z3_both_serial", "ours_z3_both_overlap", "ours_z3_ratio_overlap", "ds_z2_offload",
            "ds_z2_offload_noclip", "ds_z3_offload_both", "ds_z3_ratio", "ref_gpu_noopt", "ref_cpu_adam",
-           "ours_z2_overlap_t8", "ours_z2_overlap_t12", "ours_z3_both_overlap_t8", "ours_z3_both_overlap_t12"]
+           "ours_z2_overlap_t8", "ours_z2_overlap_t12", "ours_z3_both_overlap_t8", "ours_z3_both_overlap_t12",
+           "ours_z2_overlap_t14", "ours_z2_overlap_noclip_t14", "ours_z2_overlap_noclip_spec_t14",
+           "ours_z2_overlap_noclip_spec_t12", "ours_z2_overlap_spec_t14", "ours_z2_serial_noclip",
+           "ours_z2_overlap_nospec", "ours_z2_overlap_noclip_nospec", "ours_z2_overlap_noclip_t16"]
 # issue 24: per size, the shape (micro-batch per GPU) and the configs, cheapest reference first
 SIZES = {"0.89b": dict(layers=16, hidden=2048, micro=4), "2.8b": dict(layers=26, hidden=3072, micro=2),
          "tiny": dict(layers=2, hidden=64, micro=2, vocab=512, seq=32)}   # tiny: the CPU smoke test
-_Z2 = ["ref_cpu_adam", "ref_gpu_noopt", "ds_z2_offload", "ours_z2_serial", "ours_z2_overlap", "ours_z2_overlap_spec"]
+_Z2 = ["ref_cpu_adam", "ref_gpu_noopt", "ds_z2_offload", "ours_z2_serial", "ours_z2_overlap_nospec", "ours_z2_overlap"]
 _Z3 = ["ds_z3_offload_both", "ours_z3_both_serial", "ours_z3_both_overlap"]
 SUITE = {"issue24": {"0.89b": _Z2 + _Z3, "2.8b": _Z2, "tiny": _Z2 + _Z3}}   # issue 24 asks 2.8 B for stage 2 only
 RATIO = float(os.environ.get("FSDPZERO_BENCH_RATIO", "0.5"))   # *_ratio*: offload_optimizer.ratio (stage 3)
@@ -123,7 +127,9 @@ def fsdp_runner(args, name):
 def ours_runner(args, name):
     """fsdpzero: the DeepSpeed config through fsdpzero.wrap (engine + offload gradient path)."""
     import fsdpzero
-    knobs = {"offload_speculate": "_spec" in name}   # the typed knobs (fsdpzero/tuning.py)
+    knobs = {}                                        # the typed knobs (fsdpzero/tuning.py); default: auto
+    if "_spec" in name or "_nospec" in name or "_serial" in name:
+        knobs["offload_speculate"] = "_spec" in name and "_nospec" not in name   # serial rows: no speculation
     if "_t" in name and name.rsplit("_t", 1)[1].isdigit():   # *_t<N>: offload_threads N
         knobs["offload_threads"] = int(name.rsplit("_t", 1)[1])
     if "_serial" in name or "_overlap" in name:            # else fsdpzero's default (overlap)
@@ -306,8 +312,8 @@ def timeline_median(path: Path, warmup: int) -> dict:
     """Median over the timed steps of each scalar field of the timeline, plus per-chunk Adam/D2H/H2D medians."""
     recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     recs = [r for r in recs if r["step"] >= warmup] or recs
-    med = {k: statistics.median(r[k] for r in recs if k in r)
-           for k in recs[0] if isinstance(recs[0][k], (int, float))}
+    keys = dict.fromkeys(k for r in recs for k, v in r.items() if isinstance(v, (int, float)))
+    med = {k: statistics.median(r[k] for r in recs if k in r) for k in keys}
     med["unit_wait_host"] = [statistics.median(r["unit_wait_host"][u] for r in recs)
                              for u in range(len(recs[0]["unit_wait_host"]))]
     if "unit_wait_gpu" in recs[0]:

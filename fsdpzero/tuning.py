@@ -47,9 +47,11 @@ class Tuning:
     # ZeRO-Offload (fsdpzero/offload, docs/offload.md)
     offload_overlap: bool = _knob(True, "bool", "the CPU step runs while the next forward does; each unit's "
                                   "forward waits only for its own update; reads of the weights wait (exact)")
-    offload_speculate: bool = _knob(False, "bool", "step chunks during backward, committed only when the step does "
-                                    "not clip (exact); costs 14 bytes/param of host memory; needs a GPU "
-                                    "(staged copy buffers), no effect on a CPU-only run")
+    offload_speculate: bool | None = _knob(None, "auto_bool", "step chunks during backward, committed only when "
+                                           "the step does not clip (exact); shadow buffers of 14 bytes/param of "
+                                           "host memory for the chunks speculated (auto: on, shadows for the last "
+                                           "40% of the parameters; 1: as many as half the available memory "
+                                           "allows); needs a GPU (staged copy buffers), no effect on a CPU-only run")
     offload_drop_shards: bool | None = _knob(None, "auto_bool", "free stage-2 device shards between forward and "
                                              "the step (auto: on with CUDA and no gradient accumulation; needs "
                                              "a GPU's staged copy buffers, no effect on a CPU-only run)")

@@ -275,12 +275,14 @@ def build_offload_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFa
         from fsdpzero.offload.nvme_path import NVMeGradPath as path_class
     swap_params = plan.offload.param_device == "nvme" and plan.shard.stage == 3 and units[0][0] is not None
     overlap = (knobs.offload_overlap if overlap is None else overlap) and not swap_params   # one thread swaps
+    spec_norm = _speculate_max_norm(plan, entries, nvme or swap_params, knobs.offload_speculate)
     path = path_class(model, optimizer, [(m, [by_name[n] for n in ns]) for m, ns in units], chunk,
                       threads=threads, overlap=overlap,
                       drop_shards=not nvme and drop_shards_default(plan, knobs.offload_drop_shards),
                       early_d2h=knobs.offload_early_d2h,
-                      speculate_max_norm=_speculate_max_norm(plan, entries, nvme or swap_params,
-                                                             knobs.offload_speculate),
+                      speculate_max_norm=spec_norm,
+                      speculate_budget=_speculate_budget(entries, knobs.offload_speculate)
+                      if spec_norm is not None else None,
                       profile=knobs.offload_profile, profile_file=knobs.offload_profile_file)
     if swap_params:
         path.param_swapper = _param_swapper(model, plan, entries)
@@ -292,15 +294,26 @@ def build_offload_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFa
     return path
 
 
-def _speculate_max_norm(plan: Plan, entries, nvme: bool, enabled: bool) -> float | None:
+def _speculate_max_norm(plan: Plan, entries, nvme: bool, enabled: bool | None) -> float | None:
     """gradient_clipping when the CPU step may run speculatively during backward (fsdpzero.offload.speculate),
     else None: not with fp16 loss scaling (the grad factor is never 1.0), not with NVMe (the optimizer states and,
-    with offload_param nvme, the shards' residency belong to the swappers), and only when the shadow buffers fit in
-    host memory."""
-    from fsdpzero.offload import speculate as offload_speculate
+    with offload_param nvme, the shards' residency belong to the swappers). The shadows' size: _speculate_budget."""
     staged = [e for e in entries if e.grad_buf is not None and not e.on_device]
-    if not (enabled and staged and plan.precision.loss_scale is None and not nvme):
-        return None
-    if not offload_speculate.fits_in_host(staged, int(os.environ.get("LOCAL_WORLD_SIZE", 1))):
+    if not ((enabled is None or enabled) and staged and plan.precision.loss_scale is None and not nvme):
         return None
     return float(plan.batch.gradient_clipping)
+
+
+# auto (knob offload_speculate unset): shadows for this fraction of the CPU-stepped bytes. Backward is shorter than
+# the CPU step wherever offload is the bottleneck, so the CPU reaches only part of the chunks before the step (about
+# 30% measured at 0.89 B on one H100, BENCHMARKS.md S9); more shadow memory would sit idle.
+AUTO_SHADOW_FRACTION = 0.4
+
+
+def _speculate_budget(entries, knob: bool | None) -> int:
+    from fsdpzero.offload import speculate as offload_speculate
+    staged = [e for e in entries if e.grad_buf is not None and not e.on_device]
+    budget = offload_speculate.shadow_budget(staged, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if knob is None:
+        budget = min(budget, int(offload_speculate.shadow_bytes(staged) * AUTO_SHADOW_FRACTION))
+    return budget

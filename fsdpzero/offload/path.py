@@ -30,7 +30,7 @@ class OffloadGradPath(GradPath):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, units: list[tuple[nn.Module | None,
                  list[Entry]]], chunk_size: int, *, threads: int, overlap: bool = False,
                  drop_shards: bool = False, early_d2h: bool = True, speculate_max_norm: float | None = None,
-                 profile: bool = False, profile_file: str | None = None):
+                 speculate_budget: int | None = None, profile: bool = False, profile_file: str | None = None):
         self.model = model
         self.optimizer = optimizer          # a CPUAdam over the masters: schedulers drive its param_groups
         self.entries = [e for _, es in units for e in es]
@@ -68,9 +68,11 @@ class OffloadGradPath(GradPath):
         self.spec = None
         if speculate_max_norm is not None and self.staged and self.cpu_chunks:
             from fsdpzero.offload.speculate import Speculator
-            self.spec = Speculator([e for c in self.cpu_chunks for e in c.entries], optimizer,
-                                   max_norm=speculate_max_norm, threads=threads,
-                                   device=self.h2d.device if self.h2d is not None else None)
+            self.spec = Speculator(self.cpu_chunks, optimizer, max_norm=speculate_max_norm, threads=threads,
+                                   device=self.h2d.device if self.h2d is not None else None,
+                                   budget_bytes=speculate_budget)
+            if not self.spec.covered:
+                self.spec = None
         self.tl = Timeline(threads, len(units), profile_file) if profile else None   # knob offload_profile
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -350,6 +352,15 @@ class OffloadGradPath(GradPath):
         rec = self._rec
         tl = self.tl if rec is not None else None
         committed = self.spec.collect(self._hyper) if self.spec is not None else {}
+        if tl is not None and self.spec is not None and self.spec.last_trace:
+            trace = self.spec.last_trace   # the speculative chunks of this step's backward
+            h = rec["host"]
+            h["spec_first_start_host"] = trace[0][0] - rec["t0"]
+            h["spec_last_end_host"] = trace[-1][2] - rec["t0"]
+            h["spec_d2h_wait_host"] = sum(t1 - t0 for t0, t1, _, _ in trace)
+            h["spec_adam_host"] = sum(t2 - t1 for _, t1, t2, _ in trace)
+            h["spec_numel"] = sum(n for *_, n in trace)
+            h["spec_committed"] = float(self.spec.last == "committed")
         for k, (chunk, items) in enumerate(work):
             if items:
                 self._swap_in(chunk.unit)

@@ -17,15 +17,16 @@ Early stop: this rank's partial sum of squared gradients is a lower bound of the
 gradient_clipping², the step will clip, and the rest of this backward is not speculated.
 
 Cost: a second fp32 master and moments (12 bytes/param) and pinned low-precision buffer (2 bytes/param) in host
-memory. Opt-in: the offload_speculate knob (FSDPZERO_OFFLOAD_SPECULATE=1). Even then it stays off when the shadows
-would not fit comfortably in the host's available memory, with fp16 loss scaling (the factor is never 1.0) and with
-NVMe offload.
+memory, for the chunks that are speculated: those of the last units (their gradients land first), as many as half of
+the host's available memory allows (shared by the local ranks); the rest step after backward as without speculation.
+The offload_speculate knob; off with fp16 loss scaling (the factor is never 1.0) and with NVMe offload.
 """
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+import time
 
 import torch
 
@@ -47,14 +48,25 @@ def shadow_bytes(entries) -> int:
     return sum(e.master.numel() * 12 + e.out_buf.numel() * e.out_buf.element_size() for e in entries)
 
 
-def fits_in_host(entries, local_world: int) -> bool:
-    """Every local rank's shadows together within half of the host's available memory."""
-    need, avail = shadow_bytes(entries) * max(1, local_world), host_available_bytes()
-    if avail is not None and need > avail // 2:
-        log.info("offload: speculative CPU step off: its shadow buffers need %.1f GiB on this host, %.1f GiB is "
-                 "available", need / 2**30, avail / 2**30)
-        return False
-    return True
+def shadow_budget(entries, local_world: int) -> int:
+    """Host bytes this rank's shadows may take: an equal share of half of the host's available memory (all of them
+    when the host does not say). The shadows then cover the chunks whose gradients land first (the last units)."""
+    need, avail = shadow_bytes(entries), host_available_bytes()
+    if avail is None:
+        return need
+    budget = avail // 2 // max(1, local_world)
+    if budget < need:
+        log.info("offload: speculative shadows limited to %.1f of %.1f GiB (half of the host's available memory, "
+                 "per local rank): the last units' chunks are speculated, the rest step after backward",
+                 budget / 2**30, need / 2**30)
+    return min(need, budget)
+
+
+def spec_threads(threads: int) -> int:
+    """Threads of the speculative step: a quarter of the cores (and one more) stay with backward. Its autograd
+    thread launches the kernels and the D2H copies; with 15 of 16 cores stepping, backward ran 40 ms longer per
+    step on one H100 (0.89 B, BENCHMARKS.md S9), more than the speculation saved."""
+    return max(1, threads - max(1, threads // 4) - 1)
 
 
 @torch.no_grad()
@@ -72,20 +84,33 @@ class Speculator:
     the main thread and collect() where the chunks are stepped; discard() when no step follows (skipped step,
     zero_grad, a checkpoint load)."""
 
-    def __init__(self, entries, optimizer, *, max_norm: float, threads: int, device=None):
+    def __init__(self, chunks, optimizer, *, max_norm: float, threads: int, device=None,
+                 budget_bytes: int | None = None):
+        """chunks: the CPU-stepped chunks in forward order. Shadows are allocated for the chunks whose gradients land
+        first in backward (the last ones), as many as `budget_bytes` allows (all when None)."""
         self.optimizer = optimizer
         self.bound = float(max_norm) ** 2 if max_norm > 0 else None
         self.threads = threads
         self.device = device
+        covered, used = [], 0
+        for c in reversed(chunks):
+            size = shadow_bytes(c.entries)
+            if budget_bytes is not None and used + size > budget_bytes:
+                break
+            covered.append(c)
+            used += size
+        self.covered = {id(c) for c in covered}   # the chunks that are speculated
+        self.shadow_bytes = used
         with torch.no_grad():
             self.shadow = {id(e.master): (torch.empty_like(e.master), torch.empty_like(e.master),
                                           torch.empty_like(e.master),
                                           torch.empty_like(e.out_buf, pin_memory=e.out_buf.is_pinned()))
-                           for e in entries}
+                           for c in covered for e in c.entries}
         # steps committed / dropped / whose speculation stopped on the partial norm; entries committed
         self.stats = {"committed": 0, "dropped": 0, "stopped_early": 0, "entries_committed": 0}
         self.last = None             # this step's outcome: "committed", "dropped" or None (not speculated)
-        self._reset()
+        self.last_trace: list[tuple[float, float, float, int]] = []   # the last collected backward's chunks:
+        self._reset()                                                 # (start, grads landed, stepped, numel)
 
     def _reset(self) -> None:
         self._queue: queue.SimpleQueue | None = None
@@ -97,6 +122,7 @@ class Speculator:
         self._hyper: dict[int, dict] = {}
         self._error: BaseException | None = None
         self._stopped = False
+        self._trace: list[tuple[float, float, float, int]] = []   # perf_counter times (the offload timeline)
 
     @property
     def active(self) -> bool:
@@ -104,6 +130,7 @@ class Speculator:
 
     # -- during backward -----------------------------------------------------------------------------------------
     def submit(self, chunks) -> None:
+        chunks = [c for c in chunks if id(c) in self.covered]
         if not chunks:
             return
         if self._thread is None:      # the first unit of this backward: snapshot the groups (the scheduler has
@@ -125,14 +152,16 @@ class Speculator:
         try:
             if self.device is not None:
                 torch.cuda.set_device(self.device)
-            torch.set_num_threads(max(1, self.threads - 1))   # one core stays with the thread running backward
+            torch.set_num_threads(spec_threads(self.threads))
             sumsq = 0.0
             while (job := self._queue.get()) is not None:
                 chunk, items = job
                 if self._cancel.is_set() or self._stopped:
                     continue
+                t0 = time.perf_counter()
                 if chunk.d2h_done is not None:
                     chunk.d2h_done.synchronize()
+                t1 = time.perf_counter()
                 if self.bound is not None:
                     sumsq += sum(cpu_adam.grad_sumsq(e.grad_buf) for e in items)
                     if sumsq > self.bound * (1 + 1e-3):   # margin: this sum and the engine's round differently
@@ -143,6 +172,7 @@ class Speculator:
                                               hyper=self._hyper[id(e.master)], into=self.shadow[id(e.master)][:3])
                 self._done[id(chunk)] = (frozenset(e.name for e in items),
                                          {id(e.master): self._hyper[id(e.master)] for e in items})
+                self._trace.append((t0, t1, time.perf_counter(), sum(e.master.numel() for e in items)))
         except BaseException as err:   # reported by collect(); the step then runs without speculation
             self._error = err
 
@@ -170,6 +200,7 @@ class Speculator:
         self.end_of_backward()   # normally queued already by finish_gradients; a second end marker is harmless
         self._thread.join()
         commit, done, err, stopped = self._commit and self._error is None, self._done, self._error, self._stopped
+        self.last_trace = self._trace
         self._reset()
         if err is not None:
             log.warning("offload: the speculative CPU step failed (%r); stepping without it", err)

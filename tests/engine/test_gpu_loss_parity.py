@@ -37,7 +37,8 @@ def test_first_loss_bit_identical_and_bf16_curves_follow_deepspeed(tmp_path):
     want |= {("z3_bf16_ga1", i) for i in ("fsdpzero", "deepspeed", "plain_fsdp2")}
     want |= {(c, i) for c in ("z2_bf16_ga1_off-opt", "z3_bf16_ga1_off-both") for i in ("fsdpzero", "deepspeed")}
     want |= {("z3_bf16_ga1_off-optnvme", "fsdpzero"), ("z3_bf16_ga1_off-nvme", "fsdpzero")}
-    assert want <= got, f"runs missing: {sorted(want - got)}"
+    logs = {f.name: f.read_text()[-1500:] for f in (tmp_path / "out").glob("*.log")}   # the failed runs' tails
+    assert want <= got, f"runs missing: {sorted(want - got)}\n{logs}"
     assert all(r["first_equal_ds_z2"] for r in rows), [(r["config"], r["impl"], r["first_bits"]) for r in rows]
     gaps = {(r["config"], r["impl"]): r["max_rel_gap_vs_ds"] for r in rows if r["max_rel_gap_vs_ds"] is not None}
     assert gaps and all(g <= CURVE_TOL for g in gaps.values()), gaps

@@ -24,13 +24,18 @@ SCHEDULE = [(NEVER, False, False), (ALWAYS, False, False), (NEVER, False, False)
             (NEVER, False, False), (NEVER, False, True), (ALWAYS, False, False), (NEVER, False, False)]
 
 
-def _run(speculate, overlap, plan_clip, drain=True):
+def _run(speculate, overlap, plan_clip, drain=True, budget_frac=None):
     os.environ["FSDPZERO_OFFLOAD_SPECULATE"] = "1" if speculate else "0"
+    from fsdpzero.offload import speculate as spec_mod
+    full_budget = spec_mod.shadow_budget
+    if budget_frac is not None:   # a host with room for only part of the shadows
+        spec_mod.shadow_budget = lambda entries, lw: int(spec_mod.shadow_bytes(entries) * budget_frac)
     model = _stage2_model()
     plan = Plan(offload=OffloadPlan(optimizer_device="cpu", sub_group_size=700),
                 batch=BatchPlan(gradient_clipping=plan_clip))
     path = offload.build_offload_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER), stage=True,
                                    overlap=overlap)
+    spec_mod.shadow_budget = full_budget
     assert (path.spec is not None) == speculate
     if speculate:   # a slow speculative worker: zero_grad() and the step come while it is still behind backward
         step_param = path.optimizer.step_param
@@ -61,6 +66,8 @@ def _run(speculate, overlap, plan_clip, drain=True):
     path.wait()
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
     stats = dict(path.spec.stats) if path.spec is not None else {}
+    if path.spec is not None:
+        stats["covered"], stats["chunks"] = len(path.spec.covered), len(path.cpu_chunks)
     path.close()
     return losses, full, outcomes, stats
 
@@ -84,6 +91,22 @@ def test_speculation_commits_drops_and_changes_nothing(overlap):
         assert outcomes[5] == ("committed", 0), outcomes
         assert [outcomes[i] for i in (1, 3, 6)] == [("dropped", 0)] * 3, outcomes
         assert stats["entries_committed"] > 0 and stats["stopped_early"] == 0
+
+
+def _scenario_budget(rank, world):
+    torch.set_num_threads(1)
+    return _run(False, True, NEVER), _run(True, True, NEVER, budget_frac=0.5)
+
+
+def test_shadows_limited_by_host_memory_cover_the_last_chunks():
+    """Shadows for only half of the bytes (a host without room for all): the last chunks are speculated and
+    committed, the others step after backward; the results are those of the run without speculation."""
+    for (ref_losses, ref, _, _), (losses, got, outcomes, stats) in run_distributed(_scenario_budget, 2,
+                                                                                   timeout=180):
+        assert losses == ref_losses
+        assert all(torch.equal(got[k], ref[k]) for k in ref)
+        assert 0 < stats["covered"] < stats["chunks"], stats
+        assert stats["entries_committed"] > 0 and outcomes[0][0] == "committed", (stats, outcomes)
 
 
 def test_partial_norm_stops_speculation_early():
