@@ -46,7 +46,8 @@ CONFIGS = ["fsdp_z2", "fsdp_z3", "fsdp_z3_cpuoffload", "ours_z2", "ours_z2_seria
            "ours_z2_overlap_t8", "ours_z2_overlap_t12", "ours_z3_both_overlap_t8", "ours_z3_both_overlap_t12",
            "ours_z2_overlap_t14", "ours_z2_overlap_noclip_t14", "ours_z2_overlap_noclip_spec_t14",
            "ours_z2_overlap_noclip_spec_t12", "ours_z2_overlap_spec_t14", "ours_z2_serial_noclip",
-           "ours_z2_overlap_nospec", "ours_z2_overlap_noclip_nospec", "ours_z2_overlap_noclip_t16"]
+           "ours_z2_overlap_nospec", "ours_z2_overlap_noclip_nospec", "ours_z2_overlap_noclip_t16",
+           "ours_z2_overlap_noclip_st8", "ours_z2_overlap_noclip_st13", "ours_z2_overlap_noclip_st15"]
 # issue 24: per size, the shape (micro-batch per GPU) and the configs, cheapest reference first
 SIZES = {"0.89b": dict(layers=16, hidden=2048, micro=4), "2.8b": dict(layers=26, hidden=3072, micro=2),
          "tiny": dict(layers=2, hidden=64, micro=2, vocab=512, seq=32)}   # tiny: the CPU smoke test
@@ -132,6 +133,8 @@ def ours_runner(args, name):
         knobs["offload_speculate"] = "_spec" in name and "_nospec" not in name   # serial rows: no speculation
     if "_t" in name and name.rsplit("_t", 1)[1].isdigit():   # *_t<N>: offload_threads N
         knobs["offload_threads"] = int(name.rsplit("_t", 1)[1])
+    if "_st" in name and name.rsplit("_st", 1)[1].isdigit():   # *_st<N>: offload_speculate_threads N
+        knobs["offload_speculate_threads"] = int(name.rsplit("_st", 1)[1])
     if "_serial" in name or "_overlap" in name:            # else fsdpzero's default (overlap)
         knobs["offload_overlap"] = "_overlap" in name
     engine = fsdpzero.wrap(build_model(args), ds_config(args, name), tuning=knobs)

@@ -56,6 +56,8 @@ class Tuning:
                                              "the step (auto: on with CUDA and no gradient accumulation; needs "
                                              "a GPU's staged copy buffers, no effect on a CPU-only run)")
     offload_threads: int | None = _knob(None, "auto_int", "CPU step threads (auto: usable cores / local ranks)")
+    offload_speculate_threads: int | None = _knob(None, "auto_int", "threads of the speculative step during "
+                                                  "backward (auto: offload threads less a quarter, less one)")
     offload_bind: bool = _knob(False, "bool", "pin each local rank to its own slice of cores")
     offload_early_d2h: bool = _knob(True, "bool", "copy a unit's grads D2H as soon as its reduce-scatter is done")
     offload_profile: bool = _knob(False, "bool", "per-step timeline of the offload pipeline (rank 0, JSON lines)")

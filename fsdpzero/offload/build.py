@@ -282,7 +282,7 @@ def build_offload_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFa
                       early_d2h=knobs.offload_early_d2h,
                       speculate_max_norm=spec_norm,
                       speculate_budget=_speculate_budget(entries, knobs.offload_speculate)
-                      if spec_norm is not None else None,
+                      if spec_norm is not None else None, speculate_threads=knobs.offload_speculate_threads,
                       profile=knobs.offload_profile, profile_file=knobs.offload_profile_file)
     if swap_params:
         path.param_swapper = _param_swapper(model, plan, entries)

@@ -30,7 +30,8 @@ class OffloadGradPath(GradPath):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, units: list[tuple[nn.Module | None,
                  list[Entry]]], chunk_size: int, *, threads: int, overlap: bool = False,
                  drop_shards: bool = False, early_d2h: bool = True, speculate_max_norm: float | None = None,
-                 speculate_budget: int | None = None, profile: bool = False, profile_file: str | None = None):
+                 speculate_budget: int | None = None, speculate_threads: int | None = None,
+                 profile: bool = False, profile_file: str | None = None):
         self.model = model
         self.optimizer = optimizer          # a CPUAdam over the masters: schedulers drive its param_groups
         self.entries = [e for _, es in units for e in es]
@@ -70,7 +71,7 @@ class OffloadGradPath(GradPath):
             from fsdpzero.offload.speculate import Speculator
             self.spec = Speculator(self.cpu_chunks, optimizer, max_norm=speculate_max_norm, threads=threads,
                                    device=self.h2d.device if self.h2d is not None else None,
-                                   budget_bytes=speculate_budget)
+                                   budget_bytes=speculate_budget, spec_threads=speculate_threads)
             if not self.spec.covered:
                 self.spec = None
         self.tl = Timeline(threads, len(units), profile_file) if profile else None   # knob offload_profile

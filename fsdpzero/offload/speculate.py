@@ -62,7 +62,7 @@ def shadow_budget(entries, local_world: int) -> int:
     return min(need, budget)
 
 
-def spec_threads(threads: int) -> int:
+def default_spec_threads(threads: int) -> int:
     """Threads of the speculative step: a quarter of the cores (and one more) stay with backward. Its autograd
     thread launches the kernels and the D2H copies; with 15 of 16 cores stepping, backward ran 40 ms longer per
     step on one H100 (0.89 B, BENCHMARKS.md S9), more than the speculation saved."""
@@ -85,12 +85,12 @@ class Speculator:
     zero_grad, a checkpoint load)."""
 
     def __init__(self, chunks, optimizer, *, max_norm: float, threads: int, device=None,
-                 budget_bytes: int | None = None):
+                 budget_bytes: int | None = None, spec_threads: int | None = None):
         """chunks: the CPU-stepped chunks in forward order. Shadows are allocated for the chunks whose gradients land
         first in backward (the last ones), as many as `budget_bytes` allows (all when None)."""
         self.optimizer = optimizer
         self.bound = float(max_norm) ** 2 if max_norm > 0 else None
-        self.threads = threads
+        self.threads = spec_threads or default_spec_threads(threads)
         self.device = device
         covered, used = [], 0
         for c in reversed(chunks):
@@ -152,7 +152,7 @@ class Speculator:
         try:
             if self.device is not None:
                 torch.cuda.set_device(self.device)
-            torch.set_num_threads(spec_threads(self.threads))
+            torch.set_num_threads(self.threads)
             sumsq = 0.0
             while (job := self._queue.get()) is not None:
                 chunk, items = job

@@ -437,8 +437,8 @@ CONDITIONAL: tuple[Rule, ...] = (
          "ratio {value}: the CPU steps that fraction of each rank's elements (the last chunks in forward order), the "
          "GPU the rest with fused torch Adam on device fp32 masters"),
     Rule(_OO + "super_offload", ON, A, "SuperOffload's overlap: fsdpzero's CPU step overlaps the next forward by "
-         "default (exact); its speculative step during backward is the tuning knob offload_speculate (exact: shadow "
-         "buffers, not rollback); no superchip-specific placement"),
+         "default (exact), and its speculative step during backward is on by default on a GPU (knob "
+         "offload_speculate; exact: shadow buffers, not rollback); no superchip-specific placement"),
     # ---- optimizer and scheduler
     Rule("optimizer.type", When("a 1-bit optimizer", lambda c: optimizer_kind(c.value) == "onebit"), U,
          "{value}: compressed-communication optimizers are not implemented"),
