@@ -12,6 +12,9 @@ import hashlib
 import json
 import os
 import sys
+import threading
+import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -223,3 +226,40 @@ def check_same_on_all_ranks(facts: dict[str, str], what: str, group=None, limit:
     shown = lines[:limit] + ([f"  ... and {len(lines) - limit} more differences"] if len(lines) > limit else [])
     raise RanksError(f"the ranks were started with different {what}; every rank must run the same:\n"
                      + "\n".join(shown))
+
+
+# -- interpreter exit ------------------------------------------------------------------------------------------------
+# A gloo worker thread marks a collective complete and only then drops its reference to the collective's tensors.
+# For a tensor Python also holds, that drop takes the GIL (torch 2.13: while C++ holds a second reference, the
+# tensor keeps its PyObject alive, and giving it up decrefs the PyObject). If the main thread does not block after
+# the last collective, it keeps winning the GIL (releasing and retaking it around I/O restarts the waiter's switch
+# interval) until the interpreter starts finalizing; CPython then ends the waiting thread with pthread_exit, whose
+# unwinding meets a noexcept destructor (~AsyncWork): `terminate called without an active exception`, SIGABRT, exit
+# -6, after the script's last line. `dist.destroy_process_group()` does not end the workers while anything still
+# holds the group (FSDP2's modules hold their mesh's groups), and ProcessGroupGloo has no shutdown of its own. So at
+# exit, before finalization, the main thread blocks a moment with the GIL released: a worker waiting for it takes
+# it and finishes. (pytorch/pytorch#190489 shows the same abort, a group left undestroyed.)
+
+EXIT_GIL_HANDOVER_S = 0.05
+
+
+def hand_over_gil(seconds: float = EXIT_GIL_HANDOVER_S) -> None:
+    """Block `seconds` with the GIL released, if this process has threads Python did not start (gloo's workers,
+    the intra-op pool): a native thread waiting for the GIL to drop a tensor reference gets it. Runs at
+    interpreter exit (see above); harmless at any other time."""
+    try:
+        native = len(os.listdir("/proc/self/task")) > threading.active_count()
+    except OSError:   # no /proc: cannot tell, wait anyway
+        native = True
+    if native:
+        time.sleep(seconds)
+
+
+class _ExitAnchor:
+    """Lives as long as this module; its finalizer runs hand_over_gil at interpreter exit."""
+
+
+_exit_anchor = _ExitAnchor()
+# A weakref.finalize rather than atexit.register: at exit the finalizers run newest first, so the engines' own
+# (closing their offload threads and queues, created after this import) run before this one.
+weakref.finalize(_exit_anchor, hand_over_gil)

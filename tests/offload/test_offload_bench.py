@@ -23,12 +23,11 @@ def test_offload_suite_cpu_smoke(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     rows = {r["config"]: r for r in json.loads((tmp_path / "offload24.json").read_text())}
     assert list(rows) == configs.split(",")
-    # Every fsdpzero row (and every row's result) must be there with exit 0. Known and open: the reference runner
-    # ref_gpu_noopt (FSDP2 + FSDPGradPath, no fsdpzero engine, no fsdpzero threads) ends with "terminate called
-    # without an active exception" in about 1 of 6 CPU runs, after writing its result; not reproduced outside the
-    # bench (closing note of session 8). Its result is still required; only its exit code is not.
+    # Every row must be there with its result and exit 0. The reference runner ref_gpu_noopt used to abort at exit
+    # in about 1 of 6 CPU runs (a gloo worker still waiting for the GIL when the interpreter finalized; fixed by
+    # fsdpzero.dist's exit hand-over, see tests/engine/test_clean_exit.py).
     bad = {k: {f: r.get(f) for f in ("exit_code", "error")} for k, r in rows.items()
-           if "error" in r or (r["exit_code"] != 0 and k != "ref_gpu_noopt")}
+           if "error" in r or r["exit_code"] != 0}
     assert not bad, bad
     assert rows["ref_cpu_adam"]["cpu_adam_gparam_s"] > 0 and rows["ref_gpu_noopt"]["step_s"] > 0
     assert rows["ours_z2_overlap"]["overlap"] and not rows["ours_z2_serial"]["overlap"]
