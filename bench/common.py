@@ -82,6 +82,16 @@ def ds_config(entry: dict, p: dict) -> dict:
     return cfg
 
 
+def prepare_deepspeed_build() -> None:
+    """Before importing DeepSpeed: its JIT-built ops (CPU Adam, FusedAdam) go to the project's extension cache, and
+    on a GPU the arch list names the device's capability (DeepSpeed 0.19.8 cannot parse an entry such as "9.0a",
+    which the GPU image sets)."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".torch_extensions"))
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"
+
+
 def host_rss_gib() -> float:
     """Peak resident set of this process (ru_maxrss is KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

@@ -159,6 +159,7 @@ def worker(args) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if impl.startswith("deepspeed"):
+        common.prepare_deepspeed_build()
         import deepspeed
         deepspeed.init_distributed(dist_backend="gloo" if common.CPU else "nccl")
     else:

@@ -130,7 +130,7 @@ def ours_runner(args, name):
     import fsdpzero
     knobs = {}                                        # the typed knobs (fsdpzero/tuning.py); default: auto
     if "_spec" in name or "_nospec" in name or "_serial" in name:
-        knobs["offload_speculate"] = "_spec" in name and "_nospec" not in name   # serial rows: no speculation
+        knobs["offload_speculate"] = "_spec" in name   # "_nospec" and serial rows: no speculation
     if "_t" in name and name.rsplit("_t", 1)[1].isdigit():   # *_t<N>: offload_threads N
         knobs["offload_threads"] = int(name.rsplit("_t", 1)[1])
     if "_st" in name and name.rsplit("_st", 1)[1].isdigit():   # *_st<N>: offload_speculate_threads N
@@ -232,10 +232,8 @@ def run_one(args):
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(max(1, cores // local_world))   # torchrun sets 1; every config gets the same share
     if args.config.startswith("ds_"):
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
-        if DEVICE == "cuda":
-            major, minor = torch.cuda.get_device_capability()
-            os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"   # DS 0.19.8 cannot parse "9.0a"
+        from common import prepare_deepspeed_build
+        prepare_deepspeed_build()
         import deepspeed
         deepspeed.init_distributed(dist_backend="nccl" if DEVICE == "cuda" else "gloo")
     elif args.config.startswith(("fsdp_", "ref_")):

@@ -110,10 +110,7 @@ def worker(args) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if args.impl == "deepspeed":
-        if device.type == "cuda":   # DeepSpeed JIT-builds FusedAdam; 0.19.8 cannot parse an arch list such as "9.0a"
-            major, minor = torch.cuda.get_device_capability()
-            os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".torch_extensions"))
+        common.prepare_deepspeed_build()
         import deepspeed
         deepspeed.init_distributed(dist_backend="gloo" if common.CPU else "nccl")
     else:

@@ -281,16 +281,18 @@ def build_offload_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFa
                       drop_shards=not nvme and drop_shards_default(plan, knobs.offload_drop_shards),
                       early_d2h=knobs.offload_early_d2h,
                       speculate_max_norm=spec_norm,
-                      speculate_budget=_speculate_budget(entries, knobs.offload_speculate)
+                      speculate_budget=_speculate_budget(entries, knobs.offload_speculate, optimizer)
                       if spec_norm is not None else None, speculate_threads=knobs.offload_speculate_threads,
                       profile=knobs.offload_profile, profile_file=knobs.offload_profile_file)
     if swap_params:
         path.param_swapper = _param_swapper(model, plan, entries)
+    spec = "off" if path.spec is None else (f"{len(path.spec.covered)} of {len(path.cpu_chunks)} chunks, "
+                                            f"{path.spec.shadow_used_bytes / 2**30:.2f} GiB of shadows")
     log.info("offload: %d params, %.1f M elements on this rank, %d chunks, %d CPU threads, staged=%s, pinned "
              "copy buffers=%s, "
-             "overlap=%s, speculative step=%s, device-stepped chunks=%d (ratio %s)", len(entries),
+             "overlap=%s, speculative step: %s, device-stepped chunks=%d (ratio %s)", len(entries),
              sum(e.master.numel() for e in entries) / 1e6, len(path.chunks), threads, stage, pin, path.overlap,
-             path.spec is not None, len(path.device_chunks), ratio)
+             spec, len(path.device_chunks), ratio)
     return path
 
 
@@ -310,10 +312,12 @@ def _speculate_max_norm(plan: Plan, entries, nvme: bool, enabled: bool | None) -
 AUTO_SHADOW_FRACTION = 0.4
 
 
-def _speculate_budget(entries, knob: bool | None) -> int:
+def _speculate_budget(entries, knob: bool | None, optimizer) -> int:
     from fsdpzero.offload import speculate as offload_speculate
     staged = [e for e in entries if e.grad_buf is not None and not e.on_device]
-    budget = offload_speculate.shadow_budget(staged, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    # the Adam moments (8 bytes/param) are created at the first step: count them as taken already
+    pending = sum(8 * e.master.numel() for e in staged if not optimizer.state.get(e.master))
+    budget = offload_speculate.shadow_budget(staged, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), pending)
     if knob is None:
         budget = min(budget, int(offload_speculate.shadow_bytes(staged) * AUTO_SHADOW_FRACTION))
     return budget

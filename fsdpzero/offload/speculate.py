@@ -33,33 +33,60 @@ import torch
 log = logging.getLogger("fsdpzero")
 
 
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+        return int(text) if text.isdigit() else None   # cgroup v2 writes "max" for no limit
+    except OSError:
+        return None
+
+
 def host_available_bytes() -> int | None:
+    """MemAvailable, or less where this process's memory cgroup (v2, else v1) leaves less before its limit: under
+    Kubernetes or Slurm the host's figure is not what the job may use."""
+    avail = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    avail = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return None
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        cap, used = _read_int(limit), _read_int(usage)
+        if cap is not None and used is not None and cap < 2**60:   # v1 writes a huge number for no limit
+            room = max(0, cap - used)
+            avail = room if avail is None else min(avail, room)
+            break
+    return avail
+
+
+def _pinned_size(nbytes: int) -> int:
+    """torch's pinned host allocator hands out power-of-two blocks."""
+    return 1 << max(0, nbytes - 1).bit_length()
 
 
 def shadow_bytes(entries) -> int:
-    return sum(e.master.numel() * 12 + e.out_buf.numel() * e.out_buf.element_size() for e in entries)
+    """Host bytes of the shadows of `entries`: fp32 master and moments, and the low-precision out buffer (pinned
+    like the live one, so rounded as the pinned allocator rounds it)."""
+    total = 0
+    for e in entries:
+        out = e.out_buf.numel() * e.out_buf.element_size()
+        total += e.master.numel() * 12 + (_pinned_size(out) if e.out_buf.is_pinned() else out)
+    return total
 
 
-def shadow_budget(entries, local_world: int) -> int:
-    """Host bytes this rank's shadows may take: an equal share of half of the host's available memory (all of them
-    when the host does not say). The shadows then cover the chunks whose gradients land first (the last units)."""
+def shadow_budget(entries, local_world: int, pending_bytes: int = 0) -> int:
+    """Host bytes this rank's shadows may take: an equal share of half of the memory available (all they need when
+    the host does not say), after `pending_bytes` per rank that are not allocated yet (the Adam moments, created at
+    the first step). The shadows then cover the chunks whose gradients land first (the last units)."""
     need, avail = shadow_bytes(entries), host_available_bytes()
     if avail is None:
         return need
-    budget = avail // 2 // max(1, local_world)
-    if budget < need:
-        log.info("offload: speculative shadows limited to %.1f of %.1f GiB (half of the host's available memory, "
-                 "per local rank): the last units' chunks are speculated, the rest step after backward",
-                 budget / 2**30, need / 2**30)
-    return min(need, budget)
+    free = max(0, avail - pending_bytes * max(1, local_world))
+    return min(need, free // 2 // max(1, local_world))
 
 
 def default_spec_threads(threads: int) -> int:
@@ -100,7 +127,7 @@ class Speculator:
             covered.append(c)
             used += size
         self.covered = {id(c) for c in covered}   # the chunks that are speculated
-        self.shadow_bytes = used
+        self.shadow_used_bytes = used
         with torch.no_grad():
             self.shadow = {id(e.master): (torch.empty_like(e.master), torch.empty_like(e.master),
                                           torch.empty_like(e.master),
@@ -110,9 +137,13 @@ class Speculator:
         self.stats = {"committed": 0, "dropped": 0, "stopped_early": 0, "entries_committed": 0}
         self.last = None             # this step's outcome: "committed", "dropped" or None (not speculated)
         self.last_trace: list[tuple[float, float, float, int]] = []   # the last collected backward's chunks:
-        self._reset()                                                 # (start, grads landed, stepped, numel)
+        # (start, grads landed, stepped, numel). The lock: with overlap, collect() resets on the step's worker while
+        # the main thread's zero_grad() may call discard(); each must see the other's state change whole
+        self._lock = threading.Lock()
+        self._reset()
 
     def _reset(self) -> None:
+        """(Under self._lock once the worker exists.)"""
         self._queue: queue.SimpleQueue | None = None
         self._thread: threading.Thread | None = None
         self._cancel = threading.Event()
@@ -194,14 +225,17 @@ class Speculator:
     def collect(self, hyper_now: dict[int, dict]) -> dict[int, frozenset]:
         """Wait for the worker; per chunk id, the names of the entries whose speculative step is to be committed
         (their hyperparameters unchanged since backward). Empty when dropped."""
-        if self._thread is None:
-            self.last = None
-            return {}
-        self.end_of_backward()   # normally queued already by finish_gradients; a second end marker is harmless
-        self._thread.join()
-        commit, done, err, stopped = self._commit and self._error is None, self._done, self._error, self._stopped
-        self.last_trace = self._trace
-        self._reset()
+        with self._lock:
+            thread = self._thread
+            if thread is None:
+                self.last, self.last_trace = None, []
+                return {}
+            self.end_of_backward()   # normally queued already by finish_gradients; a second end marker is harmless
+        thread.join()
+        with self._lock:
+            commit, done, err, stopped = self._commit and self._error is None, self._done, self._error, self._stopped
+            self.last_trace = self._trace
+            self._reset()
         if err is not None:
             log.warning("offload: the speculative CPU step failed (%r); stepping without it", err)
         if stopped:
@@ -227,10 +261,12 @@ class Speculator:
 
     def discard(self) -> None:
         """No step will use this backward's speculation (skipped step, zero_grad, a load): stop and forget it."""
-        if self._thread is not None and not self._claimed:
+        with self._lock:
+            if self._thread is None or self._claimed:
+                return
             self._cancel.set()
             self.end_of_backward()
             self._thread.join()
             self._reset()
             self.stats["dropped"] += 1
-            self.last = "dropped"
+            self.last, self.last_trace = "dropped", []

@@ -17,6 +17,9 @@ Fields (seconds unless named otherwise):
     chunks[k]: numel, d2h_gpu (copy time), d2h_end_gpu, d2h_wait_host (the CPU waiting for it), adam_host,
                adam_gparam_s, adam_start_host, h2d_gpu, h2d_end_gpu
     threads / step_threads                 the path's threads / those the CPU step ran with
+    spec_first_start_host, spec_last_end_host   the speculative worker's first chunk started / last one stepped
+    spec_d2h_wait_host, spec_adam_host     its waits for the grads' D2H / its Adam time, summed over its chunks
+    spec_numel, spec_committed             elements it stepped / 1.0 when the step committed them
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The speculative CPU step of the offload path (fsdpzero/offload/speculate.py) on 2 gloo ranks, staged through
 buffers as on a GPU. Speculation may only change *when* the CPU works, never a bit of the result: every run equals
-the same run without it (FSDPZERO_OFFLOAD_SPECULATE=0, the default) exactly (losses and final params), across steps that
+the same run without it (FSDPZERO_OFFLOAD_SPECULATE=0) exactly (losses and final params), across steps that
 commit (factor 1.0), steps that clip (dropped), a skipped step (backward, no step), an lr changed between backward and
 step, the early stop on the partial norm, and the overlapped step. The counters prove each branch ran."""
 import os
@@ -25,18 +25,24 @@ SCHEDULE = [(NEVER, False, False), (ALWAYS, False, False), (NEVER, False, False)
 
 
 def _run(speculate, overlap, plan_clip, drain=True, budget_frac=None):
-    os.environ["FSDPZERO_OFFLOAD_SPECULATE"] = "1" if speculate else "0"
+    """speculate: True/False (knob 1/0) or "auto" (the default)."""
+    if speculate == "auto":
+        os.environ.pop("FSDPZERO_OFFLOAD_SPECULATE", None)
+    else:
+        os.environ["FSDPZERO_OFFLOAD_SPECULATE"] = "1" if speculate else "0"
     from fsdpzero.offload import speculate as spec_mod
     full_budget = spec_mod.shadow_budget
     if budget_frac is not None:   # a host with room for only part of the shadows
-        spec_mod.shadow_budget = lambda entries, lw: int(spec_mod.shadow_bytes(entries) * budget_frac)
-    model = _stage2_model()
-    plan = Plan(offload=OffloadPlan(optimizer_device="cpu", sub_group_size=700),
-                batch=BatchPlan(gradient_clipping=plan_clip))
-    path = offload.build_offload_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER), stage=True,
-                                   overlap=overlap)
-    spec_mod.shadow_budget = full_budget
-    assert (path.spec is not None) == speculate
+        spec_mod.shadow_budget = lambda entries, lw, pending=0: int(spec_mod.shadow_bytes(entries) * budget_frac)
+    try:
+        model = _stage2_model()
+        plan = Plan(offload=OffloadPlan(optimizer_device="cpu", sub_group_size=700),
+                    batch=BatchPlan(gradient_clipping=plan_clip))
+        path = offload.build_offload_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER), stage=True,
+                                          overlap=overlap)
+    finally:
+        spec_mod.shadow_budget = full_budget
+    assert (path.spec is not None) == bool(speculate)
     if speculate:   # a slow speculative worker: zero_grad() and the step come while it is still behind backward
         step_param = path.optimizer.step_param
         path.optimizer.step_param = lambda *a, **k: (k.get("into") is not None and time.sleep(0.01),
@@ -68,6 +74,8 @@ def _run(speculate, overlap, plan_clip, drain=True, budget_frac=None):
     stats = dict(path.spec.stats) if path.spec is not None else {}
     if path.spec is not None:
         stats["covered"], stats["chunks"] = len(path.spec.covered), len(path.cpu_chunks)
+        staged = [e for c in path.cpu_chunks for e in c.entries]
+        stats["shadow_fraction"] = path.spec.shadow_used_bytes / spec_mod.shadow_bytes(staged)
     path.close()
     return losses, full, outcomes, stats
 
@@ -95,18 +103,19 @@ def test_speculation_commits_drops_and_changes_nothing(overlap):
 
 def _scenario_budget(rank, world):
     torch.set_num_threads(1)
-    return _run(False, True, NEVER), _run(True, True, NEVER, budget_frac=0.5)
+    return _run(False, True, NEVER), _run(True, True, NEVER, budget_frac=0.5), _run("auto", True, NEVER)
 
 
 def test_shadows_limited_by_host_memory_cover_the_last_chunks():
-    """Shadows for only half of the bytes (a host without room for all): the last chunks are speculated and
-    committed, the others step after backward; the results are those of the run without speculation."""
-    for (ref_losses, ref, _, _), (losses, got, outcomes, stats) in run_distributed(_scenario_budget, 2,
-                                                                                   timeout=180):
-        assert losses == ref_losses
-        assert all(torch.equal(got[k], ref[k]) for k in ref)
-        assert 0 < stats["covered"] < stats["chunks"], stats
-        assert stats["entries_committed"] > 0 and outcomes[0][0] == "committed", (stats, outcomes)
+    """Shadows for only half of the bytes (a host without room for all), and the default (auto: at most 40%): the
+    last chunks are speculated and committed, the others step after backward; the results are those of the run
+    without speculation."""
+    for (ref_losses, ref, _, _), *runs in run_distributed(_scenario_budget, 2, timeout=180):
+        for (losses, got, outcomes, stats), most in zip(runs, (0.5, 0.4)):
+            assert losses == ref_losses
+            assert all(torch.equal(got[k], ref[k]) for k in ref)
+            assert 0 < stats["covered"] < stats["chunks"] and stats["shadow_fraction"] <= most, stats
+            assert stats["entries_committed"] > 0 and outcomes[0][0] == "committed", (stats, outcomes)
 
 
 def test_partial_norm_stops_speculation_early():
