@@ -17,9 +17,10 @@ Early stop: this rank's partial sum of squared gradients is a lower bound of the
 gradient_clipping², the step will clip, and the rest of this backward is not speculated.
 
 Cost: a second fp32 master and moments (12 bytes/param) and pinned low-precision buffer (2 bytes/param) in host
-memory, for the chunks that are speculated: those of the last units (their gradients land first), as many as half of
-the host's available memory allows (shared by the local ranks); the rest step after backward as without speculation.
-The offload_speculate knob; off with fp16 loss scaling (the factor is never 1.0) and with NVMe offload.
+memory, for the chunks that are speculated: those of the last units (their gradients land first), within a budget
+(fsdpzero.offload.build: by default 40% of the parameters, never more than half the memory available); the rest step
+after backward as without speculation. The offload_speculate knob (on by default where grads are staged, i.e. on a
+GPU); off with fp16 loss scaling (the factor is never 1.0) and with NVMe offload.
 """
 from __future__ import annotations
 
