@@ -51,7 +51,8 @@ class Tuning:
                                            "the step does not clip (exact); shadow buffers of 14 bytes/param of "
                                            "host memory for the chunks speculated (auto: on, shadows for the last "
                                            "40% of the parameters; 1: as many as half the available memory "
-                                           "allows); needs a GPU (staged copy buffers), no effect on a CPU-only run")
+                                           "allows; those never reached in 5 steps are released); needs a GPU "
+                                           "(staged copy buffers), no effect on a CPU-only run")
     offload_drop_shards: bool | None = _knob(None, "auto_bool", "free stage-2 device shards between forward and "
                                              "the step (auto: on with CUDA and no gradient accumulation; needs "
                                              "a GPU's staged copy buffers, no effect on a CPU-only run)")

@@ -90,6 +90,9 @@ def shadow_budget(entries, local_world: int, pending_bytes: int = 0) -> int:
     return min(need, free // 2 // max(1, local_world))
 
 
+TRIM_AFTER = 5   # committed steps watched before the shadows the worker never reached are released
+
+
 def default_spec_threads(threads: int) -> int:
     """Threads of the speculative step: a quarter of the cores (and one more) stay with backward. Its autograd
     thread launches the kernels and the D2H copies; with 15 of 16 cores stepping, backward ran 40 ms longer per
@@ -129,6 +132,9 @@ class Speculator:
             used += size
         self.covered = {id(c) for c in covered}   # the chunks that are speculated
         self.shadow_used_bytes = used
+        self._covered_chunks = {id(c): c for c in covered}
+        self._reached: set[int] = set()      # covered chunks the worker stepped in the steps watched so far
+        self._watched = 0                    # committed steps watched (trim_unreached)
         with torch.no_grad():
             self.shadow = {id(e.master): (torch.empty_like(e.master), torch.empty_like(e.master),
                                           torch.empty_like(e.master),
@@ -237,6 +243,8 @@ class Speculator:
             commit, done, err, stopped = self._commit and self._error is None, self._done, self._error, self._stopped
             self.last_trace = self._trace
             self._reset()
+            if commit and not stopped:
+                self._trim_unreached(done)
         if err is not None:
             log.warning("offload: the speculative CPU step failed (%r); stepping without it", err)
         if stopped:
@@ -249,6 +257,29 @@ class Speculator:
         self.last = "committed"
         return {k: names for k, (names, hyper) in done.items()
                 if all(hyper_now.get(m) == h for m, h in hyper.items())}
+
+    def _trim_unreached(self, done) -> None:
+        """After TRIM_AFTER committed steps, release the shadows of the covered chunks the worker never reached
+        before the step claimed it: their memory would sit idle (how far the CPU gets during backward depends on
+        the host and the model, so the budget covers more at first)."""
+        if self._watched >= TRIM_AFTER:
+            return
+        self._reached.update(done)
+        self._watched += 1
+        if self._watched < TRIM_AFTER:
+            return
+        idle = [c for k, c in self._covered_chunks.items() if k not in self._reached]
+        if not idle:
+            return
+        freed = shadow_bytes([e for c in idle for e in c.entries])
+        for c in idle:
+            self.covered.discard(id(c))
+            for e in c.entries:
+                del self.shadow[id(e.master)]
+        self.shadow_used_bytes -= freed
+        log.info("offload: speculation reached %d of %d shadowed chunks in %d steps; the shadows of the other %d "
+                 "released (%.2f GiB)", len(self.covered), len(self._covered_chunks), TRIM_AFTER, len(idle),
+                 freed / 2**30)
 
     @torch.no_grad()
     def commit(self, entry) -> None:

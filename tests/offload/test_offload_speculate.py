@@ -24,7 +24,7 @@ SCHEDULE = [(NEVER, False, False), (ALWAYS, False, False), (NEVER, False, False)
             (NEVER, False, False), (NEVER, False, True), (ALWAYS, False, False), (NEVER, False, False)]
 
 
-def _run(speculate, overlap, plan_clip, drain=True, budget_frac=None):
+def _run(speculate, overlap, plan_clip, drain=True, budget_frac=None, schedule=SCHEDULE):
     """speculate: True/False (knob 1/0) or "auto" (the default)."""
     if speculate == "auto":
         os.environ.pop("FSDPZERO_OFFLOAD_SPECULATE", None)
@@ -49,7 +49,8 @@ def _run(speculate, overlap, plan_clip, drain=True, budget_frac=None):
                                                      step_param(*a, **k))
     gen = torch.Generator().manual_seed(300 + dist.get_rank())
     losses, outcomes = [], []
-    for clip, skip, halve_lr in SCHEDULE:
+    covered_at_start = len(path.spec.covered) if path.spec is not None else 0
+    for clip, skip, halve_lr in schedule:
         x, y = torch.randn(6, 7, generator=gen), torch.randn(6, 5, generator=gen)
         path.set_sync(True)
         loss = nn.functional.mse_loss(model(x), y)
@@ -74,6 +75,7 @@ def _run(speculate, overlap, plan_clip, drain=True, budget_frac=None):
     stats = dict(path.spec.stats) if path.spec is not None else {}
     if path.spec is not None:
         stats["covered"], stats["chunks"] = len(path.spec.covered), len(path.cpu_chunks)
+        stats["covered_at_start"] = covered_at_start
         staged = [e for c in path.cpu_chunks for e in c.entries]
         stats["shadow_fraction"] = path.spec.shadow_used_bytes / spec_mod.shadow_bytes(staged)
     path.close()
@@ -116,6 +118,24 @@ def test_shadows_limited_by_host_memory_cover_the_last_chunks():
             assert all(torch.equal(got[k], ref[k]) for k in ref)
             assert 0 < stats["covered"] < stats["chunks"] and stats["shadow_fraction"] <= most, stats
             assert stats["entries_committed"] > 0 and outcomes[0][0] == "committed", (stats, outcomes)
+
+
+def _scenario_trim(rank, world):
+    torch.set_num_threads(1)
+    steps = [(NEVER, False, False)] * 9
+    return _run(False, True, NEVER, schedule=steps), _run(True, True, NEVER, drain=False, schedule=steps)
+
+
+def test_shadows_the_worker_never_reaches_are_released():
+    """A slow speculative worker (10 ms per param) and the step right after backward: after TRIM_AFTER committed
+    steps the shadows of the chunks it never reached are released; the run stays bit-identical, before and after."""
+    from fsdpzero.offload.speculate import TRIM_AFTER
+    assert TRIM_AFTER < 9
+    for (ref_losses, ref, _, _), (losses, got, outcomes, stats) in run_distributed(_scenario_trim, 2, timeout=180):
+        assert losses == ref_losses
+        assert all(torch.equal(got[k], ref[k]) for k in ref)
+        assert stats["covered"] < stats["covered_at_start"], stats
+        assert [o for o, _ in outcomes] == ["committed"] * 9, outcomes
 
 
 def test_partial_norm_stops_speculation_early():
