@@ -15,6 +15,9 @@ from pathlib import Path
 
 import torch
 
+import fsdpzero.dist  # noqa: F401  the exit hand-over of the GIL to gloo's workers (docs/engine.md "Shutdown") for
+# every bench process, DeepSpeed's and the hand-written loops' included: without it they can abort at exit (-6)
+
 START = time.perf_counter()   # process start, near enough: the first bench import (launch-to-first-step)
 CPU = os.environ.get("FSDPZERO_BENCH_CPU") == "1"
 PRESETS = {

@@ -95,7 +95,10 @@ def test_hf_lora_cpu_smoke(tmp_path):
            "--steps", "2", "--warmup", "1", "--timeout", "360"]
     res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=390)
     assert res.returncode == 0, res.stdout + res.stderr
-    rows = {r["impl"]: r for r in json.loads((tmp_path / "hf_lora.json").read_text())}
+    listed = json.loads((tmp_path / "hf_lora.json").read_text())
+    failed = [r for r in listed if "error" in r]   # a run that failed: its exit code and log tail
+    assert not failed, failed
+    rows = {r["impl"]: r for r in listed}
     assert set(rows) == {"fsdpzero", "deepspeed"}, rows
     assert rows["fsdpzero"]["trainable_params"] == rows["deepspeed"]["trainable_params"] > 0
     assert rows["fsdpzero"]["losses"] == pytest.approx(rows["deepspeed"]["losses"], rel=1e-4)
