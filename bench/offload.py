@@ -18,7 +18,8 @@ optimizer offload, fsdpzero's defaults: overlapped); ours_z3_both (stage 3 + opt
 overlaps the next forward, the default; with the default speculation, offload_speculate=auto); *_nospec
 (offload_speculate=false); *_spec (offload_speculate=true: shadows for all that fit in half the host's memory); *_noclip
 (gradient_clipping 0, both implementations); ours_z3_ratio_overlap / ds_z3_ratio (stage 3, offload_optimizer.ratio = FSDPZERO_BENCH_RATIO, default 0.5:
-the rest steps on the GPU); ds_z2_offload, ds_z3_offload_both (DeepSpeed, when importable). --layers/--hidden/--vocab/--seq/--micro shrink the model for a smoke run;
+the rest steps on the GPU); ours_z2_ratio<NN> (stage 2, ratio NN/100: an fsdpzero extension, DeepSpeed rejects
+ratio < 1 below stage 3, so it has no DeepSpeed twin); ds_z2_offload, ds_z3_offload_both (DeepSpeed, when importable). --layers/--hidden/--vocab/--seq/--micro shrink the model for a smoke run;
 ref_gpu_noopt (FSDP2 stage 2, bf16: forward + backward + grad norm, no optimizer step) and ref_cpu_adam (the fused
 CPU Adam over this model's parameters per rank, chunked as the offload path steps them, bf16 grads in, bf16 out) are
 the two terms of issue 24's limit max(GPU step without optimizer, CPU Adam step).
@@ -47,7 +48,8 @@ CONFIGS = ["fsdp_z2", "fsdp_z3", "fsdp_z3_cpuoffload", "ours_z2", "ours_z2_seria
            "ours_z2_overlap_t14", "ours_z2_overlap_noclip_t14", "ours_z2_overlap_noclip_spec_t14",
            "ours_z2_overlap_noclip_spec_t12", "ours_z2_overlap_spec_t14", "ours_z2_serial_noclip",
            "ours_z2_overlap_nospec", "ours_z2_overlap_noclip_nospec", "ours_z2_overlap_noclip_t16",
-           "ours_z2_overlap_noclip_st8", "ours_z2_overlap_noclip_st13", "ours_z2_overlap_noclip_st15"]
+           "ours_z2_overlap_noclip_st8", "ours_z2_overlap_noclip_st13", "ours_z2_overlap_noclip_st15",
+           "ours_z2_ratio70", "ours_z2_ratio80", "ours_z2_ratio70_noclip"]
 # issue 24: per size, the shape (micro-batch per GPU) and the configs, cheapest reference first
 SIZES = {"0.89b": dict(layers=16, hidden=2048, micro=4), "2.8b": dict(layers=26, hidden=3072, micro=2),
          "tiny": dict(layers=2, hidden=64, micro=2, vocab=512, seq=32)}   # tiny: the CPU smoke test
@@ -95,8 +97,9 @@ def ds_config(args, name):
     both = "both" in name
     zero = {"stage": 3 if "z3" in name else 2, "overlap_comm": True, "contiguous_gradients": True,
             "offload_optimizer": {"device": "cpu", "pin_memory": True}}
-    if "ratio" in name:
-        zero["offload_optimizer"]["ratio"] = RATIO
+    if "ratio" in name:   # *_ratio<NN>: offload_optimizer.ratio NN/100, else FSDPZERO_BENCH_RATIO
+        tail = name.split("ratio", 1)[1].split("_")[0]
+        zero["offload_optimizer"]["ratio"] = int(tail) / 100 if tail.isdigit() else RATIO
     if both:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     return {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,

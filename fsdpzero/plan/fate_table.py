@@ -435,7 +435,8 @@ CONDITIONAL: tuple[Rule, ...] = (
          "ratio to 1.0)"),
     Rule(_OO + "ratio", value_below(1), M,
          "ratio {value}: the CPU steps that fraction of each rank's elements (the last chunks in forward order), the "
-         "GPU the rest with fused torch Adam on device fp32 masters"),
+         "GPU the rest with fused torch Adam on device fp32 masters (12 more GPU bytes per param it steps); stages 2 "
+         "and 3 (DeepSpeed: stage 3 only)"),
     Rule(_OO + "super_offload", ON, A, "SuperOffload's overlap: fsdpzero's CPU step overlaps the next forward by "
          "default (exact), and its speculative step during backward is on by default on a GPU (knob "
          "offload_speculate; exact: shadow buffers, not rollback); no superchip-specific placement"),

@@ -158,13 +158,25 @@ def test_wrong_types_and_ranges(patch, key, needle):
 
 def test_cross_field_errors():
     errs = errors_of({**BASE, "fp16": {"enabled": True}, "bf16": {"enabled": True},
-                      "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"},
+                      "zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"},
                                             "offload_optimizer": {"device": "nvme", "ratio": 0.5}}})
     assert "simultaneously" in errs["bf16.enabled"].message
     assert "stage 3" in errs["zero_optimization.offload_param"].message
     assert "stage" in errs["zero_optimization.offload_param"].suggestion
     assert "nvme_path" in errs["zero_optimization.offload_optimizer.nvme_path"].suggestion
     assert "Partial offloading" in errs["zero_optimization.offload_optimizer.ratio"].message
+
+
+@pytest.mark.parametrize("stage,ok", [(1, False), (2, True), (3, True)])
+def test_partial_offload_ratio_stages(stage, ok):
+    """ratio < 1: fsdpzero steps part of the optimizer on the GPU for stages 2 and 3 (DeepSpeed: stage 3 only);
+    stage 1 offloads through its own optimizer and has no partial step."""
+    cfg = {**BASE, "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu", "ratio": 0.7}}}
+    key = "zero_optimization.offload_optimizer.ratio"
+    if ok:
+        assert load_config(cfg).zero_optimization.offload_optimizer.ratio == 0.7
+    else:
+        assert "0.7" in errors_of(cfg)[key].message and "stage 2 or 3" in errors_of(cfg)[key].message
 
 
 def test_all_problems_raised_at_once_without_pydantic_traceback():

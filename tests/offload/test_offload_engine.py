@@ -80,9 +80,9 @@ def test_engine_offload_keeps_param_groups():
 
 @pytest.mark.parametrize("stage,gas,param_offload,overlap,ratio", [
     (1, 2, False, False, 1.0), (2, 1, False, True, 1.0), (3, 2, True, False, 1.0), (3, 1, False, True, 1.0),
-    (3, 2, False, True, 0.4)])
+    (3, 2, False, True, 0.4), (2, 1, False, True, 0.6)])
 def test_engine_offload_matches_unsharded(stage, gas, param_offload, overlap, ratio):
-    """ratio 0.4: stage 3 with part of the step on the (CPU stand-in) device, via the config path."""
+    """ratio < 1: stages 3 and 2 with part of the step on the (CPU stand-in) device, via the config path."""
     world = 2
     results = run_distributed(_train, world, stage, gas, param_offload, overlap, ratio, timeout=240)
     plan = _plan(world, stage, gas, param_offload)
