@@ -1,7 +1,7 @@
 """Compiled training on one GPU (issue 24 items 2 and 3): DeepSpeed compiled (`engine.compile()`), fsdpzero eager and
 compiled (the config's `compile` section: torch.compile per block inside FSDP2's hooks), hand-written FSDP2 eager and
 compiled (torchtitan's order: `torch.compile(block)` before `fully_shard`), at ZeRO stage 2 and 3, plus fsdpzero
-compiled with CPU optimizer offload. The 0.89 B Llama of shared/spec/device_anchors.md (seq 2048, micro 4, bf16
+compiled with CPU optimizer offload (and fsdpzero eager with it, its same-call baseline). The 0.89 B Llama of shared/spec/device_anchors.md (seq 2048, micro 4, bf16
 compute, fp32 masters, AdamW, clipping 1.0), 3 warm-up + 10 timed steps, median; each row is its own torchrun.
 
     python bench/compile.py --stages 2 --out out/compile     # one stage per call keeps a call under 10 minutes
@@ -38,7 +38,7 @@ import torch  # noqa: E402
 IMPLS = ["plain_eager", "plain_matched", "plain_compiled", "plain_matched_compiled", "plain_bf16reduce_compiled",
          "fsdpzero_eager",
          "fsdpzero_compiled", "fsdpzero_titan_compiled", "deepspeed_compiled", "fsdpzero_compiled_offload",
-         "deepspeed_eager"]
+         "fsdpzero_eager_offload", "deepspeed_eager"]
 DEFAULT_IMPLS = [i for i in IMPLS if i not in ("fsdpzero_titan_compiled", "deepspeed_eager",
                                                "plain_bf16reduce_compiled")]
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
