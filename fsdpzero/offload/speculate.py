@@ -25,6 +25,7 @@ GPU); off with fp16 loss scaling (the factor is never 1.0) and with NVMe offload
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -43,24 +44,49 @@ def _read_int(path: str) -> int | None:
         return None
 
 
-def host_available_bytes() -> int | None:
-    """MemAvailable, or less where this process's memory cgroup (v2, else v1) leaves less before its limit: under
-    Kubernetes or Slurm the host's figure is not what the job may use."""
+def _cgroup_dirs(proc_self_cgroup: str, mount: str, v2: bool) -> list[str]:
+    """This process's memory cgroup directory and its ancestors up to the mount, deepest first. Slurm and systemd
+    put a job in a sub-cgroup with its own limit (its path is in /proc/self/cgroup); inside a container with a cgroup
+    namespace the path is "/" and the mount itself is the job's cgroup."""
+    path = "/"
+    try:
+        with open(proc_self_cgroup) as f:
+            for line in f:
+                parts = line.rstrip("\n").split(":", 2)
+                if len(parts) == 3 and ((v2 and parts[0] == "0" and parts[1] == "")
+                                        or (not v2 and "memory" in parts[1].split(","))):
+                    path = parts[2] or "/"
+    except OSError:
+        pass
+    dirs, rel = [], path.strip("/")
+    while True:
+        d = os.path.join(mount, rel) if rel else mount
+        if os.path.isdir(d):
+            dirs.append(d)
+        if not rel:
+            return dirs
+        rel = os.path.dirname(rel)
+
+
+def host_available_bytes(proc: str = "/proc", cgroup_mount: str = "/sys/fs/cgroup") -> int | None:
+    """MemAvailable, or less where this process's memory cgroup (v2, else v1) or one above it leaves less before
+    its limit: under Kubernetes or Slurm the host's figure is not what the job may use. `proc`/`cgroup_mount`: tests."""
     avail = None
     try:
-        with open("/proc/meminfo") as f:
+        with open(os.path.join(proc, "meminfo")) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     avail = int(line.split()[1]) * 1024
     except OSError:
         pass
-    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        cap, used = _read_int(limit), _read_int(usage)
+    v2 = os.path.exists(os.path.join(cgroup_mount, "cgroup.controllers"))
+    mount = cgroup_mount if v2 else os.path.join(cgroup_mount, "memory")
+    limit, usage = ("memory.max", "memory.current") if v2 else ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    for d in _cgroup_dirs(os.path.join(proc, "self", "cgroup"), mount, v2):
+        cap, used = _read_int(os.path.join(d, limit)), _read_int(os.path.join(d, usage))
         if cap is not None and used is not None and cap < 2**60:   # v1 writes a huge number for no limit
             room = max(0, cap - used)
             avail = room if avail is None else min(avail, room)
-            break
     return avail
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from fsdpzero.offload import build as offload
 from fsdpzero.optim import clip_factor
 from fsdpzero.plan import BatchPlan, OffloadPlan, Plan
+from fsdpzero.offload import speculate as spec_mod
 from tests.multirank import run_distributed
 from tests.offload.test_offload import HYPER
 from tests.offload.test_offload_pipeline import _stage2_model
@@ -275,3 +276,37 @@ def test_speculative_overlapped_run_reads_and_checkpoints_exactly(tmp_path):
         assert losses == ref
         assert all(torch.equal(a, b) for ra, rb in zip(reads, ref_reads) for a, b in zip(ra, rb))
         assert all(torch.equal(params[k], ref_params[k]) for k in ref_params)
+
+
+def _tree(tmp_path, files: dict[str, str]):
+    for rel, text in files.items():
+        f = tmp_path / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+    return str(tmp_path / "proc"), str(tmp_path / "cg")
+
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize("layout", ["v2", "v1"])
+def test_host_available_reads_the_jobs_own_cgroup(tmp_path, layout):
+    """A Slurm/systemd job sits in a sub-cgroup with its own limit: the shadow budget must see that limit, and the
+    tightest of the cgroups above it, not only the mount's root (which often has none)."""
+    mem = {"proc/meminfo": f"MemTotal: {128 * GiB // 1024} kB\nMemAvailable: {100 * GiB // 1024} kB\n"}
+    if layout == "v2":
+        files = {**mem, "proc/self/cgroup": "0::/slurm/job_7/step_0\n", "cg/cgroup.controllers": "memory\n",
+                 "cg/memory.max": "max\n", "cg/memory.current": str(50 * GiB),
+                 "cg/slurm/job_7/memory.max": str(40 * GiB), "cg/slurm/job_7/memory.current": str(30 * GiB),
+                 "cg/slurm/job_7/step_0/memory.max": "max", "cg/slurm/job_7/step_0/memory.current": str(29 * GiB)}
+    else:
+        files = {**mem, "proc/self/cgroup": "5:devices:/\n4:memory:/slurm/job_7\n1:cpu:/\n",
+                 "cg/memory/memory.limit_in_bytes": str(2**63 - 4096),
+                 "cg/memory/memory.usage_in_bytes": str(50 * GiB),
+                 "cg/memory/slurm/job_7/memory.limit_in_bytes": str(40 * GiB),
+                 "cg/memory/slurm/job_7/memory.usage_in_bytes": str(30 * GiB)}
+    proc, cg = _tree(tmp_path, files)
+    assert spec_mod.host_available_bytes(proc, cg) == 10 * GiB       # the job's 40 GiB limit, 30 used
+    # a cgroup namespace (container): the path is "/", the mount is the job's own cgroup
+    (tmp_path / "proc/self/cgroup").write_text("0::/\n" if layout == "v2" else "4:memory:/\n")
+    assert spec_mod.host_available_bytes(proc, cg) == 100 * GiB      # no limit at the mount: MemAvailable
