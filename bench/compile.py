@@ -15,7 +15,8 @@ engine's per-step cost beyond a hand-written loop shows (issue 24 item 3). `plai
 with fsdpzero's FSDP2 settings for the same ds_config (gradients reduced in bf16, DeepSpeed's communication dtype;
 the root not resharded after forward): fsdpzero_eager minus plain_matched is the engine loop's own cost;
 plain_matched_compiled likewise for the compiled rows, and plain_bf16reduce_compiled (not by default) has only the
-reduce dtype of the two. fsdpzero_titan_compiled (not by default): the user wraps each
+reduce dtype of the two. fsdpzero compiled also compiles HF's loss function (as torchtitan compiles its loss);
+plain_matched_compiled_loss (not by default) is the hand-written loop that does the same. fsdpzero_titan_compiled (not by default): the user wraps each
 block in torch.compile before initialize, as torchtitan, and the engine runs eager (where fsdpzero's compile sits).
 FSDPZERO_BENCH_CPU=1: gloo/CPU, tiny preset, fp32 and backend aot_eager (the script's correctness only).
 """
@@ -38,9 +39,9 @@ import torch  # noqa: E402
 IMPLS = ["plain_eager", "plain_matched", "plain_compiled", "plain_matched_compiled", "plain_bf16reduce_compiled",
          "fsdpzero_eager",
          "fsdpzero_compiled", "fsdpzero_titan_compiled", "deepspeed_compiled", "fsdpzero_compiled_offload",
-         "fsdpzero_eager_offload", "deepspeed_eager"]
+         "fsdpzero_eager_offload", "deepspeed_eager", "plain_matched_compiled_loss"]
 DEFAULT_IMPLS = [i for i in IMPLS if i not in ("fsdpzero_titan_compiled", "deepspeed_eager",
-                                               "plain_bf16reduce_compiled")]
+                                               "plain_bf16reduce_compiled", "plain_matched_compiled_loss")]
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 
@@ -174,6 +175,8 @@ def worker(args) -> None:
     watch = CompileWatch(0, backend, {})
     engine = None
     if impl.startswith("plain"):
+        if impl.endswith("_loss"):   # torchtitan compiles its loss as well; fsdpzero compiles HF's loss function
+            model.loss_function = torch.compile(model.loss_function, backend=backend)
         fwd_bwd, opt_step = plain_setup(model, stage, device, compiled=compiled,
                                         matched=impl.startswith("plain_matched"), backend=backend,
                                         bf16_reduce=True if "bf16reduce" in impl else None)

@@ -7,7 +7,8 @@ block's own computation, with FSDP2's all-gather / reduce-scatter hooks outside 
 checkpointing inside it (the partitioner then plans the recompute). fsdpzero gets the same region by compiling the
 block's `forward` after `fully_shard` (FSDP2 runs its hooks around `forward`): parameter names keep no `_orig_mod.`,
 and `engine.compile()` works after `initialize`, as DeepSpeed's does. Blocks of one class share one graph.
-An HF model's `config.use_cache` is turned off (the KV cache, which training never reads, is indexed by layer and
+An HF model's loss function (`model.loss_function`: the fp32 upcast of the logits and the cross-entropy) is
+compiled too, as torchtitan compiles its loss. An HF model's `config.use_cache` is turned off (the KV cache, which training never reads, is indexed by layer and
 made every block its own graph). A model without transformer blocks is compiled whole (its only FSDP unit is the
 root). Stage 1 leaves the model unwrapped: there each block is compiled in place with `module.compile()`, which the
 stage-1 all-gather recognises (fsdpzero/ops/stage1/gather.py: its per-module waits would otherwise sit inside the
@@ -112,6 +113,14 @@ def compile_blocks(model: nn.Module, blocks: list[nn.Module], backend: Any = "in
                  "block its own graph)", type(model).__name__)
     watch = CompileWatch(len(targets), backend if isinstance(backend, str) else getattr(backend, "__name__", "fn"),
                          kw)
+    owner = loss_owner(model) if blocks else None   # a model compiled whole has its loss inside the graph
+    if owner is not None and not getattr(owner, "_fsdpzero_loss_compiled", False):
+        # the loss, as torchtitan compiles it next to the blocks (and as DeepSpeed's whole-model compile covers it):
+        # HF's loss upcasts the [batch, seq, vocab] logits to fp32 before the cross-entropy, an eager pass that
+        # writes and reads the largest activation of the step twice more; compiled, the cast is fused into it
+        owner.loss_function = torch.compile(owner.loss_function, backend=fn, **kw)
+        owner._fsdpzero_loss_compiled = True
+    watch.loss = owner is not None
     for t in targets:
         if getattr(t, "_fsdpzero_compiled", False):
             continue
@@ -125,12 +134,23 @@ def compile_blocks(model: nn.Module, blocks: list[nn.Module], backend: Any = "in
     return watch
 
 
+def loss_owner(model: nn.Module) -> nn.Module | None:
+    """The outermost module that computes an HF loss (transformers' PreTrainedModel.loss_function, a settable
+    property; under PEFT the wrapped model), or None."""
+    for m in model.modules():
+        prop = getattr(type(m), "loss_function", None)
+        if isinstance(prop, property) and prop.fset is not None:
+            return m
+    return None
+
+
 class CompileWatch:
     """Dynamo's graph-break counter and compile timers, from when the blocks were compiled to the first step."""
 
     def __init__(self, targets: int, backend: str, kwargs: dict[str, Any]):
         from torch._dynamo.utils import counters
         self.targets, self.backend, self.kwargs = targets, backend, kwargs
+        self.loss = False   # the HF loss function compiled too (compile_blocks)
         self._breaks0 = dict(counters["graph_break"])
         self._stats0 = dict(counters["stats"])
         self._timers0 = _timer_sums()
@@ -145,6 +165,7 @@ class CompileWatch:
         stats = counters["stats"]
         timers = _timer_sums()
         return {"backend": self.backend, "kwargs": self.kwargs, "compiled_units": self.targets,
+                "compiled_loss": self.loss,
                 "graph_breaks": sum(breaks.values()),
                 "graph_break_reasons": dict(sorted(breaks.items(), key=lambda kv: -kv[1])[:5]),
                 "graphs": stats.get("unique_graphs", 0) - self._stats0.get("unique_graphs", 0),
@@ -160,7 +181,7 @@ def _timer_sums() -> dict[str, float]:
 def describe(report: dict[str, Any]) -> str:
     """The startup line (rank 0), after the first step."""
     line = (f"torch.compile ({report['backend']}{', ' + str(report['kwargs']) if report['kwargs'] else ''}) of "
-            f"{report['compiled_units']} unit(s): {report['graphs']} graph(s), {report['graph_breaks']} graph "
+            f"{report['compiled_units']} unit(s){' and the loss' if report.get('compiled_loss') else ''}: {report['graphs']} graph(s), {report['graph_breaks']} graph "
             f"break(s), {report['compile_s']:.1f} s compiling (first step {report['first_step_s']:.1f} s)")
     if report["graph_breaks"]:
         line += "; breaks: " + "; ".join(f"{n}x {r[:120]}" for r, n in report["graph_break_reasons"].items())
@@ -168,4 +189,4 @@ def describe(report: dict[str, Any]) -> str:
 
 
 __all__ = ["COMPILE_KWARGS", "CompilePlan", "CompileWatch", "check_compile", "check_kwargs", "compile_blocks",
-           "compile_targets", "describe", "resolve_backend", "with_knob"]
+           "compile_targets", "describe", "loss_owner", "resolve_backend", "with_knob"]

@@ -461,7 +461,8 @@ CONDITIONAL: tuple[Rule, ...] = (
     *(Rule(k, cond, U, why) for k, (cond, why) in _UNSUPPORTED_WHEN_ON.items()),
     # compile: enabled (older DeepSpeed's key) or deepcompile turn on torch.compile per block (fsdpzero/compile.py)
     Rule("compile.enabled", ON, M, "torch.compile of each transformer block's forward, inside FSDP2's hooks, "
-                                   "activation checkpointing inside the compiled region (fsdpzero/compile.py)"),
+                                   "activation checkpointing inside the compiled region, and of an HF model's loss "
+                                   "function (fsdpzero/compile.py)"),
     Rule("compile.enabled", OFF, N, "off (fsdpzero's compile tuning knob, FSDPZERO_COMPILE=1, turns it on)"),
     Rule("compile.deepcompile", ON, A, "DeepCompile's graph passes are not implemented: taken as a request for the "
                                        "fastest compiled path, torch.compile per transformer block (compile.backend, "
