@@ -125,9 +125,11 @@ def deepspeed_zero3(P: int, largest_layer: int, gpus: int, nodes: int, cpu_offlo
     return int(cpu), int(gpu)
 
 
-def fsdpzero_bytes(c: ModelCounts, stage: int, option: str, n: int, gpus: int, compute_bytes: int) -> tuple[int, int]:
+def fsdpzero_bytes(c: ModelCounts, stage: int, option: str, n: int, gpus: int, compute_bytes: int,
+                   ratio: float = 1.0) -> tuple[int, int]:
     """(gpu bytes, host bytes per node) for model states on FSDP2: fp32 params 4 + grads 4 + Adam 8 bytes/param,
-    sharded as the stage says; plus the unsharded working set in the compute dtype."""
+    sharded as the stage says; plus the unsharded working set in the compute dtype. `ratio` (offload_optimizer.ratio,
+    option offload_optimizer=cpu): the CPU keeps that fraction of the fp32 masters and moments, the GPU the rest."""
     P, B, R, cb = c.total, c.largest_block, c.root, compute_bytes
     working3 = cb * (R + 3 * B)         # root unit gathered + current and prefetched block + one block's grads
     if stage == 0:   # the (W, 1) mesh keeps the compute-dtype copy of every param alive through the step
@@ -142,13 +144,18 @@ def fsdpzero_bytes(c: ModelCounts, stage: int, option: str, n: int, gpus: int, c
         gpu, host = 16 * P // n + working3, 0
     if option == "offload_optimizer=cpu":               # params and grads stay on the GPU; Adam + fp32 grad copy host
         gpu, host = gpu - 8 * P // n, 12 * P // n * gpus
+        if ratio < 1.0:   # partial offload: fp32 master + moments (12 B/param) of the rest on the GPU
+            gpu, host = gpu + int(12 * P * (1 - ratio) / n), int(12 * P * ratio / n * gpus)
     elif option.startswith("offload_param+optimizer"):  # CPUOffloadPolicy: all sharded state in host memory
         gpu = (cb * P + cb * B) if stage == 2 else working3
         host = 0 if option.endswith("nvme") else 16 * P // n * gpus
     return int(gpu), int(host)
 
 
-def table(c: ModelCounts, gpus: int = 1, nodes: int = 1, compute_bytes: int = 2, buf: float = 1.5) -> list[Row]:
+def table(c: ModelCounts, gpus: int = 1, nodes: int = 1, compute_bytes: int = 2, buf: float = 1.5,
+          ratio: float = 1.0) -> list[Row]:
+    """Every stage and offload option; with `ratio` < 1 also partial optimizer offload at stages 2 and 3 (no
+    DeepSpeed figure: its estimators ignore ratio)."""
     n = gpus * nodes
     rows = []
     g, h = fsdpzero_bytes(c, 0, "none", n, gpus, compute_bytes)
@@ -166,6 +173,10 @@ def table(c: ModelCounts, gpus: int = 1, nodes: int = 1, compute_bytes: int = 2,
             rows.append(Row(3, option, zero_init, g, h, ds_gpu, ds_cpu))
     g, h = fsdpzero_bytes(c, 3, "offload_param+optimizer=nvme", n, gpus, compute_bytes)
     rows.append(Row(3, "offload_param+optimizer=nvme", None, g, h))
+    if ratio < 1.0:
+        for stage in (2, 3):
+            g, h = fsdpzero_bytes(c, stage, "offload_optimizer=cpu", n, gpus, compute_bytes, ratio)
+            rows.append(Row(stage, f"offload_optimizer=cpu,ratio={ratio:g}", None, int(g), int(h)))
     return rows
 
 
@@ -182,6 +193,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="compute dtype")
     parser.add_argument("--buffer-factor", type=positive_float, default=1.5,
                         help="DeepSpeed's additional_buffer_factor")
+    parser.add_argument("--ratio", type=positive_float, default=1.0,
+                        help="offload_optimizer.ratio < 1: also show partial optimizer offload (stages 2 and 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -196,7 +209,11 @@ def run(args) -> int:
     except (ValueError, OSError) as e:
         print(f"fsdpzero estimate: error: {e}", file=sys.stderr)
         return 2
-    rows = table(c, args.gpus, args.nodes, 4 if args.dtype == "fp32" else 2, args.buffer_factor)
+    if args.ratio > 1.0:
+        print(f"fsdpzero estimate: error: --ratio {args.ratio}: offload_optimizer.ratio is the CPU's fraction, "
+              "in (0, 1]", file=sys.stderr)
+        return 2
+    rows = table(c, args.gpus, args.nodes, 4 if args.dtype == "fp32" else 2, args.buffer_factor, args.ratio)
 
     def fits(r: Row) -> bool | None:
         if args.gpu_memory is None and args.cpu_memory is None:
@@ -212,12 +229,12 @@ def run(args) -> int:
     print(f"{args.model}: {c.total / 1e6:.1f}M params (largest layer {c.largest_layer / 1e6:.1f}M, largest block "
           f"{c.largest_block / 1e6:.1f}M, outside blocks {c.root / 1e6:.1f}M); {args.nodes} node(s) x {args.gpus} "
           f"GPU(s); compute {args.dtype}; GiB, model states only (no activations)")
-    print(" stage | option                        | init | fsdpzero GPU | host/node | DeepSpeed GPU | host/node"
+    print(" stage | option                            | init | fsdpzero GPU | host/node | DeepSpeed GPU | host/node"
           + (" | fits" if fits(rows[0]) is not None else ""))
     for r in rows:
         init = "  -  " if r.zero_init is None else ("meta " if r.zero_init else "full ")
         verdict = fits(r)
-        print(f"   {r.stage}   | {r.option:29} | {init}|      {gb(r.gpu)} |   {gb(r.cpu_node)} |       {gb(r.ds_gpu)}"
+        print(f"   {r.stage}   | {r.option:33} | {init}|      {gb(r.gpu)} |   {gb(r.cpu_node)} |       {gb(r.ds_gpu)}"
               f" |   {gb(r.ds_cpu_node)}" + ("" if verdict is None else (" | yes" if verdict else " | no")))
     if fits(rows[0]) is not None:
         ok = [r for r in rows if fits(r)]

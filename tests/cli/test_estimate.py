@@ -112,6 +112,23 @@ def test_cli_fits_and_errors(tmp_path, capsys):
     assert "neither a config.json" in capsys.readouterr().err
 
 
+def test_partial_offload_rows(capsys):
+    """--ratio 0.7: stage 2 and 3 rows where the GPU holds the fp32 master and moments of 30 % of the params
+    (12 B each, sharded) and the host the rest; no DeepSpeed figure (its estimators ignore ratio)."""
+    from fsdpzero.cli import main
+    assert main(["estimate", "llama-3-8b", "--gpus", "4", "--ratio", "0.7", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    P, n = out["counts"]["total"], 4
+    by = {(r["stage"], r["option"], r["zero_init"]): r for r in out["rows"]}
+    for stage, init in ((2, None), (3, True)):
+        full = by[(stage, "offload_optimizer=cpu", init)]
+        part = by[(stage, "offload_optimizer=cpu,ratio=0.7", None)]
+        assert abs(part["gpu"] - full["gpu"] - 12 * P * 0.3 / n) <= 2
+        assert abs(part["cpu_node"] - 0.7 * full["cpu_node"]) <= 2 and part["ds_gpu"] is None
+    assert main(["estimate", "llama-3-8b", "--ratio", "1.5"]) == 2
+    assert "--ratio 1.5" in capsys.readouterr().err
+
+
 # -- GPU: our FSDP2 column against measured memory (the lead runs this) -------------------------------------------
 
 @pytest.mark.gpu
