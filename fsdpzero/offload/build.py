@@ -283,6 +283,7 @@ def build_offload_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFa
                       speculate_max_norm=spec_norm,
                       speculate_budget=_speculate_budget(entries, knobs.offload_speculate, optimizer)
                       if spec_norm is not None else None, speculate_threads=knobs.offload_speculate_threads,
+                      norm_threads=None if nvme else _norm_threads(plan, stage, threads),
                       profile=knobs.offload_profile, profile_file=knobs.offload_profile_file)
     if swap_params:
         path.param_swapper = _param_swapper(model, plan, entries)
@@ -294,6 +295,16 @@ def build_offload_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFa
              sum(e.master.numel() for e in entries) / 1e6, len(path.chunks), threads, stage, pin, path.overlap,
              spec, len(path.device_chunks), ratio)
     return path
+
+
+def _norm_threads(plan: Plan, staged: bool, threads: int) -> int | None:
+    """offload_param cpu: threads that sum the grads' squares during backward (device_step.CpuNormPrefetch), as many
+    as the speculative step would take (backward keeps the rest); None elsewhere (staged grads are normed on the
+    device)."""
+    if staged or plan.offload.param_device != "cpu" or DTYPES[plan.precision.param_dtype] == torch.float32:
+        return None   # fp32 grads are normed by torch's foreach norm (global_grad_norm), not by these sums
+    from fsdpzero.offload.speculate import default_spec_threads
+    return default_spec_threads(threads)
 
 
 def _speculate_max_norm(plan: Plan, entries, nvme: bool, enabled: bool | None) -> float | None:

@@ -5,6 +5,8 @@ tests/project/test_layout.py fails if a private name appears anywhere else. What
 - after_reduce(module, fn): fn(event) after the unit's post-backward has issued its reduce-scatter; `event` (None
   on CPU or when nothing was reduced) completes when the sharded grads hold their values. The offload path starts
   each unit's D2H there, during backward, instead of all of them after backward.
+- offloaded_grads(module): under CPUOffloadPolicy, the unit's CPU grads and FSDP2's `grad_offload_event`s (the
+  offload path sums their squares during backward, fsdpzero.offload.device_step.CpuNormPrefetch).
 - consumer_streams(module): the streams that read a unit's shards (compute and FSDP2's all-gather streams).
 - param_groups(module): the unit's FSDP param groups on any torch 2.11-2.14; fsdp_params(module), their params.
 - fsdp_units(model), fsdp_prefetch_depth(units), own_resizable_storages(units): what offload_param nvme's swapper
@@ -72,6 +74,19 @@ def after_reduce(module: nn.Module, fn: Callable[[object], None]) -> bool:
         return out
     group.post_backward = post_backward   # FSDP2 calls it through the instance (autograd node, final callback)
     return True
+
+
+def offloaded_grads(module: nn.Module) -> list[tuple]:
+    """Right after a unit's post-backward under CPUOffloadPolicy: (sharded param, its local CPU grad, the event its
+    D2H completes or None) per param with a grad. FSDP2 copies non-blocking into pinned memory and waits on
+    `grad_offload_event` only in finalize_backward; whoever reads the grad earlier waits on that event."""
+    out = []
+    for group in param_groups(module):
+        for fp in getattr(group, "fsdp_params", ()):
+            param = fp.sharded_param
+            if param.grad is not None and local_tensor(param.grad).device.type == "cpu":
+                out.append((param, local_tensor(param.grad), getattr(fp, "grad_offload_event", None)))
+    return out
 
 
 def keeps_unsharded(module: nn.Module) -> bool:

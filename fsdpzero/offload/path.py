@@ -31,7 +31,7 @@ class OffloadGradPath(GradPath):
                  list[Entry]]], chunk_size: int, *, threads: int, overlap: bool = False,
                  drop_shards: bool = False, early_d2h: bool = True, speculate_max_norm: float | None = None,
                  speculate_budget: int | None = None, speculate_threads: int | None = None,
-                 profile: bool = False, profile_file: str | None = None):
+                 norm_threads: int | None = None, profile: bool = False, profile_file: str | None = None):
         self.model = model
         self.optimizer = optimizer          # a CPUAdam over the masters: schedulers drive its param_groups
         self.entries = [e for _, es in units for e in es]
@@ -74,6 +74,9 @@ class OffloadGradPath(GradPath):
                                    budget_bytes=speculate_budget, spec_threads=speculate_threads)
             if not self.spec.covered:
                 self.spec = None
+        # norm_threads (offload_param: grads land on the host during backward): their sums of squares are taken
+        # there, by a worker with that many threads (device_step.CpuNormPrefetch)
+        self.norm_cache = device_step.CpuNormPrefetch(norm_threads) if norm_threads and not self.staged else None
         self.tl = Timeline(threads, len(units), profile_file) if profile else None   # knob offload_profile
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -95,6 +98,8 @@ class OffloadGradPath(GradPath):
             mine = [c for c in unit_chunks[i] if not c.entries[0].on_device]
             if self.staged and mine and early_d2h:   # D2H as soon as the unit's reduce-scatter is done
                 fsdp_state.after_reduce(module, lambda event, cs=mine: self._d2h_unit(cs, event))
+            if self.norm_cache is not None:
+                fsdp_state.after_reduce(module, lambda event, m=module: self._sum_unit(m))
             if drop_shards and self.staged and fsdp_state.keeps_unsharded(module) and \
                     all(e.out_buf is not None for e in entries):
                 self._dropped[i] = fsdp_state.DroppableShards(module)
@@ -150,6 +155,10 @@ class OffloadGradPath(GradPath):
                 self._early.add(id(chunk))
         if self.spec is not None:
             self.spec.submit(chunks)
+
+    def _sum_unit(self, module: nn.Module) -> None:
+        if self.norm_cache is not None:   # tests turn it off on a built path
+            self.norm_cache.submit(fsdp_state.offloaded_grads(module))
 
     def _d2h_chunk(self, chunk: Chunk, rec) -> None:
         """(On the D2H stream) copy the chunk's sharded grads into their pinned buffers; record d2h_done."""
@@ -257,10 +266,10 @@ class OffloadGradPath(GradPath):
         # in the model's parameter order, as FSDPGradPath: the same norm bits, so the same clip coefficient
         params = [e.param for e in sorted(self.entries, key=lambda e: self._model_order[e.name])]
         if self.tl is None:
-            return device_step.grad_norm(params)
+            return device_step.grad_norm(params, self.norm_cache.take() if self.norm_cache is not None else None)
         rec, t0 = self.tl.cur, time.perf_counter()
         self.tl.gpu(rec, "norm_start")
-        norm = device_step.grad_norm(params)
+        norm = device_step.grad_norm(params, self.norm_cache.take() if self.norm_cache is not None else None)
         self.tl.gpu(rec, "norm_end")
         self.tl.host(rec, "grad_norm_host", t0)
         return norm
@@ -409,6 +418,8 @@ class OffloadGradPath(GradPath):
 
     def zero_grad(self) -> None:
         self._discard_speculation()           # a skipped step: nothing claimed this backward's speculation
+        if self.norm_cache is not None:       # sums of grads that are about to go
+            self.norm_cache.clear()
         if self.d2h is not None:              # grads may be freed only after their D2H has read them
             self.d2h.synchronize()
         for e in self.entries:

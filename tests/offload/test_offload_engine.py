@@ -208,3 +208,41 @@ def test_overlap_is_exact_for_reads_right_after_step_and_mid_run_checkpoints(tmp
         assert overlap["waits"] > 0          # the reads did wait for a pending CPU step
         assert resumed["losses"] == serial["losses"][4:]
         assert _equal(resumed["params"], serial["params"])
+
+
+def _norm_prefetch(rank, world, gas):
+    """Stage 3 with optimizer and params on the CPU: the grads' sums of squares taken during backward
+    (device_step.CpuNormPrefetch) against the same run summing them after backward."""
+    out = []
+    for prefetch in (True, False):   # bf16 shards and grads: fp32 grads are normed by torch, not by the sums
+        plan = dataclasses.replace(_plan(world, 3, gas, True), precision=make_plan(
+            stage=3, gas=gas, world=world, dtype="bfloat16").precision)
+        data = batches(4, gas, plan.batch.micro_batch_size * world)
+        engine = wrap(build_model("llama"), plan)
+        cache = engine.grad_path.norm_cache
+        if not prefetch:
+            engine.grad_path.norm_cache = None
+        norms = []
+        losses = []
+        m = data.shape[2] // world
+        for step in data:
+            for micro in step:
+                x = micro[rank * m:(rank + 1) * m]
+                loss = engine(input_ids=x, labels=x).loss
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            norms.append(float(engine.get_global_grad_norm()))
+        out.append({"losses": losses, "norms": norms, "params": full_params(engine.module),
+                    "hits": cache.hits if cache is not None else None})
+    return out
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+def test_param_offload_norm_summed_during_backward_is_exact(gas):
+    """The norm from sums taken during backward has the same bits as the one summed after it (so the same clip
+    coefficient and weights); with accumulation only the last micro-step's sums count (a stale one would differ)."""
+    for on, off in run_distributed(_norm_prefetch, 2, gas, timeout=240):
+        assert on["hits"] > 0 and off["norms"] and on["norms"] == off["norms"], (on["norms"], off["norms"])
+        assert on["losses"] == off["losses"]
+        assert all(torch.equal(on["params"][k], off["params"][k]) for k in off["params"])
