@@ -110,7 +110,11 @@ class EngineState(Stateful):
                 with keeping_impl_flags(self.engine.grad_path.optimizer):
                     self.engine.grad_path.load_state_dict(optim)
             return
-        set_model_state_dict(self.engine.module, model, options=StateDictOptions(strict=strict))
+        keep = getattr(self.engine.grad_path, "keep_masters_on_load", None)   # offload: see its docstring
+        masters = self.with_optimizer and bool(optim.get("state")) and all(
+            isinstance(entry, dict) and "master" in entry for entry in optim["state"].values())
+        with keep() if keep is not None and masters else contextlib.nullcontext():
+            set_model_state_dict(self.engine.module, model, options=StateDictOptions(strict=strict))
         if self.with_optimizer:
             with keeping_impl_flags(self.engine.grad_path.optimizer):
                 self.engine.grad_path.load_state_dict(optim)

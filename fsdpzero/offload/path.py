@@ -2,6 +2,7 @@
 chunk by the fused CPU Adam while copies run on side streams. How it is built from a plan: fsdpzero/offload/build.py."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -62,7 +63,8 @@ class OffloadGradPath(GradPath):
         self.device_chunks = [c for c in self.chunks if c.entries[0].on_device]
         # loading model weights (e.g. a module-only checkpoint) must reach the masters, or the next step would
         # write the old weights back; a following load_state_dict of the optimizer then restores exact fp32 masters
-        model.register_load_state_dict_post_hook(lambda *_: self.refresh_masters())
+        self._refresh_on_load = True        # off while a checkpoint with masters loads (keep_masters_on_load)
+        model.register_load_state_dict_post_hook(lambda *_: self.refresh_masters() if self._refresh_on_load else None)
         self.overlap = overlap and all(m is not None for m, _ in units)
         # speculate_max_norm (gradient_clipping; None: no speculation): step chunks during backward
         # (fsdpzero.offload.speculate)
@@ -212,6 +214,17 @@ class OffloadGradPath(GradPath):
                 e.master.copy_(local)
             if e.out_buf is not None:   # the out buffer is the exact copy of the shard (DroppableShards)
                 e.out_buf.copy_(local)
+
+    @contextlib.contextmanager
+    def keep_masters_on_load(self):
+        """Loading an engine checkpoint that has the fp32 masters: DCP reads them in place, into the very tensors
+        state_dict() handed out (the live masters, wherever the mesh's device is theirs), and the model's weights
+        load next. Refreshing the masters from those (low-precision) weights would overwrite what DCP just read."""
+        self._refresh_on_load = False
+        try:
+            yield
+        finally:
+            self._refresh_on_load = True
 
     def pending(self) -> bool:
         """An overlapped CPU step has not been joined yet: the weights may still change."""

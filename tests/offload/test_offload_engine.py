@@ -246,3 +246,31 @@ def test_param_offload_norm_summed_during_backward_is_exact(gas):
         assert on["hits"] > 0 and off["norms"] and on["norms"] == off["norms"], (on["norms"], off["norms"])
         assert on["losses"] == off["losses"]
         assert all(torch.equal(on["params"][k], off["params"][k]) for k in off["params"])
+
+
+def _bf16_resume(rank, world, stage, ratio, ckpt):
+    """bf16 shards with fp32 masters on the CPU (and, ratio < 1, part of them next to the params): 2 steps, save,
+    2 more; a fresh engine (other initial weights) loads the checkpoint and takes the same 2 steps."""
+    def engine_for(seed):
+        plan = dataclasses.replace(make_plan(stage=stage, dtype="bfloat16", world=world),
+                                   offload=OffloadPlan(optimizer_device="cpu", ratio=ratio, sub_group_size=20_000))
+        return wrap(build_model("llama", seed=seed), plan)
+    data = batches(4, 1, 2 * world)
+    first = engine_for(0)
+    engine_losses(first, data[:2], rank, world)
+    first.save_checkpoint(ckpt)
+    after = engine_losses(first, data[2:], rank, world)
+    ref = full_params(first.module)
+    resumed = engine_for(7)
+    resumed.load_checkpoint(ckpt)
+    again = engine_losses(resumed, data[2:], rank, world)
+    got = full_params(resumed.module)
+    return after, again, all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+@pytest.mark.parametrize("stage,ratio", [(2, 1.0), (2, 0.5), (3, 0.5)])
+def test_bf16_resume_keeps_the_fp32_masters(tmp_path, stage, ratio):
+    """DCP reads the saved masters into the live ones; the model's bf16 weights, loaded next, must not overwrite
+    them (the load hook that refreshes masters from weights): the resumed run equals the uninterrupted one."""
+    for after, again, same in run_distributed(_bf16_resume, 2, stage, ratio, str(tmp_path / "ck"), timeout=240):
+        assert again == after and same, (after, again)
