@@ -114,12 +114,11 @@ def compile_blocks(model: nn.Module, blocks: list[nn.Module], backend: Any = "in
     watch = CompileWatch(len(targets), backend if isinstance(backend, str) else getattr(backend, "__name__", "fn"),
                          kw)
     owner = loss_owner(model) if blocks else None   # a model compiled whole has its loss inside the graph
-    if owner is not None and not getattr(owner, "_fsdpzero_loss_compiled", False):
+    if owner is not None and not isinstance(owner.loss_function, CompiledLoss):
         # the loss, as torchtitan compiles it next to the blocks (and as DeepSpeed's whole-model compile covers it):
         # HF's loss upcasts the [batch, seq, vocab] logits to fp32 before the cross-entropy, an eager pass that
         # writes and reads the largest activation of the step twice more; compiled, the cast is fused into it
-        owner.loss_function = torch.compile(owner.loss_function, backend=fn, **kw)
-        owner._fsdpzero_loss_compiled = True
+        owner.loss_function = CompiledLoss(owner.loss_function, backend, kw)
     watch.loss = owner is not None
     for t in targets:
         if getattr(t, "_fsdpzero_compiled", False):
@@ -135,13 +134,39 @@ def compile_blocks(model: nn.Module, blocks: list[nn.Module], backend: Any = "in
 
 
 def loss_owner(model: nn.Module) -> nn.Module | None:
-    """The outermost module that computes an HF loss (transformers' PreTrainedModel.loss_function, a settable
-    property; under PEFT the wrapped model), or None."""
+    """The outermost module that computes an HF loss: transformers' PreTrainedModel.loss_function (a settable
+    property) on a model whose forward takes `labels` (a backbone such as LlamaModel has the property but no loss;
+    under PEFT, the wrapped model). None when there is none, or when the user set their own loss function there
+    (theirs may not trace; they compile it themselves)."""
     for m in model.modules():
         prop = getattr(type(m), "loss_function", None)
-        if isinstance(prop, property) and prop.fset is not None:
-            return m
+        if isinstance(prop, property) and prop.fset is not None and _takes_labels(m):
+            own = m.__dict__.get("_loss_function")
+            return m if own is None or isinstance(own, CompiledLoss) else None
     return None
+
+
+def _takes_labels(module: nn.Module) -> bool:
+    try:
+        return "labels" in inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class CompiledLoss:
+    """torch.compile of an HF loss function that pickles as the function it compiles and compiles again when
+    unpickled: the compiled function itself does not pickle (it is found by the original's name, which is another
+    object), and a model holding it could not be pickled or sent to another process."""
+
+    def __init__(self, fn: Callable, backend: Any, kwargs: dict[str, Any]):
+        self.fn, self.backend, self.kwargs = fn, backend, dict(kwargs)
+        self._compiled = torch.compile(fn, backend=resolve_backend(backend), **self.kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return self._compiled(*args, **kwargs)
+
+    def __reduce__(self):
+        return CompiledLoss, (self.fn, self.backend, self.kwargs)
 
 
 class CompileWatch:
@@ -189,4 +214,4 @@ def describe(report: dict[str, Any]) -> str:
 
 
 __all__ = ["COMPILE_KWARGS", "CompilePlan", "CompileWatch", "check_compile", "check_kwargs", "compile_blocks",
-           "compile_targets", "describe", "loss_owner", "resolve_backend", "with_knob"]
+           "compile_targets", "CompiledLoss", "describe", "loss_owner", "resolve_backend", "with_knob"]

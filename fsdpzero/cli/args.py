@@ -24,6 +24,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def fraction(text: str) -> float:
+    """A number in [0, 1] (e.g. offload_optimizer.ratio)."""
+    value = _number(text, float)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a number in [0, 1]")
+    return value
+
+
 def positive_float(text: str) -> float:
     value = _number(text, float)
     if value <= 0:

@@ -144,8 +144,11 @@ def fsdpzero_bytes(c: ModelCounts, stage: int, option: str, n: int, gpus: int, c
         gpu, host = 16 * P // n + working3, 0
     if option == "offload_optimizer=cpu":               # params and grads stay on the GPU; Adam + fp32 grad copy host
         gpu, host = gpu - 8 * P // n, 12 * P // n * gpus
-        if ratio < 1.0:   # partial offload: fp32 master + moments (12 B/param) of the rest on the GPU
-            gpu, host = gpu + int(12 * P * (1 - ratio) / n), int(12 * P * ratio / n * gpus)
+        if ratio < 1.0:   # partial offload: fp32 master + moments (12 B/param) of the rest on the GPU; at stage 2
+            # the units holding them also keep their compute-dtype shards (fsdp_state.DroppableShards drops only
+            # units stepped wholly on the CPU)
+            extra = 12 + (cb if stage == 2 else 0)
+            gpu, host = gpu + int(extra * P * (1 - ratio) / n), int(12 * P * ratio / n * gpus)
     elif option.startswith("offload_param+optimizer"):  # CPUOffloadPolicy: all sharded state in host memory
         gpu = (cb * P + cb * B) if stage == 2 else working3
         host = 0 if option.endswith("nvme") else 16 * P // n * gpus
@@ -183,7 +186,7 @@ def table(c: ModelCounts, gpus: int = 1, nodes: int = 1, compute_bytes: int = 2,
 def add_arguments(parser) -> None:
     parser.add_argument("model", help="config.json (or its folder), a conf/model name, or one of: "
                         + ", ".join(sorted(EXAMPLES)))
-    from fsdpzero.cli.args import positive_float, positive_int
+    from fsdpzero.cli.args import fraction, positive_float, positive_int
     parser.add_argument("--gpus", type=positive_int, default=1, help="GPUs per node (default 1)")
     parser.add_argument("--nodes", type=positive_int, default=1, help="nodes (default 1)")
     parser.add_argument("--gpu-memory", type=positive_float, default=None,
@@ -193,8 +196,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="compute dtype")
     parser.add_argument("--buffer-factor", type=positive_float, default=1.5,
                         help="DeepSpeed's additional_buffer_factor")
-    parser.add_argument("--ratio", type=positive_float, default=1.0,
-                        help="offload_optimizer.ratio < 1: also show partial optimizer offload (stages 2 and 3)")
+    parser.add_argument("--ratio", type=fraction, default=1.0,
+                        help="offload_optimizer.ratio (the CPU's fraction, in [0, 1]) < 1: also show partial "
+                        "optimizer offload (stages 2 and 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -208,10 +212,6 @@ def run(args) -> int:
         c = count_model(args.model)
     except (ValueError, OSError) as e:
         print(f"fsdpzero estimate: error: {e}", file=sys.stderr)
-        return 2
-    if args.ratio > 1.0:
-        print(f"fsdpzero estimate: error: --ratio {args.ratio}: offload_optimizer.ratio is the CPU's fraction, "
-              "in (0, 1]", file=sys.stderr)
         return 2
     rows = table(c, args.gpus, args.nodes, 4 if args.dtype == "fp32" else 2, args.buffer_factor, args.ratio)
 

@@ -96,7 +96,8 @@ def check(cfg: DSConfig, raw: dict, deferred: list[str]) -> list[Problem]:
         out.append(Problem("zero_optimization.offload_optimizer", "optimizer offload needs ZeRO stage 1, 2 or 3 "
                            "(stage is 0); DeepSpeed would silently ignore it",
                            "set zero_optimization.stage to 1-3, or remove offload_optimizer"))
-    if z.offload_optimizer is not None and z.offload_optimizer.ratio < 1.0 and z.stage not in (2, 3):
+    if z.offload_optimizer is not None and z.offload_optimizer.device != "none" and z.offload_optimizer.ratio < 1.0 \
+            and z.stage not in (2, 3):
         # DeepSpeed 0.19.8 asserts "Partial offloading only supported for ZeRO Stage 3."; fsdpzero's offload path
         # is the same for stages 2 and 3, stage 1 offloads through its own optimizer (fsdpzero/ops/stage1)
         out.append(Problem("zero_optimization.offload_optimizer.ratio",

@@ -44,6 +44,19 @@ def _read_int(path: str) -> int | None:
         return None
 
 
+def _stat(path: str, key: str) -> int:
+    """One counter of a cgroup's memory.stat (0 when absent)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key and value.strip().isdigit():
+                    return int(value)
+    except OSError:
+        pass
+    return 0
+
+
 def _cgroup_dirs(proc_self_cgroup: str, mount: str, v2: bool) -> list[str]:
     """This process's memory cgroup directory and its ancestors up to the mount, deepest first. Slurm and systemd
     put a job in a sub-cgroup with its own limit (its path is in /proc/self/cgroup); inside a container with a cgroup
@@ -58,6 +71,8 @@ def _cgroup_dirs(proc_self_cgroup: str, mount: str, v2: bool) -> list[str]:
                     path = parts[2] or "/"
     except OSError:
         pass
+    if ".." in path.split("/"):   # outside our cgroup namespace's root: the mount is what we can see
+        path = "/"
     dirs, rel = [], path.strip("/")
     while True:
         d = os.path.join(mount, rel) if rel else mount
@@ -85,7 +100,10 @@ def host_available_bytes(proc: str = "/proc", cgroup_mount: str = "/sys/fs/cgrou
     for d in _cgroup_dirs(os.path.join(proc, "self", "cgroup"), mount, v2):
         cap, used = _read_int(os.path.join(d, limit)), _read_int(os.path.join(d, usage))
         if cap is not None and used is not None and cap < 2**60:   # v1 writes a huge number for no limit
-            room = max(0, cap - used)
+            # the cgroup's usage counts page cache that the kernel reclaims before the limit bites (MemAvailable
+            # counts it as free): the working set is usage - inactive_file, as the kubelet computes it
+            room = max(0, cap - used + _stat(os.path.join(d, "memory.stat"),
+                                             "inactive_file" if v2 else "total_inactive_file"))
             avail = room if avail is None else min(avail, room)
     return avail
 

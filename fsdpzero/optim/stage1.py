@@ -90,6 +90,9 @@ def build_stage1_path(model: nn.Module, plan, make_optimizer: Callable, mesh=Non
     if plan.offload.optimizer_device not in ("none", "cpu"):
         raise ValueError(f"zero_optimization.offload_optimizer.device = {plan.offload.optimizer_device!r} with stage "
                          "1 is not supported: use \"cpu\", or stage 2/3 for NVMe offload")
+    if plan.offload.optimizer_device == "cpu" and plan.offload.ratio < 1.0:   # a Plan built by hand (the config
+        raise ValueError(f"zero_optimization.offload_optimizer.ratio = {plan.offload.ratio} with stage 1: partial "
+                         "offload needs stage 2 or 3 (set ratio to 1.0)")   # refuses it before this)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     dtype = DTYPES[plan.precision.param_dtype]
     for p in model.parameters():   # frozen weights compute in the same dtype (DeepSpeed casts the whole module)

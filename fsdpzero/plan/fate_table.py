@@ -429,14 +429,16 @@ CONDITIONAL: tuple[Rule, ...] = (
          "fully_shard(offload_policy=CPUOffloadPolicy(pin_memory)); the optimizer steps on CPU"),
     Rule(_OO + "device", value_is("cpu"), M, "ops cpuadam: fp32 master + Adam state on CPU, grad shards copied D2H"),
     Rule(_OO + "device", value_is("nvme"), M, "ops aio NVMe optimizer-state swapper + ops cpuadam"),
+    Rule(_OO + "ratio", value_below(1) & NO_OFFLOADED_OPT, N, "no optimizer offload: the whole step is on the "
+         "GPU whatever the ratio"),
     Rule(_OO + "ratio", value_below(1) & (device_is("offload_optimizer", "nvme") | device_is("offload_param", "cpu",
                                                                                              "nvme")), U,
          "ratio {value} with offload_param or an nvme optimizer: partial offload needs the params on the GPU (set "
          "ratio to 1.0)"),
     Rule(_OO + "ratio", value_below(1), M,
          "ratio {value}: the CPU steps that fraction of each rank's elements (the last chunks in forward order), the "
-         "GPU the rest with fused torch Adam on device fp32 masters (12 more GPU bytes per param it steps); stages 2 "
-         "and 3 (DeepSpeed: stage 3 only)"),
+         "GPU the rest with fused torch Adam on device fp32 masters (12 more GPU bytes per param it steps, 14 at "
+         "stage 2 where their units keep their shards); stages 2 and 3 (DeepSpeed: stage 3 only)"),
     Rule(_OO + "super_offload", ON, A, "SuperOffload's overlap: fsdpzero's CPU step overlaps the next forward by "
          "default (exact), and its speculative step during backward is on by default on a GPU (knob "
          "offload_speculate; exact: shadow buffers, not rollback); no superchip-specific placement"),

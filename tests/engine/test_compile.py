@@ -232,3 +232,42 @@ def _engine_pair(rank, world):
 def test_inductor_stage3_with_checkpointing_close_to_eager():
     """inductor fuses and reorders fp32 math: the same losses and weights to 1e-5."""
     _check_equal(run_distributed(_pairs, 2, ["stage3_ac"], "inductor", timeout=880), tol=1e-5)
+
+
+def test_loss_compile_owner_pickle_and_user_loss():
+    """HF's loss function is compiled on the model that computes the loss (not on a backbone that has the property
+    but no labels), never over a loss function the user set themselves (it may not trace), and the compiled model
+    still pickles (a torch.compile'd function does not) and computes the same loss after a round trip."""
+    import pickle
+
+    from fsdpzero.compile import CompiledLoss, compile_blocks, loss_owner
+    model = build_model("llama")
+    assert loss_owner(model) is model
+
+    class Wrapper(nn.Module):   # a user's module around a backbone: no HF loss to compile
+        def __init__(self):
+            super().__init__()
+            self.backbone = model.model
+
+        def forward(self, input_ids):
+            return self.backbone(input_ids=input_ids).last_hidden_state
+    assert loss_owner(Wrapper()) is None
+
+    x = torch.randint(0, 100, (2, 8))
+    eager = model(input_ids=x, labels=x).loss
+    watch = compile_blocks(model, list(model.model.layers), "eager")
+    assert watch.loss and isinstance(model.loss_function, CompiledLoss)
+    compile_blocks(model, list(model.model.layers), "eager")          # idempotent: not wrapped twice
+    assert isinstance(model.loss_function.fn, type(lambda: 0)) and not isinstance(model.loss_function.fn,
+                                                                                   CompiledLoss)
+    assert torch.equal(model(input_ids=x, labels=x).loss, eager)
+    back = pickle.loads(pickle.dumps(model))
+    assert isinstance(back.loss_function, CompiledLoss) and torch.equal(back(input_ids=x, labels=x).loss, eager)
+
+    def noisy_loss(logits, labels, vocab_size, **kw):
+        print("user loss")   # a graph break: with fullgraph=True it could not be compiled
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+    other = build_model("llama")
+    other.loss_function = noisy_loss
+    assert not compile_blocks(other, list(other.model.layers), "eager", {"fullgraph": True}).loss
+    assert other.loss_function is noisy_loss

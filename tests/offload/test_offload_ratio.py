@@ -72,11 +72,13 @@ def test_ratio_with_param_offload_is_refused_clearly():
         offload.build_offload_path(torch.nn.Linear(2, 2), plan, lambda ps: torch.optim.AdamW(ps))
 
 
-@pytest.mark.parametrize("param_device,fate", [("none", "mapped"), ("cpu", "unsupported")])
-def test_ratio_fate(param_device, fate):
+@pytest.mark.parametrize("param_device,fate,stage,opt_device", [
+    ("none", "mapped", 3, "cpu"), ("cpu", "unsupported", 3, "cpu"), ("none", "mapped", 2, "cpu"),
+    ("none", "noop", 1, "none")])   # no optimizer offload: ratio changes nothing (and is no error at stage 1)
+def test_ratio_fate(param_device, fate, stage, opt_device):
     from fsdpzero.config import load_config
     from fsdpzero.plan.translate import Env, decisions
-    zero = {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}
+    zero = {"stage": stage, "offload_optimizer": {"device": opt_device, "ratio": 0.3}}
     if param_device != "none":
         zero["offload_param"] = {"device": param_device}
     cfg = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero})

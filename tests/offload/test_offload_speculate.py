@@ -307,6 +307,13 @@ def test_host_available_reads_the_jobs_own_cgroup(tmp_path, layout):
                  "cg/memory/slurm/job_7/memory.usage_in_bytes": str(30 * GiB)}
     proc, cg = _tree(tmp_path, files)
     assert spec_mod.host_available_bytes(proc, cg) == 10 * GiB       # the job's 40 GiB limit, 30 used
+    job = "cg/slurm/job_7/memory.stat" if layout == "v2" else "cg/memory/slurm/job_7/memory.stat"
+    key = "inactive_file" if layout == "v2" else "total_inactive_file"
+    (tmp_path / job).write_text(f"active_file 5\n{key} {8 * GiB}\n")   # reclaimable page cache is room too
+    assert spec_mod.host_available_bytes(proc, cg) == 18 * GiB
+    (tmp_path / "proc/self/cgroup").write_text("0::/../../elsewhere\n" if layout == "v2" else
+                                               "4:memory:/../elsewhere\n")   # outside the namespace: the mount
+    assert spec_mod.host_available_bytes(proc, cg) == 100 * GiB
     # a cgroup namespace (container): the path is "/", the mount is the job's own cgroup
     (tmp_path / "proc/self/cgroup").write_text("0::/\n" if layout == "v2" else "4:memory:/\n")
     assert spec_mod.host_available_bytes(proc, cg) == 100 * GiB      # no limit at the mount: MemAvailable
