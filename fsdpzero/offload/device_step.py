@@ -71,21 +71,41 @@ def adam_step(entries, hyper: dict[int, dict], state: dict, factor: float) -> No
             h = hyper[id(e.master)]
             key = (h["lr"], tuple(h["betas"]), h["eps"], h["weight_decay"], bool(h.get("decoupled_weight_decay")))
             sets.setdefault(key, []).append(e)
-    for (lr, (beta1, beta2), eps, weight_decay, decoupled), es in sets.items():
-        grads = [local_tensor(e.param.grad).float() for e in es]
-        if factor != 1.0:
-            for g in grads:
-                g.mul_(factor)
-        states = [state[e.master] for e in es]
-        torch_adam([e.master for e in es], grads, [st["exp_avg"] for st in states],
-                   [st["exp_avg_sq"] for st in states], [], [st["step"] for st in states], foreach=False,
-                   fused=True if es[0].master.device.type == "cuda" else None, decoupled_weight_decay=decoupled,
-                   amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
-                   maximize=False)
-        for e in es:
-            local = local_tensor(e.param)
-            if e.master is not local:
-                local.copy_(e.master)
+    for (lr, (beta1, beta2), eps, weight_decay, decoupled), everything in sets.items():
+        # in groups of about STEP_GROUP elements: the fp32 copies of low-precision grads exist one group at a time
+        # (4 B/param of transient device memory for the group, not for every device-stepped param at once);
+        # Adam is elementwise per tensor, so the grouping changes no bit
+        for es in _groups(everything):
+            grads = [local_tensor(e.param.grad).float() for e in es]
+            if factor != 1.0:
+                for g in grads:
+                    g.mul_(factor)
+            states = [state[e.master] for e in es]
+            torch_adam([e.master for e in es], grads, [st["exp_avg"] for st in states],
+                       [st["exp_avg_sq"] for st in states], [], [st["step"] for st in states], foreach=False,
+                       fused=True if es[0].master.device.type == "cuda" else None, decoupled_weight_decay=decoupled,
+                       amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
+                       maximize=False)
+            for e in es:
+                local = local_tensor(e.param)
+                if e.master is not local:
+                    local.copy_(e.master)
+
+
+STEP_GROUP = 1 << 27   # elements per device Adam call (512 MiB of fp32 grad copies)
+
+
+def _groups(entries):
+    group, size = [], 0
+    for e in entries:
+        n = e.master.numel()
+        if group and size + n > STEP_GROUP:
+            yield group
+            group, size = [], 0
+        group.append(e)
+        size += n
+    if group:
+        yield group
 
 
 class CpuNormPrefetch:

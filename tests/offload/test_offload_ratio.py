@@ -27,8 +27,11 @@ def _offload_run(ratio, steps, clip, overlap, stage):
     return losses, params, device_names, len(path.cpu_chunks), steps_seen
 
 
-def _scenario(rank, world, steps, clip, overlap, stage):
+def _scenario(rank, world, steps, clip, overlap, stage, step_group=None):
     torch.set_num_threads(1)
+    if step_group is not None:   # the device step in many small Adam calls (device_step._groups)
+        from fsdpzero.offload import device_step
+        device_step.STEP_GROUP = step_group
     base_model = _model()
     base = FSDPGradPath(base_model, torch.optim.AdamW(base_model.parameters(), **HYPER, foreach=False))
     device_ref = _train(base_model, base, steps=steps, clip=clip)
@@ -37,10 +40,11 @@ def _scenario(rank, world, steps, clip, overlap, stage):
     return device_ref, cpu_ref, split
 
 
-@pytest.mark.parametrize("stage,overlap", [(True, False), (False, True)])
-def test_ratio_one_step_is_exact_on_both_sides(stage, overlap):
+@pytest.mark.parametrize("stage,overlap,step_group", [(True, False, None), (False, True, None), (True, False, 64)])
+def test_ratio_one_step_is_exact_on_both_sides(stage, overlap, step_group):
+    """step_group 64: the device-stepped params in many Adam calls of a few tensors each, same bits."""
     for (ref_losses, ref), (_, cpu, none_on_device, _, _), (losses, got, on_device, cpu_chunks, seen) in \
-            run_distributed(_scenario, 2, 1, 0.05, overlap, stage, timeout=120):
+            run_distributed(_scenario, 2, 1, 0.05, overlap, stage, step_group, timeout=120):
         assert not none_on_device and on_device and cpu_chunks > 0   # both sides take part
         assert seen == {1.0}
         for name in ref:
