@@ -8,8 +8,8 @@ checkpointing inside it (the partitioner then plans the recompute). fsdpzero get
 block's `forward` after `fully_shard` (FSDP2 runs its hooks around `forward`): parameter names keep no `_orig_mod.`,
 and `engine.compile()` works after `initialize`, as DeepSpeed's does. Blocks of one class share one graph.
 An HF model's loss function (`model.loss_function`: the fp32 upcast of the logits and the cross-entropy) is
-compiled too, as torchtitan compiles its loss. An HF model's `config.use_cache` is turned off (the KV cache, which training never reads, is indexed by layer and
-made every block its own graph). A model without transformer blocks is compiled whole (its only FSDP unit is the
+compiled too, as torchtitan compiles its loss. An HF model's `config.use_cache` is turned off (the KV cache, which
+training never reads, is indexed by layer and made every block its own graph). A model without transformer blocks is compiled whole (its only FSDP unit is the
 root). Stage 1 leaves the model unwrapped: there each block is compiled in place with `module.compile()`, which the
 stage-1 all-gather recognises (fsdpzero/ops/stage1/gather.py: its per-module waits would otherwise sit inside the
 graphs).
@@ -206,8 +206,8 @@ def _timer_sums() -> dict[str, float]:
 def describe(report: dict[str, Any]) -> str:
     """The startup line (rank 0), after the first step."""
     line = (f"torch.compile ({report['backend']}{', ' + str(report['kwargs']) if report['kwargs'] else ''}) of "
-            f"{report['compiled_units']} unit(s){' and the loss' if report.get('compiled_loss') else ''}: {report['graphs']} graph(s), {report['graph_breaks']} graph "
-            f"break(s), {report['compile_s']:.1f} s compiling (first step {report['first_step_s']:.1f} s)")
+            f"{report['compiled_units']} unit(s){' and the loss' if report.get('compiled_loss') else ''}: "
+            f"{report['graphs']} graph(s), {report['graph_breaks']} graph break(s), {report['compile_s']:.1f} s compiling (first step {report['first_step_s']:.1f} s)")
     if report["graph_breaks"]:
         line += "; breaks: " + "; ".join(f"{n}x {r[:120]}" for r, n in report["graph_break_reasons"].items())
     return line

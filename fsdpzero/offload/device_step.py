@@ -113,56 +113,45 @@ class CpuNormPrefetch:
     while the CPU has nothing to do until step() (the overlapped step of the last iteration ended before this
     forward did). A worker thread takes each grad's sum of squares as soon as its copy lands, so the norm after
     backward only adds cached sums (about 30 ms a step at 0.89 B on one H100 otherwise). Exact: the same op on
-    the same tensor, added in the same order by _cpu_norm. With gradient accumulation every micro-step's
-    post-backward submits again and only a grad's latest submission counts."""
+    the same tensor, added in the same order by _cpu_norm. One worker takes the submissions in order, so a grad
+    submitted again (a later micro-step's post-backward) ends with the sum of its latest state."""
 
     def __init__(self, threads: int):
         self.threads = threads
         self.hits = 0                   # grads whose sum came from the worker (tests)
         self._queue: queue.Queue = queue.Queue()
-        self._latest: dict[int, int] = {}          # id(param) -> number of its latest submission
-        self._sums: dict[int, tuple] = {}          # id(param) -> (submission, local grad, sum of squares)
-        self._lock = threading.Lock()
+        self._sums: dict[int, tuple] = {}          # id(param) -> (local grad, sum of squares)
         self._thread = threading.Thread(target=self._main, daemon=True, name="fsdpzero-offload-norm")
         self._thread.start()
 
     def submit(self, grads) -> None:
         """grads: (param, its local grad tensor, the CUDA event its D2H completes, or None)."""
-        with self._lock:
-            for param, loc, event in grads:
-                n = self._latest.get(id(param), 0) + 1
-                self._latest[id(param)] = n
-                self._queue.put((id(param), n, loc, event))
+        for item in grads:
+            self._queue.put(item)
 
     def _main(self) -> None:
         from fsdpzero.ops import cpu_adam
         torch.set_num_threads(self.threads)
         while True:
-            key, n, loc, event = self._queue.get()
+            param, loc, event = self._queue.get()
             try:
                 if event is not None:
                     event.synchronize()
-                value = cpu_adam.grad_sumsq(loc)
-                with self._lock:
-                    self._sums[key] = (n, loc, value)
+                self._sums[id(param)] = (loc, cpu_adam.grad_sumsq(loc))
             except Exception:   # noqa: BLE001  the norm then sums this grad itself
-                pass
+                self._sums.pop(id(param), None)
             finally:
                 self._queue.task_done()
 
     def take(self) -> dict[tuple, float]:
-        """Wait for the queued sums; _tensor_key(local grad) -> sum, for each grad's latest submission. Clears (the
-        grads outlive the norm: their memory cannot be another grad's within the step)."""
+        """Wait for the queued sums; _tensor_key(local grad) -> its sum. Clears (the grads outlive the norm: their
+        memory cannot be another grad's within the step)."""
         self._queue.join()
-        with self._lock:
-            out = {_tensor_key(loc): v for key, (n, loc, v) in self._sums.items() if self._latest.get(key) == n}
-            self._sums.clear()
-            self._latest.clear()
+        out = {_tensor_key(loc): v for loc, v in self._sums.values()}
+        self._sums.clear()
         self.hits += len(out)
         return out
 
     def clear(self) -> None:
         self._queue.join()
-        with self._lock:
-            self._sums.clear()
-            self._latest.clear()
+        self._sums.clear()

@@ -84,8 +84,9 @@ def offloaded_grads(module: nn.Module) -> list[tuple]:
     for group in param_groups(module):
         for fp in getattr(group, "fsdp_params", ()):
             param = fp.sharded_param
-            if param.grad is not None and local_tensor(param.grad).device.type == "cpu":
-                out.append((param, local_tensor(param.grad), getattr(fp, "grad_offload_event", None)))
+            grad = local_tensor(param.grad) if param.grad is not None else None
+            if grad is not None and grad.device.type == "cpu":
+                out.append((param, grad, getattr(fp, "grad_offload_event", None)))
     return out
 
 

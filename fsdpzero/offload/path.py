@@ -158,6 +158,9 @@ class OffloadGradPath(GradPath):
         if self.spec is not None:
             self.spec.submit(chunks)
 
+    def _sums(self) -> dict | None:
+        return self.norm_cache.take() if self.norm_cache is not None else None
+
     def _sum_unit(self, module: nn.Module) -> None:
         if self.norm_cache is not None:   # tests turn it off on a built path
             self.norm_cache.submit(fsdp_state.offloaded_grads(module))
@@ -279,10 +282,10 @@ class OffloadGradPath(GradPath):
         # in the model's parameter order, as FSDPGradPath: the same norm bits, so the same clip coefficient
         params = [e.param for e in sorted(self.entries, key=lambda e: self._model_order[e.name])]
         if self.tl is None:
-            return device_step.grad_norm(params, self.norm_cache.take() if self.norm_cache is not None else None)
+            return device_step.grad_norm(params, self._sums())
         rec, t0 = self.tl.cur, time.perf_counter()
         self.tl.gpu(rec, "norm_start")
-        norm = device_step.grad_norm(params, self.norm_cache.take() if self.norm_cache is not None else None)
+        norm = device_step.grad_norm(params, self._sums())
         self.tl.gpu(rec, "norm_end")
         self.tl.host(rec, "grad_norm_host", t0)
         return norm
