@@ -36,10 +36,14 @@ class TuningError(ValueError):
     """A bad knob: one line naming the knob (as written in its channel), the value and what is allowed."""
 
 
-def _knob(default: Any, kind: str, doc: str, choices: tuple = ()) -> Any:
-    """kind: bool | auto_bool (None = decided per run) | int (>= 1) | auto_int (None = decided per run) |
+MAX_THREADS = 1024          # more threads than any host has cores: 65536 aborted the process, 1000000 segfaulted it
+MAX_WRITER_THREADS = 256    # DCP writes one file per writer thread and rank
+
+
+def _knob(default: Any, kind: str, doc: str, choices: tuple = (), most: int = MAX_THREADS) -> Any:
+    """kind: bool | auto_bool (None = decided per run) | int (1..most) | auto_int (None = decided per run) |
     choice | str | opt_choice (None = off)."""
-    return field(default=default, metadata={"kind": kind, "doc": doc, "choices": choices})
+    return field(default=default, metadata={"kind": kind, "doc": doc, "choices": choices, "most": most})
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,7 @@ class Tuning:
                                  "Inductor may reorder float math: the one knob that can change result bits")
     # checkpoints (fsdpzero/checkpoint)
     ckpt_stream: bool = _knob(True, "bool", "stream NVMe-resident state through DCP instead of reading it whole")
-    ckpt_writer_threads: int = _knob(4, "int", "DCP writer threads per rank")
+    ckpt_writer_threads: int = _knob(4, "int", "DCP writer threads per rank", most=MAX_WRITER_THREADS)
     ckpt_crash_at: str | None = _knob(None, "opt_choice", "test hook: kill the process at this point of a save",
                                       CRASH_POINTS)
     # the C++ ops (fsdpzero/ops)
@@ -105,7 +109,8 @@ def env_name(knob: str) -> str:
 def _allowed(f) -> str:
     kind, choices = f.metadata["kind"], f.metadata["choices"]
     return {"bool": "one of 1/0/true/false", "auto_bool": "one of 1/0/true/false/auto",
-            "int": "an integer >= 1", "auto_int": "an integer >= 1 or auto", "str": "a string",
+            "int": f"an integer from 1 to {f.metadata['most']}",
+            "auto_int": f"an integer from 1 to {f.metadata['most']} or auto", "str": "a string",
             "choice": f"one of {'/'.join(choices)}",
             "opt_choice": f"one of {'/'.join(choices)} (empty: off)"}[kind]
 
@@ -136,7 +141,7 @@ def _parse(f, value: Any, name: str, source: str) -> Any:
             number = int(text) if text is not None else value
         except ValueError:
             raise bad() from None
-        if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+        if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= f.metadata["most"]:
             raise bad()
         return number
     if kind == "str":

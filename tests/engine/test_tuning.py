@@ -48,9 +48,14 @@ def test_harness_variables_are_not_knobs_and_not_errors(monkeypatch):
 @pytest.mark.parametrize("knob,value,allowed", [
     ("offload_overlap", "maybe", "one of 1/0/true/false"),
     ("offload_drop_shards", "sometimes", "one of 1/0/true/false/auto"),
-    ("offload_threads", "0", "an integer >= 1 or auto"),
-    ("offload_threads", "four", "an integer >= 1 or auto"),
-    ("ckpt_writer_threads", "auto", "an integer >= 1"),
+    ("offload_threads", "0", "an integer from 1 to 1024 or auto"),
+    ("offload_threads", "four", "an integer from 1 to 1024 or auto"),
+    ("ckpt_writer_threads", "auto", "an integer from 1 to 256"),
+    # upper bounds: 65536 threads aborted the process, 1000000 segfaulted it
+    ("offload_threads", "65536", "an integer from 1 to 1024 or auto"),
+    ("offload_threads", "1000000", "an integer from 1 to 1024 or auto"),
+    ("offload_speculate_threads", "1025", "an integer from 1 to 1024 or auto"),
+    ("ckpt_writer_threads", "257", "an integer from 1 to 256"),
     ("ckpt_crash_at", "after_lunch", "one of before_data/mid_write/before_rename/before_latest"),
     ("aio_backend", "uring", "one of auto/io_uring/libaio/threads/python"),
     ("cpu_adam_impl", "avx9", "one of auto/avx512/avx2/scalar/reference"),
