@@ -8,14 +8,14 @@ leaves out the skipped steps."""
 import os
 import types
 
+import pytest
 import torch
 import transformers  # noqa: F401
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-try:    # DeepSpeed itself, when the [oracle] extra is installed; CI without it checks the hand-derived sequence
-    import deepspeed.runtime.fp16.loss_scaler as ds_scaler
-except ImportError:
-    ds_scaler = None
+# DeepSpeed's own DynamicLossScaler is the oracle: no hand-written fallback (without the [oracle] extra the test
+# skips, and under CI=true that skip fails the run; tests/conftest.py)
+ds_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
 
 from fsdpzero.api import wrap  # noqa: E402
 from fsdpzero.plan import LossScalePlan, SchedulerPlan  # noqa: E402
@@ -23,7 +23,8 @@ from tests.engine_cases import ADAMW, batches, build_model, full_params, make_pl
 from tests.multirank import run_distributed  # noqa: E402
 
 STEPS, OVERFLOW_AT, WINDOW = 10, (2, 3), 3
-# DeepSpeed's DynamicLossScaler.update_scale by hand (iteration i, last_overflow starts at -1, stable = i-last-1):
+# DeepSpeed's DynamicLossScaler.update_scale by hand (the oracle must agree; this pins that the run both halves the
+# scale and grows it back) (iteration i, last_overflow starts at -1, stable = i-last-1):
 # i=2 overflow, hysteresis 2 -> 1, scale kept; i=3 overflow, hysteresis at 1 -> halve; i=7: stable = 3 = window ->
 # double. Scale after each step's update:
 EXPECTED = [2.0 ** 16] * 3 + [2.0 ** 15] * 4 + [2.0 ** 16] * 3
@@ -41,11 +42,9 @@ def _train(rank, world):
     plan = _plan(world)
     engine = wrap(build_model("llama"), plan)
     assert engine._defer_verdict     # the default: scaler and skip on the device, the verdict settled when read
-    oracle = None
-    if ds_scaler is not None:
-        ds_scaler.dist = types.SimpleNamespace(get_rank=lambda: 1)   # its logging asks DeepSpeed's comm for the rank
-        oracle = ds_scaler.DynamicLossScaler(init_scale=2.0 ** 16, scale_window=WINDOW, min_scale=1.0,
-                                             delayed_shift=2, consecutive_hysteresis=False)
+    ds_scaler.dist = types.SimpleNamespace(get_rank=lambda: 1)   # its logging asks DeepSpeed's comm for the rank
+    oracle = ds_scaler.DynamicLossScaler(init_scale=2.0 ** 16, scale_window=WINDOW, min_scale=1.0,
+                                         delayed_shift=2, consecutive_hysteresis=False)
     data = batches(STEPS, 2, plan.batch.micro_batch_size * world)
     m = plan.batch.micro_batch_size
     log = []
@@ -60,9 +59,8 @@ def _train(rank, world):
             engine.backward(loss)
             engine.step()
         overflow = step in OVERFLOW_AT
-        if oracle is not None:
-            oracle.update_scale(overflow)
-        entry = {"scale": engine.get_loss_scale(), "oracle": oracle.cur_scale if oracle else EXPECTED[step],
+        oracle.update_scale(overflow)
+        entry = {"scale": engine.get_loss_scale(), "oracle": oracle.cur_scale,
                  "applied": engine.was_step_applied,
                  "t_before": t_before, "t_after": engine.lr_scheduler.last_epoch}
         if before is not None:
