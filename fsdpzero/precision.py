@@ -32,6 +32,28 @@ def mp_policy(plan: Plan) -> MixedPrecisionPolicy:
                                 cast_forward_inputs=True)
 
 
+def cast_forward_inputs(model: nn.Module, plan: Plan):
+    """Stage 1 (no fully_shard root): cast the floating tensors among the model's forward args and kwargs to the
+    compute dtype, as FSDP2's root does under mp_policy's cast_forward_inputs at stages 0/2/3, so fp32 images or
+    embeddings meet fp16/bf16 weights (DeepSpeed's fp16.auto_cast casts the positional inputs the same way).
+    Returns the hook handle, or None when the compute dtype is the master dtype (nothing to cast)."""
+    dtype = mp_policy(plan).param_dtype
+    if dtype is None:
+        return None
+
+    def cast(value):
+        if isinstance(value, torch.Tensor):
+            return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+        if isinstance(value, dict):
+            return {k: cast(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            items = [cast(v) for v in value]
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        return value
+
+    return model.register_forward_pre_hook(lambda _m, args, kwargs: (cast(args), cast(kwargs)), with_kwargs=True)
+
+
 def upcast_to_master(model: nn.Module, plan: Plan) -> list[str]:
     """Cast trainable floating parameters to the master dtype (fp32 unless bf16_master_weights_and_grads); returns
     their names. DeepSpeed always optimises fp32 masters; an FSDP2 user who loads a bf16 model would otherwise train

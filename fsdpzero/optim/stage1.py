@@ -5,6 +5,7 @@ replicated, and the stage-1 optimizer reduce-scatters gradients at the boundary,
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Callable
 
@@ -14,7 +15,7 @@ from torch import nn
 
 from fsdpzero.ops.stage1 import Stage1Optimizer
 from fsdpzero.optim.grad_path import GradPath, skips_on_device
-from fsdpzero.precision import DTYPES
+from fsdpzero.precision import DTYPES, cast_forward_inputs
 from fsdpzero.tuning import Tuning, current, env_name
 
 
@@ -41,6 +42,24 @@ class Stage1GradPath(GradPath):
 
     def __init__(self, stage1: Stage1Optimizer):
         self.stage1, self.optimizer = stage1, stage1.optimizer
+        self.refresh_on_load = True   # off while a checkpoint with masters loads (keep_masters_on_load)
+
+    def refresh_masters(self) -> None:
+        """The model's load_state_dict post-hook: weights loaded without the optimizer become the masters."""
+        if self.refresh_on_load:
+            self.stage1.refresh_masters()
+
+    @contextlib.contextmanager
+    def keep_masters_on_load(self):
+        """Loading an engine checkpoint that has the fp32 masters: DCP reads them in place, into the views of the
+        flat master shards that state_dict() handed out, and the model's weights load next. Refreshing the masters
+        from those 16-bit weights would round what DCP just read to fp16/bf16 (a stage-1 fp16 resume then drifted
+        in the 5th digit)."""
+        self.refresh_on_load = False
+        try:
+            yield
+        finally:
+            self.refresh_on_load = True
 
     def set_sync(self, sync: bool) -> None:
         self.stage1.set_gradient_sync(sync)
@@ -113,9 +132,11 @@ def build_stage1_path(model: nn.Module, plan, make_optimizer: Callable, mesh=Non
         reduce_bucket_size=shard.reduce_bucket_size, allgather_bucket_size=shard.allgather_bucket_size,
         overlap_comm=bool(shard.overlap_comm), master_device="cpu" if offload.optimizer_device == "cpu" else None,
         **knobs)
+    cast_forward_inputs(model, plan)   # fp32 inputs meet fp16/bf16 weights, as at stages 0/2/3 (fp16.auto_cast)
     if forward_allgather:   # the model's forward pre-hooks wait for their buckets; saving and loading wait for all
         stage1.defer_allgather_to_forward(model)
     # weights loaded without the optimizer (load_module_only, load_optimizer_states=False) become the masters; a
-    # following optimizer load then restores the exact fp32 masters from the checkpoint
-    model.register_load_state_dict_post_hook(lambda *_: stage1.refresh_masters())
-    return Stage1GradPath(stage1)
+    # checkpoint with masters keeps the ones DCP read (Stage1GradPath.keep_masters_on_load)
+    path = Stage1GradPath(stage1)
+    model.register_load_state_dict_post_hook(lambda *_: path.refresh_masters())
+    return path
