@@ -53,11 +53,13 @@ def make_plan(stage: int = 3, dtype: str = "float32", gas: int = 1, world: int =
                                 gradient_accumulation_steps=gas, gradient_clipping=clip, **batch_extra))
 
 
-def reference_run(kind: str, data: torch.Tensor, clip: float) -> tuple[list[float], dict]:
-    """Unsharded, one process, the whole global micro-batch at once: plain torch."""
+def reference_trace(kind: str, data: torch.Tensor, clip: float) -> dict:
+    """Unsharded, one process, the whole global micro-batch at once: plain torch (AdamW, clip_grad_norm_), sharing no
+    code with fsdpzero. Per step: the mean loss and the pre-clip global norm; at the end: the parameters and AdamW's
+    moments by parameter name (flattened fp32)."""
     model = build_model(kind)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW, fused=True)
-    losses = []
+    losses, norms = [], []
     gas = data.shape[1]
     for step in data:
         total = 0.0
@@ -65,16 +67,26 @@ def reference_run(kind: str, data: torch.Tensor, clip: float) -> tuple[list[floa
             loss = model(input_ids=micro, labels=micro).loss
             (loss / gas).backward()
             total += loss.item()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf")).item())
         opt.step()
         opt.zero_grad()
         losses.append(total / gas)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    names = {p: n for n, p in model.named_parameters()}
+    state = {names[p]: {k: v.detach().float().reshape(-1).clone() for k, v in st.items() if k != "step"}
+             for p, st in opt.state.items()}
+    return {"losses": losses, "norms": norms, "state": state,
+            "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def engine_losses(engine, data: torch.Tensor, rank: int, world: int) -> list[float]:
-    """Run the DeepSpeed-style loop; per optimizer step, the loss averaged over micro-steps and ranks."""
+def reference_run(kind: str, data: torch.Tensor, clip: float) -> tuple[list[float], dict]:
+    """reference_trace's losses and final parameters."""
+    ref = reference_trace(kind, data, clip)
+    return ref["losses"], ref["params"]
+
+
+def engine_losses(engine, data: torch.Tensor, rank: int, world: int, norms: list | None = None) -> list[float]:
+    """Run the DeepSpeed-style loop; per optimizer step, the loss averaged over micro-steps and ranks (and, into
+    `norms` when given, the engine's reported pre-clip global grad norm)."""
     m = data.shape[2] // world
     losses = []
     for step in data:
@@ -88,7 +100,31 @@ def engine_losses(engine, data: torch.Tensor, rank: int, world: int) -> list[flo
         acc /= data.shape[1]
         dist.all_reduce(acc, op=dist.ReduceOp.AVG)
         losses.append(acc.item())
+        if norms is not None:
+            norms.append(engine.get_global_grad_norm())
     return losses
+
+
+def optimizer_state(engine) -> dict:
+    """The engine's optimizer state by parameter name, each entry (exp_avg, exp_avg_sq, and the fp32 master where
+    the path keeps one apart from the model) gathered whole and flattened to fp32 on CPU (collective)."""
+    out = {}
+    for name, st in engine.grad_path.state_dict()["state"].items():
+        out[name] = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().cpu().reshape(-1)
+                     for k, v in st.items() if k != "step" and torch.is_tensor(v)}
+    return out
+
+
+def state_diffs(got: dict, ref: dict, keys=("exp_avg", "exp_avg_sq")) -> dict:
+    """Per parameter and moment: max |got - ref| relative to max |ref| (Adam's moments scale with the gradient, so a
+    gradient-scale bug shows as a relative error of order 1)."""
+    assert set(got) == set(ref), set(got) ^ set(ref)
+    out = {}
+    for name in ref:
+        for k in keys:
+            a, b = got[name][k], ref[name][k]
+            out[f"{name}.{k}"] = ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+    return out
 
 
 def full_params(model) -> dict:
