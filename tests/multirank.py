@@ -1,4 +1,5 @@
-"""Multi-rank test harness: N ranks on CPU with gloo, forked from the pytest process.
+"""Multi-rank test harness: N ranks on CPU with gloo, forked from the pytest process (or, with backend="nccl" or
+"cuda:nccl,cpu:gloo", N spawned ranks, one GPU each: the GPU tests' NCCL paths).
 
 Forking after torch/transformers are imported in the parent costs ~1 s per job instead of ~10 s of imports per rank
 (spawn). Each rank runs with one compute thread (two ranks share the CI machine's two cores; more threads than
@@ -28,7 +29,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, fn: Callable, world_size: int, workdir: str, init_pg: bool, port: int, args: tuple) -> None:
+def _child(rank: int, fn: Callable, world_size: int, workdir: str, init_pg: bool, port: int, args: tuple,
+           backend: str = "gloo") -> None:
     faulthandler.enable()   # a rank killed by a signal (a SIGSEGV seen once in gloo) prints its Python stack
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -36,9 +38,13 @@ def _child(rank: int, fn: Callable, world_size: int, workdir: str, init_pg: bool
                       OMP_NUM_THREADS="1")
     out = Path(workdir) / f"result_{rank}.pt"
     try:
+        device = None
+        if "nccl" in backend:   # one GPU per rank, bound before any collective (NCCL picks it from device_id)
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
         if init_pg:
-            dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank,
-                                    world_size=world_size, timeout=datetime.timedelta(seconds=60))
+            dist.init_process_group(backend, init_method=f"file://{workdir}/rendezvous", rank=rank,
+                                    world_size=world_size, timeout=datetime.timedelta(seconds=60), device_id=device)
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, out)
     except BaseException:
@@ -50,8 +56,11 @@ def _child(rank: int, fn: Callable, world_size: int, workdir: str, init_pg: bool
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 180.0,
-                    init_pg: bool = True) -> list[Any]:
+                    init_pg: bool = True, backend: str = "gloo") -> list[Any]:
     """Run fn(rank, world_size, *args) on `world_size` forked gloo ranks; return each rank's result.
+
+    backend: "gloo" (CPU, the default), or "nccl" (NCCL alone, as Hugging Face Accelerate creates it) or
+    "cuda:nccl,cpu:gloo" (as fsdpzero creates it): rank r on GPU r, the 60 s timeout enforced by NCCL's watchdog.
 
     init_pg=False leaves process-group creation to the code under test (RANK/WORLD_SIZE/MASTER_* are set, as
     torchrun does). fn must be a module-level function. Raises with the failing rank's traceback, or on timeout.
@@ -62,7 +71,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, tim
         # fork is ~10x cheaper, but CUDA does not survive it, and merely counting devices in the parent poisons
         # fork for the children: on a CUDA machine, spawn
         method = "spawn" if torch.cuda.is_available() else "fork"
-        ctx = mp.start_processes(_child, args=(fn, world_size, workdir, init_pg, free_port(), args),
+        if "nccl" in backend and torch.cuda.device_count() < world_size:
+            raise RuntimeError(f"{backend} with {world_size} ranks needs {world_size} GPUs, "
+                               f"{torch.cuda.device_count()} visible")
+        ctx = mp.start_processes(_child, args=(fn, world_size, workdir, init_pg, free_port(), args, backend),
                                  nprocs=world_size, join=False, start_method=method)
         deadline = time.monotonic() + timeout
         try:

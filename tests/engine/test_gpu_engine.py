@@ -1,5 +1,6 @@
-"""GPU: the engine on 2 GPUs with NCCL (stages 0, 2, 3; bf16 and fp32) vs an unsharded single-GPU run of the same
-global batch. Not part of CPU CI; run with
+"""GPU: the engine on 2 GPUs with NCCL (stages 0-3; bf16 and fp32) and on 4 GPUs where the rank count matters
+(stage 1's bucketed reduce-scatter/all-gather over 4 shards, stage 2, hpZ: zero_hpz_partition_size 2, MiCS: a
+(2, 2) replicate x shard mesh) vs an unsharded single-GPU run of the same global batch. Not part of CPU CI; run with
 
     pytest -m gpu tests/engine/test_gpu_engine.py -v
 
@@ -27,8 +28,8 @@ def _rank(rank: int, world: int, port: int, workdir: str, kind: str, plan_kwargs
     import torch.distributed as dist
 
     from fsdpzero.api import wrap
-    from tests.engine_cases import batches, build_model, engine_losses, full_params, make_plan
-    plan = make_plan(world=world, **plan_kwargs)
+    from tests.engine_cases import batches, build_model, engine_losses, full_params
+    plan = _plan(world, plan_kwargs)
     data = batches(STEPS, plan.batch.gradient_accumulation_steps, plan.batch.micro_batch_size * world)
     engine = wrap(build_model(kind), plan)
     if torch.cuda.is_available():
@@ -38,6 +39,19 @@ def _rank(rank: int, world: int, port: int, workdir: str, kind: str, plan_kwargs
     if rank == 0:
         torch.save({"losses": losses, "params": params}, Path(workdir) / "result.pt")
     dist.destroy_process_group()
+
+
+SHARD_KEYS = ("reduce_bucket_size", "allgather_bucket_size")
+
+
+def _plan(world: int, plan_kwargs: dict):
+    """tests.engine_cases.make_plan, with the stage-1 bucket sizes (ShardPlan fields) set too."""
+    import dataclasses
+
+    from tests.engine_cases import make_plan
+    shard = {k: v for k, v in plan_kwargs.items() if k in SHARD_KEYS}
+    plan = make_plan(world=world, **{k: v for k, v in plan_kwargs.items() if k not in SHARD_KEYS})
+    return dataclasses.replace(plan, shard=dataclasses.replace(plan.shard, **shard))
 
 
 class _OnDevice:
@@ -72,26 +86,33 @@ def _reference(kind: str, data: torch.Tensor) -> tuple[list[float], dict]:
     return losses, {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
 
 
-CASES = [
-    ("llama", dict(stage=0, gas=2, dtype="bfloat16"), 2e-2),
-    ("llama", dict(stage=2, gas=2, dtype="bfloat16"), 2e-2),
-    ("llama", dict(stage=3, gas=2, dtype="bfloat16"), 2e-2),
-    ("llama", dict(stage=3, gas=1), 1e-4),     # fp32 on GPU: TF32 off by default, cuBLAS order differs
-    ("gpt2", dict(stage=3, gas=2, dtype="bfloat16"), 2e-2),
+CASES = [   # kind, plan, tolerance, GPUs
+    ("llama", dict(stage=0, gas=2, dtype="bfloat16"), 2e-2, 2),
+    ("llama", dict(stage=1, gas=2, dtype="bfloat16"), 2e-2, 2),
+    ("llama", dict(stage=2, gas=2, dtype="bfloat16"), 2e-2, 2),
+    ("llama", dict(stage=3, gas=2, dtype="bfloat16"), 2e-2, 2),
+    ("llama", dict(stage=3, gas=1), 1e-4, 2),     # fp32 on GPU: TF32 off by default, cuBLAS order differs
+    ("gpt2", dict(stage=3, gas=2, dtype="bfloat16"), 2e-2, 2),
+    # 4 ranks, fp32 (a tight tolerance: a wrong shard, bucket or replica group is off by far more)
+    ("llama", dict(stage=1, gas=2, reduce_bucket_size=2000, allgather_bucket_size=2000), 1e-4, 4),
+    ("llama", dict(stage=2, gas=2), 1e-4, 4),
+    ("llama", dict(stage=3, gas=1, hpz=2), 1e-4, 4),
+    ("llama", dict(stage=3, gas=2, mesh=(2, 2)), 1e-4, 4),
 ]
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("kind,plan_kwargs,tol", CASES,
-                         ids=[f"{k}-" + "-".join(f"{a}{b}" for a, b in kw.items()) for k, kw, _ in CASES])
-def test_nccl_matches_unsharded(kind, plan_kwargs, tol):
-    from tests.engine_cases import batches, make_plan
-    world = 2
+@pytest.mark.parametrize("kind,plan_kwargs,tol,world", CASES,
+                         ids=[f"{k}-" + "-".join(f"{a}{b}" for a, b in kw.items()) + ("" if w == 2 else f"-{w}gpu")
+                              for k, kw, _, w in CASES])
+def test_nccl_matches_unsharded(kind, plan_kwargs, tol, world):
+    from tests.engine_cases import batches
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
     with tempfile.TemporaryDirectory() as workdir:
         mp.start_processes(_rank, args=(world, free_port(), workdir, kind, plan_kwargs), nprocs=world,
                            join=True, start_method="spawn")
         result = torch.load(Path(workdir) / "result.pt", weights_only=True)
-    plan = make_plan(world=world, **plan_kwargs)
+    plan = _plan(world, plan_kwargs)
     data = batches(STEPS, plan.batch.gradient_accumulation_steps, plan.batch.micro_batch_size * world)
     ref_losses, ref_params = _reference(kind, data)
     diff = max(abs(a - b) for a, b in zip(result["losses"], ref_losses))
