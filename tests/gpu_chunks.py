@@ -7,8 +7,8 @@ splits the files whose cases need 4 GPUs (ids and names with `4gpu`) from those 
     python tests/gpu_chunks.py --all --lanes 2 --out out/gpu   # every chunk; 1-2 GPU chunks in lanes of 2 GPUs
     python tests/gpu_chunks.py --check                         # CPU: every `-m gpu` test is in exactly one chunk
 
-With `--lanes 2` on a 4-GPU host, the 1- and 2-GPU chunks run two at a time on GPUs 0,1 and 2,3
-(CUDA_VISIBLE_DEVICES), then the 4-GPU chunks run alone on all four. Per chunk, `<out>/<chunk>.log` (pytest -v
+Chunks run in the order given. With `--lanes 2` on a 4-GPU host, consecutive 1- and 2-GPU chunks run two at a time
+on GPUs 0,1 and 2,3 (CUDA_VISIBLE_DEVICES); a 4-GPU chunk runs alone on all four. Per chunk, `<out>/<chunk>.log` (pytest -v
 with --durations), `<out>/<chunk>.xml` (JUnit), and at the end `<out>/summary.json` and a table: passed, failed,
 skipped, errors, wall seconds (`<out>/summary.jsonl` grows as chunks end). A chunk that outruns --chunk-timeout is
 killed and counted as timed out; the others go on. With --deadline, no chunk starts later than that many seconds
@@ -116,37 +116,49 @@ def run_chunk(chunk: Chunk, out: Path, devices: list[int] | None, timeout: float
 
 
 def run_all(chunks: list[Chunk], out: Path, lanes: int, timeout: float) -> list[dict]:
-    """Chunks of <= 2 GPUs share `lanes` disjoint GPU pairs (longest first); the others then run alone."""
+    """In the given order: a run of consecutive chunks of <= 2 GPUs shares `lanes` disjoint GPU pairs (longest
+    first, when measured); a chunk of more GPUs runs alone on all of them."""
     import torch
-    visible = torch.cuda.device_count()
-    small = [c for c in chunks if c.gpus <= 2]
-    big = [c for c in chunks if c.gpus > 2]
+    lanes = max(1, min(lanes, torch.cuda.device_count() // 2))
     rows: list[dict] = []
-    lanes = max(1, min(lanes, visible // 2)) if small else 1
-    if lanes > 1:
-        todo: queue.Queue = queue.Queue()
-        for c in sorted(small, key=lambda c: -c.minutes):
-            todo.put(c)
-        lock = threading.Lock()
+    batch: list[Chunk] = []
 
-        def lane(devices):
-            while True:
-                try:
-                    c = todo.get_nowait()
-                except queue.Empty:
-                    return
-                r = run_chunk(c, out, devices, timeout)
-                with lock:
-                    rows.append(r or {"chunk": c.name, "not_run": True})
-        threads = [threading.Thread(target=lane, args=([2 * i, 2 * i + 1],)) for i in range(lanes)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    else:
-        big = small + big
-    for c in big:
+    def flush():
+        if lanes > 1 and len(batch) > 1:
+            rows.extend(_in_lanes(batch, out, lanes, timeout))
+        else:
+            rows.extend(run_chunk(c, out, None, timeout) or {"chunk": c.name, "not_run": True} for c in batch)
+        batch.clear()
+    for c in chunks:
+        if c.gpus <= 2:
+            batch.append(c)
+            continue
+        flush()
         rows.append(run_chunk(c, out, None, timeout) or {"chunk": c.name, "not_run": True})
+    flush()
+    return rows
+
+
+def _in_lanes(chunks: list[Chunk], out: Path, lanes: int, timeout: float) -> list[dict]:
+    todo: queue.Queue = queue.Queue()
+    for c in sorted(chunks, key=lambda c: -c.minutes):   # stable: the given order where nothing was measured
+        todo.put(c)
+    rows, lock = [], threading.Lock()
+
+    def lane(devices):
+        while True:
+            try:
+                c = todo.get_nowait()
+            except queue.Empty:
+                return
+            r = run_chunk(c, out, devices, timeout)
+            with lock:
+                rows.append(r or {"chunk": c.name, "not_run": True})
+    threads = [threading.Thread(target=lane, args=([2 * i, 2 * i + 1],)) for i in range(lanes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     return rows
 
 
