@@ -16,10 +16,11 @@ import torch
 
 # the reader's public names are imported from here too (convert, tests, docs/checkpoint.md)
 from fsdpzero.checkpoint.deepspeed_reader import (ALLOWED_GLOBALS, DS_MODEL_KEYS, DeepSpeedCheckpoint,
-                                                  UnsafeCheckpointError, load_ds_file, read_checkpoint,
-                                                  resolve_tag_dir)
+                                                  MalformedCheckpointError, UnsafeCheckpointError, checked,
+                                                  load_ds_file, read_checkpoint, resolve_tag_dir)
 
-__all__ = ["ALLOWED_GLOBALS", "DeepSpeedCheckpoint", "UnsafeCheckpointError", "load_ds_file", "read_checkpoint",
+__all__ = ["ALLOWED_GLOBALS", "DeepSpeedCheckpoint", "MalformedCheckpointError", "UnsafeCheckpointError",
+           "load_ds_file", "read_checkpoint",
            "resolve_tag_dir", "fp32_state_dict", "adam_states", "param_groups", "loss_scaler_state", "training_state"]
 
 
@@ -32,6 +33,7 @@ def _unflatten_zero2(per_rank: list[list[torch.Tensor]], param_shapes: list[dict
         offset = 0
         for (name, shape), pad in zip(shapes.items(), pads):
             numel = math.prod(shape)
+            _fits(name, shape, offset, numel, flat.numel())
             out[name] = flat.narrow(0, offset, numel).view(shape)
             offset += numel + pad
         align = 2 * world  # groups are padded to a multiple of 2 * world size
@@ -48,12 +50,19 @@ def _unflatten_zero3(per_rank: list[list[torch.Tensor]], param_shapes: list[dict
         for name, shape in shapes.items():
             numel = math.prod(shape)
             part = math.ceil(numel / world)
+            _fits(name, shape, offset, part, min(flat.numel() for flat in rank_flat))
             pieces = [flat.narrow(0, offset, part) for flat in rank_flat]
             out[name] = torch.cat(pieces).narrow(0, 0, numel).view(shape)
             offset += part
     if offset != rank_flat[0].numel():
         raise ValueError(f"stage 3: params use {offset} elements per rank, the flat groups hold {rank_flat[0].numel()}")
     return out
+
+
+def _fits(name: str, shape, offset: int, numel: int, available: int) -> None:
+    if offset + numel > available:
+        raise MalformedCheckpointError(f"parameter {name!r} of shape {tuple(shape)} needs {numel} elements at offset "
+                                       f"{offset}, the flat partition holds {available}")
 
 
 def _unflatten(ckpt: DeepSpeedCheckpoint, per_rank: list[list[torch.Tensor]]) -> dict:
@@ -80,6 +89,7 @@ def _frozen_params(ckpt: DeepSpeedCheckpoint) -> dict:
     return out
 
 
+@checked
 def fp32_state_dict(ckpt: DeepSpeedCheckpoint | str | Path, tag: str | None = None, *,
                     include_module_params: bool = False, trainable_names: list[str] | None = None
                     ) -> dict[str, torch.Tensor]:
@@ -209,6 +219,7 @@ def _stage0_adam(ckpt: DeepSpeedCheckpoint, trainable: list[str] | None) -> dict
     return {name: dict(state[idx]) for name, idx in zip(masters, sorted(state))}
 
 
+@checked
 def adam_states(ckpt: DeepSpeedCheckpoint, trainable_names: list[str] | None = None) -> dict[str, dict]:
     """Per trainable parameter: {"step", "exp_avg", "exp_avg_sq"} (fp32, full shape), as torch.optim.Adam(W) keeps."""
     if ckpt.stage == 0:
@@ -230,6 +241,7 @@ def adam_states(ckpt: DeepSpeedCheckpoint, trainable_names: list[str] | None = N
             for name in moments["exp_avg"]}
 
 
+@checked
 def param_groups(ckpt: DeepSpeedCheckpoint) -> list[dict]:
     """Optimizer hyperparameters per DeepSpeed param group (lr, betas, eps, weight_decay, ...), without `params`."""
     if ckpt.stage == 0:
@@ -241,6 +253,7 @@ def param_groups(ckpt: DeepSpeedCheckpoint) -> list[dict]:
     return [{k: v for k, v in g.items() if k != "params"} for g in groups]
 
 
+@checked
 def loss_scaler_state(ckpt: DeepSpeedCheckpoint) -> dict | None:
     """fp16 dynamic loss scaler attributes (cur_scale, cur_iter, last_overflow_iter, ...) or None."""
     if ckpt.stage == 0:  # the FP16 wrapper keeps the scaler's fields itself
@@ -257,16 +270,17 @@ def loss_scaler_state(ckpt: DeepSpeedCheckpoint) -> dict | None:
 
 
 
+@checked
 def training_state(ds_dir: str | Path, tag: str | None = None, trainable_names: list[str] | None = None) -> dict:
     """Everything needed to resume: fp32 weights, Adam states by name, hyperparameters, scaler, counters. A universal
     checkpoint (ds_to_universal's output) is read by fsdpzero.checkpoint.universal into the same shape."""
     from fsdpzero.checkpoint import universal
     tag_dir = resolve_tag_dir(ds_dir, tag)
     if universal.is_universal(tag_dir):
-        return universal.training_state(tag_dir)
+        return _checked_state(tag_dir, universal.training_state(tag_dir))
     ckpt = read_checkpoint(tag_dir)
     meta = ckpt.meta
-    return {
+    return _checked_state(tag_dir, {
         "stage": ckpt.stage, "world_size": ckpt.world_size, "tag": ckpt.tag_dir.name,
         "weights": fp32_state_dict(ckpt, include_module_params=True, trainable_names=trainable_names),
         "adam": adam_states(ckpt, trainable_names),
@@ -277,4 +291,20 @@ def training_state(ds_dir: str | Path, tag: str | None = None, trainable_names: 
         "data_sampler": meta.get("data_sampler"),
         "client_state": {k: v for k, v in meta.items() if k not in DS_MODEL_KEYS},
         "ds_config": meta.get("ds_config"),
-    }
+    })
+
+
+def _checked_state(where, st: dict) -> dict:
+    """What the converters take from a training state has the types they use: tensors by name, Adam states of
+    tensors, param groups as dicts (else one line naming the entry, not an AttributeError later)."""
+    for name, v in st["weights"].items():
+        if not torch.is_tensor(v):
+            raise MalformedCheckpointError(f"{where}: weight {name!r} is a {type(v).__name__}, not a tensor")
+    for name, s in st["adam"].items():
+        if not isinstance(s, dict) or not all(torch.is_tensor(s.get(k)) for k in ("exp_avg", "exp_avg_sq")):
+            raise MalformedCheckpointError(f"{where}: the Adam state of {name!r} has no exp_avg/exp_avg_sq tensors")
+        if not torch.is_tensor(s.get("step")) and not isinstance(s.get("step"), (int, float)):
+            raise MalformedCheckpointError(f"{where}: the Adam state of {name!r} has no step")
+    if not isinstance(st["param_groups"], list) or not all(isinstance(g, dict) for g in st["param_groups"]):
+        raise MalformedCheckpointError(f"{where}: the optimizer's param_groups are not a list of dicts")
+    return st

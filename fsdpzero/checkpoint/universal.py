@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from fsdpzero.checkpoint.deepspeed_reader import DS_MODEL_KEYS, UnsafeCheckpointError, load_ds_file
+from fsdpzero.checkpoint.deepspeed_reader import DS_MODEL_KEYS, UnsafeCheckpointError, checked, load_ds_file
 
 ZERO_DIR = "zero"
 COMMON = "optimizer_state.pt"
@@ -33,6 +33,7 @@ def _param(path: Path) -> torch.Tensor:
     return tensor
 
 
+@checked
 def training_state(tag_dir: str | Path) -> dict:
     """fp32 weights, Adam states by name, hyperparameters, scaler, counters of a universal checkpoint."""
     tag_dir = Path(tag_dir)

@@ -1,0 +1,311 @@
+"""Malformed and hostile DeepSpeed checkpoints (issue 32 item 8): `fsdpzero convert` and the load path end in one
+clear error line or a correct conversion, never a traceback; no file makes fsdpzero allocate beyond the file's real
+size (a stride-0 tensor, a compressed zip entry, aliased views); a file that shrinks while it is read does not kill
+the process (no mmap of untrusted files); a bounded, seeded fuzz over the recorded DeepSpeed checkpoints shows it.
+
+The memory guarantee is checked from outside: the conversions run in a child process whose address space is capped
+(RLIMIT_AS) at what it had after start-up plus 768 MiB, far below the 6-8 GiB the hostile tensors ask for and far
+above what the ~100 KB checkpoints need, and an allocation failure anywhere counts as a failure.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdpzero.checkpoint import deepspeed as dc
+from fsdpzero.checkpoint.deepspeed_reader import load_ds_file
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets" / "deepspeed_ckpts"
+REPO = Path(__file__).resolve().parents[2]
+VARIANTS = sorted(p.name for p in ASSETS.iterdir() if p.is_dir())
+
+# Shared with the child processes below: build a hostile file from a real one.
+HELPERS = textwrap.dedent('''
+    import io, os, resource, sys, zipfile, torch
+    from pathlib import Path
+
+    def cap_memory(extra=768 << 20):
+        """Address space capped at what this process has mapped now plus `extra`."""
+        vm = int([l for l in open("/proc/self/status") if l.startswith("VmSize:")][0].split()[1]) << 10
+        resource.setrlimit(resource.RLIMIT_AS, (vm + extra, vm + extra))
+
+    def convert(argv):
+        """`fsdpzero convert ...` in this process: (exit code, stderr text); an escaped exception is reported
+        as a traceback line, which the tests count as a failure."""
+        from contextlib import redirect_stderr
+        from fsdpzero.cli.main import main
+        err = io.StringIO()
+        try:
+            with redirect_stderr(err):
+                rc = main(["convert", *argv])
+        except BaseException as e:      # what a user would see as a traceback
+            return 99, f"Traceback: {type(e).__name__}: {e}"
+        return rc, err.getvalue()
+
+    import pickle, types
+
+    from fsdpzero.checkpoint.deepspeed_reader import FragmentAddress, LossScalerState, ZeroStage
+    # pickled under DeepSpeed's names, as DeepSpeed writes them (DeepSpeed is not imported)
+    DS_NAMES = {LossScalerState: b"deepspeed.runtime.fp16.loss_scaler\\nDynamicLossScaler",
+                FragmentAddress: b"deepspeed.utils.tensor_fragment\\nfragment_address"}
+    AS_DS = {cls: type(cls.__name__ + "AsDeepSpeed", (), {}) for cls in DS_NAMES}
+    GLOBALS = {AS_DS[cls]: name for cls, name in DS_NAMES.items()}
+
+    class _DeepSpeedNames(pickle._Pickler):
+        def save_global(self, obj, name=None):
+            if obj in GLOBALS:
+                self.write(pickle.GLOBAL + GLOBALS[obj] + b"\\n")
+                self.memoize(obj)
+                return
+            super().save_global(obj, name)
+        dispatch = dict(pickle._Pickler.dispatch)
+        dispatch[type] = save_global
+
+    pickle_module = types.SimpleNamespace(Pickler=_DeepSpeedNames, __name__="pickle")
+
+    def as_deepspeed_wrote_it(obj):
+        """The reader's stand-ins back to what DeepSpeed pickles (its classes, ints for the stage enum)."""
+        if isinstance(obj, dict):
+            return type(obj)((k, as_deepspeed_wrote_it(v)) for k, v in obj.items())
+        if isinstance(obj, list):
+            return [as_deepspeed_wrote_it(v) for v in obj]
+        if isinstance(obj, ZeroStage):
+            return int(obj)
+        if type(obj) in AS_DS:
+            out = AS_DS[type(obj)].__new__(AS_DS[type(obj)])
+            out.__dict__.update(vars(obj))
+            return out
+        return obj
+
+    def save(obj, path):
+        """torch.save beside, then rename: `obj` may still hold the old file's tensors."""
+        torch.save(as_deepspeed_wrote_it(obj), f"{path}.new", pickle_module=pickle_module)
+        os.replace(f"{path}.new", path)
+''')
+exec(HELPERS)   # save() and as_deepspeed_wrote_it() here too
+
+
+def _run_child(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-c", HELPERS + textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=str(REPO))
+
+
+def _copy(variant: str, tmp_path: Path) -> tuple[Path, Path]:
+    ckpt = tmp_path / variant
+    shutil.copytree(ASSETS / variant, ckpt)
+    return ckpt, ckpt / "global_step3"
+
+
+def _one_line_error(rc: int, stderr: str) -> bool:
+    lines = [l for l in stderr.splitlines() if l.strip()]
+    return rc == 2 and len(lines) == 1 and lines[0].startswith("fsdpzero convert: error:") and \
+        "Traceback" not in stderr and "allocate" not in stderr
+
+
+# ---- one case each ----------------------------------------------------------------------------------------------
+
+def test_stride0_tensor_in_a_tiny_file_is_refused_before_any_allocation(tmp_path):
+    """A 45 KB optimizer file whose flat fp32 partition is a stride-0 view claiming 1.5e9 elements: DeepSpeed never
+    writes overlapping views; the reader refuses the file (naming it) instead of letting the conversion
+    materialise 6 GB."""
+    ckpt, tag = _copy("z2_fp32", tmp_path)
+    target = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    sd = load_ds_file(target)
+    sd["optimizer_state_dict"]["single_partition_of_fp32_groups"][0] = torch.zeros(1).expand(1_500_000_000)
+    save(sd, target)
+    assert target.stat().st_size < 100_000
+    with pytest.raises(ValueError, match=f"{target.name}.*overlap"):
+        load_ds_file(target)
+    child = _run_child(f'''
+        cap_memory()
+        rc, err = convert([{str(ckpt)!r}, "--from", "deepspeed", "--to", "safetensors", "--out", {str(tmp_path / "o")!r}])
+        print(rc, err.strip())
+    ''')
+    assert child.returncode == 0, child.stderr
+    rc, err = child.stdout.split(" ", 1)
+    assert _one_line_error(int(rc), err) and target.name in err, child.stdout
+
+
+def test_compressed_zip_entry_is_refused(tmp_path):
+    """torch.save never compresses; a deflated entry is a zip bomb (389 KB inflating to 400 MB)."""
+    ckpt, tag = _copy("z2_fp32", tmp_path)
+    target = tag / "mp_rank_00_model_states.pt"
+    raw = io.BytesIO()
+    torch.save({"module": {"w": torch.zeros(50_000_000)}}, raw)
+    src = zipfile.ZipFile(io.BytesIO(raw.getvalue()))
+    with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as z:
+        for info in src.infolist():
+            z.writestr(info.filename, src.read(info))
+    assert target.stat().st_size < 1_000_000
+    with pytest.raises(ValueError, match=f"{target.name}.*compressed"):
+        load_ds_file(target)
+
+
+def test_aliased_views_beyond_the_file_size_are_refused(tmp_path):
+    """Distinct views of one storage whose bytes add up to far more than the file: each is in bounds, but the
+    conversion would copy every one."""
+    ckpt, tag = _copy("z2_fp32", tmp_path)
+    target = tag / "mp_rank_00_model_states.pt"
+    base = torch.zeros(25_000)
+    save({"module": {f"w{i}": base[i:] for i in range(200)}}, target)
+    with pytest.raises(ValueError, match=f"{target.name}.*more than the file"):
+        load_ds_file(target)
+
+
+@pytest.mark.parametrize("mutate,expect", [
+    ("del d['optim']['optimizer_state_dict']", "optimizer_state_dict"),
+    ("d['optim']['optimizer_state_dict']['partition_count'] = 'two'", "partition_count"),
+    ("d['model']['param_shapes'] = [3]", "param_shapes"),
+    ("d['optim']['optimizer_state_dict']['single_partition_of_fp32_groups'] = None",
+     "single_partition_of_fp32_groups"),
+    ("d['model'] = [1, 2]", "mp_rank_00_model_states.pt"),
+    ("del d['optim']['optimizer_state_dict']['base_optimizer_state']['state'][0]['exp_avg']", "exp_avg"),
+    ("d['model']['param_shapes'][0]['transformer.wte.weight'] = [10**9, 10**9]", "transformer.wte.weight"),
+])
+def test_malformed_structure_is_one_clear_line(tmp_path, mutate, expect, capsys):
+    """KeyError / TypeError / AttributeError inside the conversion became tracebacks of `fsdpzero convert`."""
+    from fsdpzero.cli.main import main
+    ckpt, tag = _copy("z2_fp32", tmp_path)
+    d = {"model": load_ds_file(tag / "mp_rank_00_model_states.pt"),
+         "optim": load_ds_file(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")}
+    exec(mutate)
+    save(d["model"], tag / "mp_rank_00_model_states.pt")
+    save(d["optim"], tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    for to in ("dcp", "safetensors"):
+        rc = main(["convert", str(ckpt), "--from", "deepspeed", "--to", to, "--out", str(tmp_path / to)])
+        err = capsys.readouterr().err
+        assert _one_line_error(rc, err) and expect in err, err
+    with pytest.raises(ValueError, match=str(ckpt)):
+        dc.training_state(ckpt)
+
+
+def test_a_file_that_shrinks_during_conversion_is_an_error_not_sigbus(tmp_path):
+    """Truncate each file right after the reader returned it (a concurrent writer, a network filesystem): with the
+    file mmap-ed, touching the tensors later killed the process with SIGBUS. The files are read, not mapped."""
+    ckpt, tag = _copy("z3_fp32", tmp_path)
+    child = _run_child(f'''
+        import fsdpzero.checkpoint.deepspeed_reader as reader
+        original = reader.load_ds_file
+        def load_then_shrink(path):
+            out = original(path)
+            os.truncate(path, 64)
+            return out
+        reader.load_ds_file = load_then_shrink
+        rc, err = convert([{str(ckpt)!r}, "--from", "deepspeed", "--to", "safetensors", "--out", {str(tmp_path / "o")!r}])
+        print("rc", rc, err.strip())
+    ''')
+    assert child.returncode == 0, f"child died with {child.returncode}: {child.stderr[-2000:]}"
+    assert "rc 0" in child.stdout, child.stdout   # read into memory before the truncation: a correct load
+    expected = load_file_weights(ASSETS / "z3_fp32")
+    from safetensors.torch import load_file
+    got = load_file(tmp_path / "o" / "model.safetensors")
+    assert set(expected) - set(got) == {"lm_head.weight"}   # tied to wte: the export keeps one copy
+    assert all(torch.equal(got[k], expected[k]) for k in got)
+
+
+def load_file_weights(variant_dir: Path) -> dict:
+    from safetensors.torch import load_file
+    return load_file(variant_dir / "zero_to_fp32.safetensors")
+
+
+# ---- the bounded fuzz -------------------------------------------------------------------------------------------
+
+FUZZ_CASES = 240
+FUZZ_SEED = 32
+
+
+def test_fuzz_malformed_deepspeed_checkpoints(tmp_path):
+    """Seeded mutations of the recorded checkpoints (structure: keys dropped, values of the wrong type, tensors
+    truncated / reshaped / re-typed / stride-0 expanded; bytes: flipped, truncated files) through `fsdpzero convert`
+    (alternately --to safetensors and --to dcp) in one memory-capped child: every case is a conversion or one clear
+    error line; none is a traceback, none an allocation failure."""
+    child = _run_child(f'''
+        import json, random, shutil
+        from fsdpzero.checkpoint.deepspeed_reader import load_ds_file
+        assets, work = Path({str(ASSETS)!r}), Path({str(tmp_path)!r})
+        variants = {VARIANTS!r}
+        rng = random.Random({FUZZ_SEED})
+        cap_memory()
+
+        def containers(obj, path=()):
+            if isinstance(obj, dict):
+                yield path, obj
+                for k, v in list(obj.items()):
+                    yield from containers(v, path + (k,))
+            elif isinstance(obj, list):
+                yield path, obj
+                for i, v in enumerate(obj):
+                    yield from containers(v, path + (i,))
+
+        def mutate_value(v):
+            if torch.is_tensor(v) and v.numel() > 1 and rng.random() < 0.8:
+                return rng.choice([
+                    lambda t: t.reshape(-1)[: t.numel() // 2].clone(),
+                    lambda t: t.reshape(1, -1).clone(),
+                    lambda t: t.to(torch.float16),
+                    lambda t: t.reshape(-1)[:1].expand(2_000_000_000),
+                    lambda t: torch.zeros(0),
+                ])(v)
+            return rng.choice([None, "x", 7, -1, 10**12, [], {{}}, torch.zeros(3), 1.5, (1, 2)])
+
+        def structural(f):
+            obj = load_ds_file(f)
+            spots = [(p, c) for p, c in containers(obj) if len(c)]
+            _, c = rng.choice(spots)
+            key = rng.choice(list(c) if isinstance(c, dict) else range(len(c)))
+            if rng.random() < 0.3:
+                del c[key]
+            else:
+                c[key] = mutate_value(c[key])
+            save(obj, f)
+
+        def byte_level(f):
+            data = bytearray(f.read_bytes())
+            if rng.random() < 0.5:
+                for _ in range(rng.randint(1, 8)):
+                    i = rng.randrange(len(data))
+                    data[i] = rng.randrange(256)
+            else:
+                data = data[: rng.randrange(len(data))]
+            f.write_bytes(bytes(data))
+
+        results = {{"cases": 0, "converted": 0, "errors": 0, "bad": []}}
+        for case in range({FUZZ_CASES}):
+            variant = rng.choice(variants)
+            ckpt = work / f"c{{case}}"
+            shutil.copytree(assets / variant, ckpt, ignore=shutil.ignore_patterns("*.safetensors"))
+            files = sorted((ckpt / "global_step3").glob("*.pt"))
+            target = rng.choice(files)
+            (structural if rng.random() < 0.75 else byte_level)(target)
+            to = "dcp" if case % 4 == 0 else "safetensors"
+            rc, err = convert([str(ckpt), "--from", "deepspeed", "--to", to, "--out", str(work / f"o{{case}}")])
+            lines = [l for l in err.splitlines() if l.strip()]
+            results["cases"] += 1
+            if rc == 0:
+                results["converted"] += 1
+            elif rc == 2 and len(lines) == 1 and lines[0].startswith("fsdpzero convert: error:") \\
+                    and "allocate" not in err and "Traceback" not in err:
+                results["errors"] += 1
+            else:
+                results["bad"].append([case, variant, target.name, rc, err[-400:]])
+            shutil.rmtree(ckpt)
+            shutil.rmtree(work / f"o{{case}}", ignore_errors=True)
+        print(json.dumps(results))
+    ''', timeout=600)
+    assert child.returncode == 0, f"fuzz child died ({child.returncode}): {child.stderr[-3000:]}"
+    results = json.loads(child.stdout.strip().splitlines()[-1])
+    assert results["cases"] == FUZZ_CASES
+    assert results["bad"] == [], json.dumps(results["bad"][:10], indent=1)
+    assert results["errors"] > FUZZ_CASES // 4   # the mutations do reach the error paths
