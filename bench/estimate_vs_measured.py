@@ -1,4 +1,5 @@
-"""`fsdpzero estimate` against the GPU: model-state memory of stages 0, 2 and 3 (bf16 compute, fp32 masters, AdamW),
+"""`fsdpzero estimate` against the GPU: model-state memory of every row the estimate prints for one model (stages 0-3,
+CPU optimizer offload at stages 1-3, parameter + optimizer offload at stage 3; bf16 compute, fp32 masters, AdamW),
 measured as the growth of `max_memory_allocated` over 3 training steps of 1 x 16 tokens (activations are noise at
 that size), next to the estimate's fsdpzero column. Run on N GPUs:
 
@@ -19,7 +20,14 @@ import fsdpzero
 from fsdpzero.cli import estimate as est
 
 
-def measure(model_name: str, stage: int) -> int:
+OPTIONS = {"none": {},
+           "offload_optimizer=cpu": {"offload_optimizer": {"device": "cpu"}},
+           "offload_param+optimizer=cpu": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
+ROWS = [(0, "none"), (1, "none"), (1, "offload_optimizer=cpu"), (2, "none"), (2, "offload_optimizer=cpu"),
+        (3, "none"), (3, "offload_optimizer=cpu"), (3, "offload_param+optimizer=cpu")]
+
+
+def measure(model_name: str, stage: int, option: str = "none") -> int:
     config = est.load_model_config(model_name)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -27,7 +35,7 @@ def measure(model_name: str, stage: int) -> int:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-          "bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
+          "bf16": {"enabled": True}, "zero_optimization": {"stage": stage, **OPTIONS[option]},
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}}
     engine = fsdpzero.wrap(model, ds)
     with torch.no_grad():                      # a real init, so steps are finite and Adam states get allocated
@@ -56,14 +64,14 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", 1))
     counts = est.count_model(args.model)
     rows = []
-    for stage in (0, 2, 3):
-        measured = measure(args.model, stage)
-        estimate, _ = est.fsdpzero_bytes(counts, stage, "none", world, world, compute_bytes=2)
-        rows.append({"stage": stage, "world": world, "estimate": estimate, "measured": measured,
+    for stage, option in ROWS:
+        measured = measure(args.model, stage, option)
+        estimate, _ = est.fsdpzero_bytes(counts, stage, option, world, world, compute_bytes=2)
+        rows.append({"stage": stage, "option": option, "world": world, "estimate": estimate, "measured": measured,
                      "ratio": estimate / measured})
         if dist.get_rank() == 0:
-            print(f"stage {stage}: estimate {estimate / 2**30:.2f} GiB, measured {measured / 2**30:.2f} GiB, "
-                  f"ratio {estimate / measured:.3f}", flush=True)
+            print(f"stage {stage} {option}: estimate {estimate / 2**30:.2f} GiB, measured {measured / 2**30:.2f} "
+                  f"GiB, ratio {estimate / measured:.3f}", flush=True)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump({"model": args.model, "counts": counts.__dict__, "rows": rows}, f, indent=1)

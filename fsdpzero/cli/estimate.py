@@ -1,16 +1,18 @@
 """`fsdpzero estimate MODEL_OR_CONFIG [--gpus N --nodes M --gpu-memory GiB]`: memory for params, gradients and
 optimizer states under every ZeRO stage and offload option, before renting a GPU.
 
-The model is built on the meta device from a transformers config (no weights, no download). Two numbers per option:
+A named model (EXAMPLES) is counted from its shape alone, with neither transformers nor torch; a config.json is built
+on the meta device by transformers (no weights, no download). Two numbers per option:
 - `deepspeed`: DeepSpeed's own estimate -- the table its estimate_zero2/zero3_model_states_mem_needs_all_live print
   (same formulas, same 1.5 buffer factor on CPU), so a DeepSpeed user sees the figures they know; tested equal.
-- `fsdpzero`: what fsdpzero allocates on FSDP2 (fp32 master weights, grads and Adam states sharded by stage; the
-  unsharded working set of the compute dtype on top). This is the column the GPU test checks against measured
-  `max_memory_allocated`, and the one the "fits" verdict uses.
+- `fsdpzero`: what fsdpzero's gradient paths hold at their peak (fsdpzero_bytes: fp32 master weights, grads and Adam
+  states sharded by stage, the compute-dtype working set on top; stage 1's whole compute-dtype params and grads).
+  This is the column the GPU test checks against measured `max_memory_allocated`, and the one "fits" uses.
 Both exclude activations and the CUDA context: leave headroom for them (they grow with micro-batch x sequence).
 
 Symbols: P parameters; N = gpus x nodes ranks; B the largest transformer block (FSDP2 unit); R the parameters outside
-blocks (embeddings, head, final norm: the root unit); c the compute dtype's bytes (2 for bf16/fp16, 4 for fp32).
+blocks (embeddings, head, final norm: the root unit); L DeepSpeed's largest layer; c the compute dtype's bytes (2 for
+bf16/fp16, 4 for fp32).
 """
 from __future__ import annotations
 
@@ -65,37 +67,88 @@ def counts_of(model) -> ModelCounts:
     return ModelCounts(total, largest_layer, largest_block, total - sum(in_blocks.values()))
 
 
+def example_counts(d: dict) -> ModelCounts:
+    """Counts of an EXAMPLES entry from its shape alone, as transformers' LlamaForCausalLM / GPT2LMHeadModel build it
+    (tests/cli/test_estimate.py checks them equal to the meta-device model): `fsdpzero estimate llama-3-8b` needs
+    neither transformers nor torch."""
+    if d["model_type"] == "llama":
+        H, I, V, L = d["hidden_size"], d["intermediate_size"], d["vocab_size"], d["num_hidden_layers"]
+        hd = H // d["num_attention_heads"]
+        attn = H * hd * (2 * d["num_attention_heads"] + 2 * d["num_key_value_heads"])   # q, o; k, v
+        block = attn + 3 * H * I + 2 * H                                                 # + gate/up/down + 2 norms
+        head = 0 if d["tie_word_embeddings"] else V * H
+        root = V * H + H + head                                                           # embed, final norm, head
+        return ModelCounts(root + L * block, max(V * H, H * I), block, root)
+    if d["model_type"] == "gpt2":
+        E, V, L, T = d["n_embd"], d["vocab_size"], d["n_layer"], d["n_positions"]
+        block = 4 * E + (3 * E * E + 3 * E) + (E * E + E) + (4 * E * E + 4 * E) + (4 * E * E + E)   # 2 lns, attn, mlp
+        root = V * E + T * E + 2 * E                                                      # wte (= lm_head), wpe, ln_f
+        return ModelCounts(root + L * block, max(V * E, T * E, 4 * E * E + 4 * E), block, root)
+    raise ValueError(f"no parameter count for model_type {d['model_type']!r}")
+
+
+# Configs whose layer or expert count is beyond any released model are refused before a module is built: the count
+# builds every module on the meta device (100,000 layers took minutes).
+MAX_MODULES = {"num_hidden_layers": 1024, "num_local_experts": 1024, "num_experts": 1024, "n_routed_experts": 1024}
+
+
+def one_line(e: BaseException | str, limit: int = 400) -> str:
+    """An exception's message on one line (transformers' span several), at most `limit` characters."""
+    text = " ".join(line.strip() for line in str(e).strip().splitlines() if line.strip())
+    text = text if isinstance(e, str) else f"{type(e).__name__}: {text}".rstrip(": ")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def load_model_config(name_or_path: str):
     """A transformers config from config.json (file or folder), a shipped conf/model/*.yaml name, or EXAMPLES."""
-    from transformers import AutoConfig, CONFIG_MAPPING
     p = Path(name_or_path).expanduser()
     if p.is_dir() and (p / "config.json").is_file():
         p = p / "config.json"
     if p.is_file() and p.stat().st_size > 16 * 2**20:     # a config.json is a few KiB; do not parse a weights file
         raise ValueError(f"{name_or_path} is {p.stat().st_size} bytes: not a transformers config.json")
-    if p.is_file():
-        return AutoConfig.from_pretrained(str(p.parent) if p.name == "config.json" else str(p))
     shipped = Path(__file__).resolve().parents[2] / "conf" / "model" / f"{name_or_path}.yaml"   # a source checkout
-    if shipped.is_file():
-        import yaml
+    known = p.is_file() or shipped.is_file() or name_or_path in EXAMPLES
+    if not known:
+        names = sorted(EXAMPLES) + sorted(q.stem for q in shipped.parent.glob("*.yaml"))
+        raise ValueError(f"{name_or_path!r} is neither a config.json (file or folder) nor a known example "
+                         f"({', '.join(names)})")
+    try:
         import transformers
-        d = yaml.safe_load(shipped.read_text())
-        cls = getattr(transformers, d.pop("_target_").rsplit(".", 1)[1])
-        return cls(**d)
-    if name_or_path in EXAMPLES:
+    except ImportError:
+        raise ValueError(f"{name_or_path}: reading a model config needs transformers (pip install 'fsdpzero[hf]'); "
+                         f"the named models ({', '.join(sorted(EXAMPLES))}) need nothing") from None
+    try:
+        if p.is_file():
+            return transformers.AutoConfig.from_pretrained(str(p.parent) if p.name == "config.json" else str(p))
+        if shipped.is_file():
+            import yaml
+            d = yaml.safe_load(shipped.read_text())
+            cls = getattr(transformers, d.pop("_target_").rsplit(".", 1)[1])
+            return cls(**d)
         d = dict(EXAMPLES[name_or_path])
-        return CONFIG_MAPPING[d.pop("model_type")](**d)
-    names = sorted(EXAMPLES) + sorted(q.stem for q in shipped.parent.glob("*.yaml"))
-    raise ValueError(f"{name_or_path!r} is neither a config.json (file or folder) nor a known example "
-                     f"({', '.join(names)})")
+        return transformers.CONFIG_MAPPING[d.pop("model_type")](**d)
+    except Exception as e:   # transformers' own validation (a str hidden_size, a list for a config): one line
+        raise ValueError(f"{name_or_path}: not a usable transformers config: {one_line(e)}") from None
 
 
 def count_model(name_or_path: str) -> ModelCounts:
+    if name_or_path in EXAMPLES and not Path(name_or_path).expanduser().exists():
+        return example_counts(EXAMPLES[name_or_path])
+    config = load_model_config(name_or_path)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key, limit in MAX_MODULES.items():
+        value = getattr(text, key, None)
+        if isinstance(value, int) and value > limit:
+            raise ValueError(f"{name_or_path}: {key} = {value}: more than {limit} is beyond any released model "
+                             "(estimate builds every module on the meta device); check the config")
     import torch
     from transformers import AutoModelForCausalLM
-    config = load_model_config(name_or_path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as e:   # negative sizes, heads that do not divide the width, an unknown architecture, ...
+        raise ValueError(f"{name_or_path}: transformers cannot build a model from this config: {one_line(e)}") \
+            from None
     return counts_of(model)
 
 
@@ -127,31 +180,42 @@ def deepspeed_zero3(P: int, largest_layer: int, gpus: int, nodes: int, cpu_offlo
 
 def fsdpzero_bytes(c: ModelCounts, stage: int, option: str, n: int, gpus: int, compute_bytes: int,
                    ratio: float = 1.0) -> tuple[int, int]:
-    """(gpu bytes, host bytes per node) for model states on FSDP2: fp32 params 4 + grads 4 + Adam 8 bytes/param,
-    sharded as the stage says; plus the unsharded working set in the compute dtype. `ratio` (offload_optimizer.ratio,
-    option offload_optimizer=cpu): the CPU keeps that fraction of the fp32 masters and moments, the GPU the rest."""
-    P, B, R, cb = c.total, c.largest_block, c.root, compute_bytes
+    """(gpu bytes, host bytes per node) of model states, as fsdpzero's gradient paths hold them at their peak.
+
+    Stage 0 and FSDP2 stages 2/3: fp32 sharded params 4 + grads 4 + Adam 8 bytes/param, sharded as the stage says,
+    plus the unsharded working set in the compute dtype. Stage 1 (fsdpzero/ops/stage1/): whole compute-dtype
+    params and the whole compute-dtype grads they accumulate, until the boundary's reduce-scatter packs them into the
+    fp32 grad shard (allocated first, 4/N), plus the fp32 master and Adam shards (12/N) and the first reduce bucket.
+    Optimizer offload keeps only compute-dtype shards (params, grads) on the GPU; the host has the fp32 master and
+    Adam (12/N) plus the pinned copy buffers (2 + 2 bytes/param; stage 1: its pinned fp32 grad shard, 4).
+    `ratio` (offload_optimizer.ratio, option offload_optimizer=cpu): the CPU keeps that fraction of the fp32
+    masters and moments, the GPU the rest."""
+    P, B, R, L, cb = c.total, c.largest_block, c.root, c.largest_layer, compute_bytes
     working3 = cb * (R + 3 * B)         # root unit gathered + current and prefetched block + one block's grads
+    offload = option == "offload_optimizer=cpu"
     if stage == 0:   # the (W, 1) mesh keeps the compute-dtype copy of every param alive through the step
         gpu, host = 16 * P + (cb * P if cb < 4 else 0) + cb * B, 0
-    elif stage == 1:
-        gpu, host = 8 * P + 8 * P // n + cb * B, 0
+    elif stage == 1:   # masters, their grad and Adam on the CPU with offload; the whole params and grads stay
+        gpu = 2 * cb * P + cb * L + (0 if offload else 16 * P // n)
+        return int(gpu), int(16 * P // n * gpus if offload else 0)
     elif stage == 2:
         # unsharded params live from forward into backward while the grads are still None (zero_grad frees them)
         # and each block's go as its grad shard arrives: the peak is the larger of that and the optimizer step
         gpu, host = max(16 * P // n, 12 * P // n + cb * P) + cb * B, 0
     else:
         gpu, host = 16 * P // n + working3, 0
-    if option == "offload_optimizer=cpu":               # params and grads stay on the GPU; Adam + fp32 grad copy host
-        gpu, host = gpu - 8 * P // n, 12 * P // n * gpus
+    if offload:                                         # compute-dtype param and grad shards stay on the GPU
+        shards = 2 * cb * P // n
+        gpu = (cb * P + shards + cb * B) if stage == 2 else shards + working3
+        host = 16 * P // n * gpus
         if ratio < 1.0:   # partial offload: fp32 master + moments (12 B/param) of the rest on the GPU; at stage 2
             # the units holding them also keep their compute-dtype shards (fsdp_state.DroppableShards drops only
             # units stepped wholly on the CPU)
             extra = 12 + (cb if stage == 2 else 0)
-            gpu, host = gpu + int(extra * P * (1 - ratio) / n), int(12 * P * ratio / n * gpus)
+            gpu, host = gpu + int(extra * P * (1 - ratio) / n), int(16 * P * ratio / n * gpus)
     elif option.startswith("offload_param+optimizer"):  # CPUOffloadPolicy: all sharded state in host memory
         gpu = (cb * P + cb * B) if stage == 2 else working3
-        host = 0 if option.endswith("nvme") else 16 * P // n * gpus
+        host = 0 if option.endswith("nvme") else (12 + 2 * cb) * P // n * gpus
     return int(gpu), int(host)
 
 
@@ -211,7 +275,7 @@ def run(args) -> int:
     try:
         c = count_model(args.model)
     except (ValueError, OSError) as e:
-        print(f"fsdpzero estimate: error: {e}", file=sys.stderr)
+        print(f"fsdpzero estimate: error: {one_line(str(e))}", file=sys.stderr)
         return 2
     rows = table(c, args.gpus, args.nodes, 4 if args.dtype == "fp32" else 2, args.buffer_factor, args.ratio)
 
@@ -241,6 +305,16 @@ def run(args) -> int:
         best = min(ok, key=lambda r: (r.stage, r.option != "none", r.gpu)) if ok else None
         print("fits: " + (f"stage {best.stage} with {best.option} is the least sharded option that fits"
                           if best else "no option fits: add GPUs or nodes, or use NVMe offload on a bigger host"))
-    print("init: meta = sharded/meta-device init (DeepSpeed zero_init=1, fsdpzero.hf.from_pretrained); "
-          "full = every rank builds the whole model first (only changes DeepSpeed's host figure)")
+    print(LEGEND)
     return 0
+
+
+LEGEND = """columns (GiB of model states: weights, gradients, optimizer states; no activations, no CUDA context):
+  fsdpzero GPU   peak per GPU under fsdpzero: stage 0 and 2/3 hold fp32 master weights + grads + Adam (16 bytes/param,
+                 sharded by the stage) and the compute-dtype copies in use; stage 1 holds the whole compute-dtype
+                 weights and grads plus 16/N bytes/param of fp32 shards; offload keeps only compute-dtype shards
+  host/node      host memory per node for what is offloaded (fp32 masters, Adam, pinned copy buffers)
+  DeepSpeed      what DeepSpeed 0.19.8's own estimator prints for the same option ("-": it gives none), to compare
+  fits           the fsdpzero columns against --gpu-memory / --cpu-memory
+init: meta = sharded/meta-device init (DeepSpeed zero_init=1, fsdpzero.hf.from_pretrained); full = every rank builds
+  the whole model first (only changes DeepSpeed's host figure)"""

@@ -135,9 +135,10 @@ def test_partial_offload_rows(capsys):
 # -- GPU: our FSDP2 column against measured memory (the lead runs this) -------------------------------------------
 
 @pytest.mark.gpu
-def test_estimate_within_15_percent_of_measured_gpu_memory(tmp_path):
-    """torchrun bench/estimate_vs_measured.py on the GPUs: model-state memory for stages 0/2/3, bf16, a model big
-    enough that activations (1 x 16 tokens) are noise; estimate within 15% of max_memory_allocated growth."""
+def test_estimate_within_10_percent_of_measured_gpu_memory(tmp_path):
+    """torchrun bench/estimate_vs_measured.py on the GPUs: model-state memory of every row (stages 0-3, optimizer
+    offload at 1-3, parameter offload at 3), bf16, a model big enough that activations (1 x 16 tokens) are noise;
+    estimate within 10% of max_memory_allocated growth."""
     n = min(2, torch.cuda.device_count())
     out = tmp_path / "estimate_vs_measured.json"
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
@@ -146,4 +147,98 @@ def test_estimate_within_15_percent_of_measured_gpu_memory(tmp_path):
                            [str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])))
     assert p.returncode == 0, p.stderr[-3000:]
     for r in json.loads(out.read_text())["rows"]:
-        assert abs(r["estimate"] - r["measured"]) <= 0.15 * r["measured"], r
+        assert abs(r["estimate"] - r["measured"]) <= 0.10 * r["measured"], r
+
+
+# -- counts without transformers, bad configs, what each stage holds ----------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(est.EXAMPLES))
+def test_named_model_counts_equal_the_transformers_model(name):
+    """`fsdpzero estimate llama-3-8b` counts from the shape alone (no transformers in a bare install): the same
+    figures as the meta-device model transformers builds."""
+    from transformers import CONFIG_MAPPING
+    d = dict(est.EXAMPLES[name])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(CONFIG_MAPPING[d.pop("model_type")](**d))
+    assert est.count_model(name) == est.counts_of(model)
+
+
+BAD_CONFIGS = {
+    "str_width": ('{"model_type": "llama", "hidden_size": "big"}', "hidden_size"),
+    "a_list": ("[1, 2]", "model_type"),
+    "unknown_type": ('{"model_type": "nosuch"}', "nosuch"),
+    "not_json": ("{not json", "not a valid JSON"),
+    "negative_width": ('{"model_type": "llama", "hidden_size": -64}', "negative dimension"),
+    "heads_do_not_divide": ('{"model_type": "gpt2", "n_embd": 64, "n_head": 5}', "config.json"),
+    "100k_layers": ('{"model_type": "llama", "num_hidden_layers": 100000, "hidden_size": 64, '
+                    '"intermediate_size": 128, "num_attention_heads": 4}', "num_hidden_layers = 100000"),
+    "100k_experts": ('{"model_type": "mixtral", "num_local_experts": 100000, "hidden_size": 64, '
+                     '"intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 1}',
+                     "num_local_experts = 100000"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_bad_config_json_is_one_line(tmp_path, case):
+    """An invalid config.json ends in one `fsdpzero estimate: error:` line naming the file, never a traceback;
+    absurd layer or expert counts are refused before any module is built (100k layers used to take minutes)."""
+    from tests.cli.test_cli_errors import one_error
+    text, words = BAD_CONFIGS[case]
+    (tmp_path / "config.json").write_text(text)
+    line = one_error(["estimate", str(tmp_path / "config.json")], str(tmp_path), words)
+    assert len(line) < 500
+
+
+def _stage1_held(rank, world, dtype):
+    """What the stage-1 path holds when the boundary's reduce-scatter starts (its peak: the whole compute-dtype
+    grads are all alive and the fp32 grad shard is allocated), counted over the tensors it keeps, in bytes."""
+    from fsdpzero.api import wrap
+    from tests.engine_cases import build_model, make_plan
+    plan = make_plan(stage=1, world=world, dtype=dtype)
+    engine = wrap(build_model("llama"), plan)
+    stage1, held = engine.grad_path.stage1, {}
+    master_grad = stage1._master_grad
+
+    def counting(fg):   # called by the first reduce launch, after allocating the fp32 grad shard
+        out = master_grad(fg)
+        if not held:
+            seen, total = set(), 0
+            tensors = [p for p in engine.module.parameters()] + [p.grad for p in engine.module.parameters()]
+            tensors += [g.master for g in stage1.flat_groups] + [g.master.grad for g in stage1.flat_groups]
+            tensors += [v for st in stage1.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+            for t in tensors:
+                if t is not None and t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    total += t.untyped_storage().nbytes()
+            held["bytes"] = total
+        return out
+
+    ids = torch.randint(3, 100, (2, 16))
+    for _ in range(2):   # the second step: Adam's state exists
+        held.clear()
+        stage1._master_grad = counting
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    return held["bytes"]
+
+
+@pytest.mark.parametrize("dtype,cb", [("bfloat16", 2), ("float32", 4)])
+def test_stage1_row_counts_what_the_stage1_path_holds(dtype, cb):
+    """Stage 1 keeps whole compute-dtype params and grads (not fp32 ones) plus 16/N bytes of fp32 state: the
+    estimate's stage-1 row, less its reduce-bucket term, equals what the path holds at the reduce-scatter."""
+    from tests.engine_cases import build_model
+    from tests.multirank import run_distributed
+    counts = est.counts_of(build_model("llama"))
+    held = run_distributed(_stage1_held, 2, dtype, timeout=180)[0]
+    gpu, _ = est.fsdpzero_bytes(counts, 1, "none", 2, 2, cb)
+    assert abs((gpu - cb * counts.largest_layer) - held) <= 0.01 * held, (gpu, held)
+
+
+def test_table_says_what_each_column_counts(capsys):
+    from fsdpzero.cli import main
+    assert main(["estimate", "llama-0.9b", "--gpus", "4", "--gpu-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith(" stage |"))
+    legend = out[out.index("columns ("):]
+    for column in ("fsdpzero GPU", "host/node", "DeepSpeed", "fits", "init"):
+        assert column in header and re.search(rf"^\s*{re.escape(column)}\b", legend, flags=re.M), column
