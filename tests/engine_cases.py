@@ -53,12 +53,17 @@ def make_plan(stage: int = 3, dtype: str = "float32", gas: int = 1, world: int =
                                 gradient_accumulation_steps=gas, gradient_clipping=clip, **batch_extra))
 
 
-def reference_trace(kind: str, data: torch.Tensor, clip: float) -> dict:
-    """Unsharded, one process, the whole global micro-batch at once: plain torch (AdamW, clip_grad_norm_), sharing no
-    code with fsdpzero. Per step: the mean loss and the pre-clip global norm; at the end: the parameters and AdamW's
-    moments by parameter name (flattened fp32)."""
+REFERENCE_OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}
+
+
+def reference_trace(kind: str, data: torch.Tensor, clip: float, opt: str = "adamw",
+                    opt_params: dict | None = None) -> dict:
+    """Unsharded, one process, the whole global micro-batch at once: plain torch (the torch optimizer `opt` with
+    make_plan's hyperparameters, clip_grad_norm_), sharing no code with fsdpzero. Per step: the mean loss and the
+    pre-clip global norm; at the end: the parameters and the optimizer's state by parameter name (flattened fp32)."""
     model = build_model(kind)
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW, fused=True)
+    fused = {"fused": True} if opt == "adamw" else {}
+    opt = REFERENCE_OPTIMIZERS[opt](model.parameters(), **dict(ADAMW if opt_params is None else opt_params), **fused)
     losses, norms = [], []
     gas = data.shape[1]
     for step in data:
