@@ -81,6 +81,10 @@ class Tuning:
     # checkpoints (fsdpzero/checkpoint)
     ckpt_stream: bool = _knob(True, "bool", "stream NVMe-resident state through DCP instead of reading it whole")
     ckpt_writer_threads: int = _knob(4, "int", "DCP writer threads per rank", most=MAX_WRITER_THREADS)
+    ckpt_convert_dir: str | None = _knob(None, "str", "where engine.load_checkpoint keeps a DeepSpeed checkpoint "
+                                         "converted to ours (default: $XDG_CACHE_HOME or ~/.cache, /fsdpzero/"
+                                         "deepspeed); never beside the source, which may be read-only. Multi-node: a "
+                                         "directory every node sees")
     ckpt_crash_at: str | None = _knob(None, "opt_choice", "test hook: kill the process at this point of a save",
                                       CRASH_POINTS)
     # the C++ ops (fsdpzero/ops)

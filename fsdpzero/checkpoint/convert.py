@@ -10,6 +10,8 @@ plus counters and the loss scaler, so an engine (or ModelOptimizer + AdamW) resu
 """
 from __future__ import annotations
 
+import hashlib
+import os
 from pathlib import Path
 
 
@@ -60,6 +62,19 @@ def dcp_to_safetensors(ckpt_dir: str | Path, tag: str | None = None, out: str | 
     out = Path(out) if out else path.parent / f"{path.name}-safetensors"
     write_sharded(out, specs, load, max_shard_size=max_shard_size)
     return out
+
+
+def conversion_dir(tag_dir: str | Path) -> Path:
+    """Where engine.load_checkpoint keeps a DeepSpeed tag directory converted to our layout:
+    <ckpt_convert_dir>/<tag>-<hash of the source's resolved path>/. Never beside the source: DeepSpeed loads in
+    place and writes nothing there, and the source may be on a read-only mount. The same path on every rank (the
+    knob comes from the environment all ranks share). Whether a copy there may be reused is decided by its stamp
+    (fsdpzero.checkpoint.engine_state.from_deepspeed), and it is loaded like any checkpoint of ours."""
+    from fsdpzero import tuning
+    root = tuning.current().ckpt_convert_dir or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fsdpzero" / "deepspeed"
+    source = Path(tag_dir).resolve()
+    return Path(root) / f"{source.name}-{hashlib.sha256(str(source).encode()).hexdigest()[:16]}"
 
 
 def deepspeed_to_ours(ds_dir: str | Path, tag: str | None = None, out: str | Path | None = None, *, to: str = "dcp",

@@ -2,7 +2,8 @@
 
 State keys: "train" = {"model", "optim"} (what `fsdpzero convert --from deepspeed --to dcp` writes too), "engine" =
 the engine's counters, scheduler and loss scaler. A DeepSpeed save_dir given to load is converted once into
-<dir>/.fsdpzero-<tag>/ and loaded from there. Any stage loads any other stage's checkpoint (EngineState).
+the ckpt_convert_dir cache (fsdpzero.checkpoint.convert.conversion_dir) and loaded from there. Any stage loads any
+other stage's checkpoint (EngineState).
 """
 from __future__ import annotations
 
@@ -198,7 +199,8 @@ def _source_stamp(tag_dir: Path) -> dict:
 
 
 def from_deepspeed(engine, load_dir: Path, tag: str | None) -> tuple[Path, str | None]:
-    """A DeepSpeed checkpoint dir: convert it (rank 0) into <load_dir>/.fsdpzero-<tag>/, then load that.
+    """A DeepSpeed checkpoint dir: convert it (rank 0) into convert.conversion_dir (the ckpt_convert_dir knob, never
+    beside the source), then load that.
     The engine knows the trainable parameters in order, which makes stage-0 files exact. The copy is reused only
     if its stamp (SOURCE_STAMP) matches the DeepSpeed files and it is complete; anything else there (stale, or not
     made by us) is rebuilt. Reused or not, it is then loaded like any checkpoint: checksums, allowlisted reader.
@@ -215,7 +217,8 @@ def from_deepspeed(engine, load_dir: Path, tag: str | None) -> tuple[Path, str |
         return load_dir, tag
     if (path / MANIFEST).exists() or not any(path.glob("*_model_states.pt")):
         return load_dir, tag
-    out = load_dir / f".fsdpzero-{path.name}"
+    from fsdpzero.checkpoint.convert import conversion_dir
+    out = conversion_dir(path)   # not beside the source: it may be read-only
     error = None
     if _rank0():
         try:

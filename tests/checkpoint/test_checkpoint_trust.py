@@ -178,7 +178,9 @@ def _engine_paths_job(rank, world, root):
     from transformers import GPT2Config, GPT2LMHeadModel
     ds = root / "ds"
     shutil.copytree(ASSETS / "z2_fp32", ds)
-    cache = ds / ".fsdpzero-global_step3"
+    from fsdpzero.checkpoint.convert import conversion_dir
+    cache = conversion_dir(ds / "global_step3")   # the ckpt_convert_dir knob (set by the test)
+    cache.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(root / "run", cache)
     shutil.rmtree(cache / "global_step1")
     (cache / "global_step2").rename(cache / "global_step3")
@@ -203,7 +205,8 @@ def _engine_paths_job(rank, world, root):
 
 
 @pytest.mark.slow
-def test_no_engine_load_path_runs_a_planted_index(tmp_path):
+def test_no_engine_load_path_runs_a_planted_index(tmp_path, monkeypatch):
+    monkeypatch.setenv("FSDPZERO_CKPT_CONVERT_DIR", str(tmp_path / "convert-cache"))
     out = run_distributed(_engine_paths_job, 1, str(tmp_path), timeout=240)[0]
     assert not out["marker"] and not (tmp_path / "pwned").exists()
     assert "reserved name" in out["save_latest"] and out["after"] == "global_step2"

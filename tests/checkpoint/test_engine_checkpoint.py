@@ -189,14 +189,36 @@ def test_engine_resumes_converted_deepspeed_checkpoint(tmp_path, variant, tol):
         assert scale == record["loss_scale_at_end"]
 
 
+def _tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
+
+
 @pytest.mark.parametrize("variant", ["z3_fp16", "z0_bf16"])
-def test_engine_loads_deepspeed_dir_directly(tmp_path, variant):
-    """engine.load_checkpoint(<DeepSpeed save_dir>) converts once into <dir>/.fsdpzero-<tag>/ and resumes."""
+def test_engine_loads_deepspeed_dir_directly(tmp_path, variant, monkeypatch):
+    """engine.load_checkpoint(<DeepSpeed save_dir>) converts once into the ckpt_convert_dir cache and resumes; it
+    writes nothing beside the source, which here is a read-only mount (a tmpfs remounted read-only where this
+    machine allows mounting, else the files made read-only): the conversion cache used to go there and failed."""
     import shutil
-    shutil.copytree(ASSETS / variant, tmp_path / "ds")
-    losses = run_distributed(_resume_from_deepspeed, 2, str(tmp_path / "ds"), variant, timeout=180)[0][0]
-    assert losses[0] == RECORD["variants"][variant]["losses_after_save"][0]
-    assert (tmp_path / "ds" / ".fsdpzero-global_step3" / "latest").is_file()
+    import subprocess
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(ds)],
+                             capture_output=True).returncode == 0
+    try:
+        shutil.copytree(ASSETS / variant, ds, dirs_exist_ok=True)
+        if not mounted or subprocess.run(["mount", "-o", "remount,ro", str(ds)], capture_output=True).returncode:
+            for p in [*ds.rglob("*"), ds]:
+                p.chmod(0o555 if p.is_dir() else 0o444)
+        before = _tree(ds)
+        monkeypatch.setenv("FSDPZERO_CKPT_CONVERT_DIR", str(tmp_path / "cache"))
+        losses = run_distributed(_resume_from_deepspeed, 2, str(ds), variant, timeout=180)[0][0]
+        assert losses[0] == RECORD["variants"][variant]["losses_after_save"][0]
+        assert _tree(ds) == before
+        copies = list((tmp_path / "cache").glob("global_step3-*"))
+        assert len(copies) == 1 and (copies[0] / "latest").is_file()
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(ds)], capture_output=True)
 
 
 def _module_only_job(rank, world, save_dir):
