@@ -124,7 +124,7 @@ def _gather_text(text: str, max_len: int, group) -> list[str]:
     dist.all_gather(out, buf, group=group)
     texts = []
     for t in out:
-        raw = t.cpu().numpy().tobytes()
+        raw = bytes(t.cpu().tolist())   # no numpy: the error report must not fail on what it reports
         n = int.from_bytes(raw[:8], "little")
         texts.append(raw[8:8 + n].decode(errors="replace"))
     return texts
