@@ -1,16 +1,19 @@
 """Errors that happen on some ranks only (a path one rank cannot write, a full disk, a corrupt file one rank checked)
 agreed on by all of them before anyone moves on, so every rank raises the same error and no rank is left waiting in
 a collective the others never reach: fsdpzero.dist.agree_on_error (one all-reduce when all is well), raised here as
-the checkpoint wing's error types. Also DeepSpeed's checkpoint.tag_validation.
+the checkpoint wing's error types. Also what every rank must agree on before a load reads anything: which checkpoint
+(resolve_on_rank0), and DeepSpeed's checkpoint.tag_validation.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from fsdpzero.checkpoint.files import LATEST, resolve_tag
 from fsdpzero.dist import RanksError, agree_on_error
 
 
@@ -72,3 +75,51 @@ def check_tag_across_ranks(tag: str, mode: str) -> None:
     if mode == "fail":
         raise ValueError(message)
     logging.getLogger("fsdpzero").warning("%s", message)
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def broadcast_text(text: str) -> str:
+    """Rank 0's `text` on every rank (collective over the world; no pickle): its length, then its UTF-8 bytes."""
+    if _world() == 1:
+        return text
+    device = _device()
+    data = text.encode() if dist.get_rank() == 0 else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, 0)
+    buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+    if data:
+        buf.copy_(torch.tensor(list(data), dtype=torch.uint8))
+    if buf.numel():
+        dist.broadcast(buf, 0)
+    return bytes(buf.cpu().tolist()).decode()
+
+
+def resolve_on_rank0(load_dir: str | Path, tag: str | None = None, latest: str = LATEST) -> Path:
+    """files.resolve_tag on rank 0 alone, its answer shared (collective): every rank loads the same checkpoint even
+    if `latest` changes or vanishes meanwhile (another job saving there), before any tensor is read. A checkpoint
+    directory that some ranks cannot see (storage that is not shared) is a CheckpointError on every rank; one that
+    no rank sees is left to the load's completeness check. resolve_tag's own errors (no `latest`: FileNotFoundError;
+    a bad tag: ValueError) are raised on every rank, as that type."""
+    load_dir = Path(load_dir)
+    if _world() == 1:
+        return resolve_tag(load_dir, tag, latest)
+    error, name = None, ""
+    if dist.get_rank() == 0:
+        try:
+            name = resolve_tag(load_dir, tag, latest).name
+        except (ValueError, OSError) as e:
+            error = e
+    agree_on_error(error)   # typed: a missing `latest` is a FileNotFoundError on every rank
+    path = load_dir / broadcast_text(name)
+    seen = torch.tensor([int(path.is_dir() and not path.is_symlink())], dtype=torch.int64, device=_device())
+    dist.all_reduce(seen)
+    problem = None
+    if 0 < int(seen.item()) < _world() and not (path.is_dir() and not path.is_symlink()):
+        named = f"tag={tag!r}" if tag is not None else f"{load_dir / latest}"
+        problem = (f"checkpoint {path} (named by {named} on rank 0) is not on rank {dist.get_rank()}: every rank "
+                   f"must see the same checkpoint directory (shared storage), or copy it to every node")
+    agree(problem)
+    return path

@@ -8,9 +8,10 @@
         rng_{rank}.safetensors        per-rank RNG states
         fsdpzero_complete.json        the manifest, written last: files, sizes and CRC-32 checksums
 
-Crash safety: ranks write into <save_dir>/.tmp-<tag>/, rank 0 fsyncs, writes the manifest, renames the directory to
-<tag>, and only then replaces `latest` (write a temp file, fsync, rename); fsdpzero.checkpoint.files does that part.
-A crash at any point leaves `latest` naming the previous complete checkpoint. Nothing is pickled: tensors go to DCP,
+Crash safety: ranks write into the save's own <save_dir>/.tmp-<tag>.<token>/, rank 0 fsyncs, writes the manifest,
+renames the directory to <tag> (if no other job committed <tag> meanwhile), and only then replaces `latest` (write a
+temp file, fsync, rename); fsdpzero.checkpoint.files does that part. A crash at any point leaves `latest` naming the
+previous complete checkpoint. Loads agree first on which checkpoint (rank 0 resolves `latest`), then check it. Nothing is pickled: tensors go to DCP,
 everything else to JSON (DCP would pickle non-tensor values and read them back with weights_only=False). DCP's own
 index (.metadata) is a pickle: it is read through fsdpzero.checkpoint.trust's allowlisted unpickler, never pickle.load.
 This module is the flow: the state split into DCP tensors and JSON, saved (sync or async), loaded and resharded.
@@ -19,10 +20,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import json
 import logging
+import math
 import random
-import shutil
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +37,13 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from fsdpzero.checkpoint.agree import CheckpointError, agree, describe
+from fsdpzero.checkpoint.agree import CheckpointError, agree, broadcast_text, describe, resolve_on_rank0
 # MANIFEST, checkpoint_problems and resolve_tag are imported from here too (engine_state, convert, tests)
-from fsdpzero.checkpoint.files import (MANIFEST, check_tag, checkpoint_problems, crash_point,  # noqa: F401
-                                       finalize_checkpoint, read_manifest, resolve_tag)
+from fsdpzero.checkpoint.files import (MANIFEST, LatestNotUpdated, SaveRefused, SaveSlot, check_tag,  # noqa: F401
+                                       checkpoint_problems, crash_point, read_manifest, resolve_tag)
 from fsdpzero.checkpoint.stream import StreamingLoadPlanner, StreamingSavePlanner, materialize, streamed_state
-from fsdpzero.checkpoint.trust import (ChecksumWriter, SafeFileSystemReader, SafeLoadPlanner, checksum_problems,
-                                       read_dcp_metadata, tensor_entries)
+from fsdpzero.checkpoint.trust import (ChecksumWriter, SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError,
+                                       checksum_problems, read_dcp_metadata, tensor_entries)
 from fsdpzero.dist import agreed_errors
 from fsdpzero.tuning import current as current_tuning
 
@@ -56,6 +59,7 @@ class ModelOptimizer(Stateful):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
         self.model, self.optimizer = model, optimizer
         self.model_keys: list[str] | None = None   # of the last state_dict(): what a strict load must find
+        self.param_shapes: dict[str, tuple] = {}  # and the global shape of each (load_checkpoint checks them)
 
     def state_dict(self) -> dict:
         if self.optimizer is None:
@@ -64,6 +68,7 @@ class ModelOptimizer(Stateful):
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
             sd = {"model": model_sd, "optim": optim_sd}
         self.model_keys = list(sd["model"])
+        self.param_shapes = tensor_shapes(sd["model"])
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
@@ -74,6 +79,18 @@ class ModelOptimizer(Stateful):
         with keeping_impl_flags(self.optimizer):
             set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"],
                            optim_state_dict=sd.get("optim", {}))
+
+
+def tensor_shapes(model_sd: dict) -> dict[str, tuple]:
+    """{key: global shape} of a model state dict's tensors (what a load compares with the checkpoint's)."""
+    return {k: tuple(v.shape) for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
+
+
+def clean_fqn(name: str) -> str:
+    """Parameter name as the unwrapped model has it (activation-checkpoint and torch.compile wrappers removed)."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name
 
 
 def _rank() -> int:
@@ -205,7 +222,9 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
     tensors are staged to CPU and written in the background; the returned PendingSave's result() (or the next save,
     or a load) completes the checkpoint. no_dist: this process alone writes the whole state (offline conversion),
     even if a process group exists. A failure on any rank (an unwritable directory, a full disk) raises the same
-    CheckpointError on every rank, after removing <save_dir>/.tmp-<tag>; `latest` keeps naming the previous one.
+    CheckpointError on every rank, after removing this save's temp dir; `latest` keeps naming the previous one. So
+    does a tag that names something fsdpzero did not write (a file; a directory is written into, its other files left
+    alone), and losing to another job that committed the same tag while this save was writing (files.SaveSlot).
     """
     global _pending
     wait_for_pending_save()
@@ -220,8 +239,10 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
         tag = check_tag(tag if isinstance(tag, str) else str(tag))
         client_json = client_state_json(client_state)
     save_dir = Path(save_dir)
-    tmp = save_dir / f".tmp-{tag}"
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    token = f"{secrets.randbits(64):016x}" if rank == 0 else ""
+    slot = SaveSlot(save_dir, tag, broadcast_text(token) if distributed else token)   # rank 0's token on every rank
+    tmp = slot.tmp
     tensors: dict[str, torch.Tensor] = {}
     rest = _split(_materialize(state), "state", tensors, "state")
     streamed = {k: s for k, t in tensors.items() if (s := streamed_state(t)) is not None}   # NVMe states
@@ -231,23 +252,24 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
     what = f"saving checkpoint {save_dir / tag}"
     undone = f"; {tmp} removed, nothing saved, `latest` unchanged"
 
-    def agreed(error: str | None, agree_across_ranks: bool = True) -> None:
+    def agreed(error: str | None, agree_across_ranks: bool = True, message: str | None = None) -> None:
         # every rank learns of any rank's error here, instead of the others waiting in the next collective
+        if error is not None and message is None:
+            message = f"{what} failed: {error}{undone}"
         try:
-            agree(None if error is None else f"{what} failed: {error}{undone}", CheckpointError,
-                  distributed and agree_across_ranks)
+            agree(message, CheckpointError, distributed and agree_across_ranks)
         except CheckpointError:
-            shutil.rmtree(tmp, ignore_errors=True)
+            slot.abandon()
             raise
 
     error = None
     if rank == 0:
         try:
-            save_dir.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of this tag
-            tmp.mkdir()
+            slot.open()
             (tmp / "state.json").write_text(json.dumps(rest))
             (tmp / "client_state.json").write_text(client_json)
+        except SaveRefused as e:
+            error = str(e)
         except Exception as e:   # any local failure is agreed on below, so no rank waits for the others
             error = f"cannot write {tmp} ({describe(e)}); save_dir must be a writable directory"
     agreed(error)    # also the barrier: the directory exists for every rank after it
@@ -266,18 +288,22 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
     def failed(e: BaseException):
         # DCP raises on every rank alike (a disk-full CheckpointException is a BaseException): clean up, one line
         logging.getLogger("fsdpzero").debug("checkpoint save failed", exc_info=e)
-        shutil.rmtree(tmp, ignore_errors=True)
+        slot.abandon()
         raise CheckpointError(f"{what} failed: {describe(e)}{undone}") from None
 
     def finish(agree_across_ranks: bool = True) -> Path:
         crash_point("mid_write")
-        error = None
+        error = message = None
         if rank == 0:
             try:
-                finalize_checkpoint(save_dir, tag, tmp, save_latest, keep_last, world)
+                slot.commit(save_latest, keep_last, world, step)
+            except SaveRefused as e:
+                error = str(e)
+            except LatestNotUpdated as e:   # the checkpoint is there: say so, and nothing else is undone
+                error = message = str(e)
             except Exception as e:
                 error = f"cannot finish {tmp} ({describe(e)})"
-        agreed(error, agree_across_ranks)   # the final barrier too
+        agreed(error, agree_across_ranks, message)   # the final barrier too
         return save_dir / tag
 
     if async_save:
@@ -320,12 +346,61 @@ def _log_streamed(what: str, planner) -> None:
 
 # ---- loading across layouts ------------------------------------------------------------------------------------
 
+def _shape_text(shape) -> str:
+    return f"torch.Size({list(shape)})"   # as torch's load_state_dict prints it
+
+
+def _size_mismatch(name: str, saved, live) -> str:
+    return (f"size mismatch for {name}: copying a param with shape {_shape_text(saved)} from checkpoint, the shape "
+            f"in current model is {_shape_text(live)}")
+
+
+def check_shapes(path: Path, template: dict[str, torch.Tensor], metadata, param_shapes: dict[str, dict]) -> None:
+    """Refuse (CheckpointError naming the tensor and both shapes, as torch's load_state_dict words it) a checkpoint
+    tensor that would land in a live tensor of another shape, before anything is read. `param_shapes`: {top-level
+    state key: {parameter name: live global shape}}. Each parameter is compared with the checkpoint's entry of the
+    same name, so a (8, 4) weight never loads into a (4, 8) parameter even where both sides keep its optimizer
+    state flat. Flat (1-D) states of the same size as a parameter-shaped one are another layout of the same tensor
+    (stage 1 against stages 0/2/3), read whole and cut later (_full_where_layout_differs). Pure: every rank decides
+    the same."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    saved = metadata.state_dict_metadata
+
+    def saved_size(key):
+        md = saved.get(key)
+        return tuple(md.size) if isinstance(md, TensorStorageMetadata) else None
+
+    problems = []
+    for top, shapes in param_shapes.items():
+        for name, live in shapes.items():
+            have = saved_size(f"state{_SEP}{top}{_SEP}model{_SEP}{name}")
+            if have is not None and have != tuple(live):
+                problems.append(_size_mismatch(name, have, live))
+    for key, t in template.items():
+        have, live = saved_size(key), tuple(t.shape)
+        if have is None or have == live:
+            continue
+        name = key[len(f"state{_SEP}"):]
+        top, _, rest = name.partition(_SEP)
+        kind, _, entry = rest.partition(_SEP)
+        if kind == "model" and entry in param_shapes.get(top, {}):
+            continue   # reported above
+        if math.prod(have) == math.prod(live) and (len(have) == 1 or len(live) == 1):
+            continue   # another layout of the same tensor
+        problems.append(_size_mismatch(name, have, live))
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointError(f"checkpoint {path} does not fit the model: {problems[0]}{more}. Load a checkpoint "
+                              f"saved from this model's architecture")
+
+
 def _full_where_layout_differs(template: dict[str, torch.Tensor], metadata) -> dict[str, torch.Tensor]:
     """Entries saved with another shape of the same numel (a stage-1 flat (numel,) state against a stage 0/2/3
-    parameter-shaped one, either way) are read in full, in the saved dtype, into plain CPU tensors that replace them
-    in `template`; the live tensors are returned by key, for _copy_full_into after the load. Memory: every such entry
-    is held whole on every rank for the duration of the load (a one-time cost of a cross-layout resume: about 12
-    bytes per parameter for fp32 weights and two Adam moments)."""
+    parameter-shaped one, either way; check_shapes has refused any other) are read in full, in the saved dtype,
+    into plain CPU tensors that replace them in `template`; the live tensors are returned by key, for
+    _copy_full_into after the load. Memory: every such entry is held whole on every rank for the duration of the
+    load (a one-time cost of a cross-layout resume: about 12 bytes per parameter for fp32 weights and two Adam
+    moments)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     saved = metadata.state_dict_metadata
     relaid = {}
@@ -376,9 +451,22 @@ def verify_checkpoint(path: Path, distributed: bool | None = None) -> dict:
           FileNotFoundError, distributed)
     manifest = read_manifest(path)
     rank, world = (_rank(), _world()) if distributed else (0, 1)
+    if world > 1:   # the same checkpoint, not one of the same name (a stale copy on another node's storage)
+        digest = hashlib.sha256((path / MANIFEST).read_bytes()).hexdigest()
+        agree(f"checkpoint {path} on rank {rank} is not the one rank 0 loads (their manifests differ): every rank "
+              f"must see the same checkpoint directory" if broadcast_text(digest) != digest else None)
     bad = checksum_problems(path, manifest.get("checksums", {}), rank, world)
     agree(f"checkpoint {path} is damaged: {bad[0]}" if bad else None, CheckpointError, distributed)
     return manifest
+
+
+def read_saved_json(path: Path, name: str):
+    """A JSON file of a verified checkpoint (state.json, client_state.json); CheckpointError if it does not parse (a
+    checkpoint from before checksums can still be damaged)."""
+    try:
+        return json.loads((path / name).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path} is damaged: {path / name} cannot be read ({describe(e)})") from None
 
 
 def model_key_problem(path: Path, saved: list[str], live: list[str]) -> str | None:
@@ -418,14 +506,22 @@ def load_checkpoint(load_dir: str | Path, tag: str | None = None, state: dict | 
     Keys of `state` that the checkpoint lacks raise; keys left out of `state` are not loaded. A tensor saved in
     another shape of the same size (another stage's optimizer layout) is read whole and cut to the live layout.
 
-    Checked first, the same on every rank: the tag (files.check_tag), completeness and checksums (verify_checkpoint),
-    DCP's index through the allowlisted reader (trust.py), and, with strict, that the model keys of each Stateful
-    that reports them (`model_keys`: ModelOptimizer, the Engine's state) are exactly the checkpoint's; strict=False
-    loads the keys both sides have and leaves the rest as they are."""
+    Checked first, the same on every rank: which checkpoint (rank 0 resolves the tag or `latest` and every rank
+    loads that one: agree.resolve_on_rank0), the tag (files.check_tag), completeness and checksums
+    (verify_checkpoint), DCP's index through the allowlisted reader (trust.py), every tensor's shape against the
+    live one (check_shapes), and, with strict, that the model keys of each Stateful that reports them
+    (`model_keys`: ModelOptimizer, the Engine's state) are exactly the checkpoint's; strict=False loads the keys
+    both sides have and leaves the rest as they are. A failure inside DCP is a CheckpointError too."""
     wait_for_pending_save()
-    path = resolve_tag(load_dir, tag)
-    manifest = verify_checkpoint(path)
-    saved = json.loads((path / "state.json").read_text())
+    path = resolve_on_rank0(load_dir, tag)
+    return load_verified(path, verify_checkpoint(path), state, load_rng=load_rng, strict=strict)
+
+
+def load_verified(path: Path, manifest: dict, state: dict | None = None, *, load_rng: bool = True,
+                  strict: bool = True) -> tuple[Path, dict]:
+    """load_checkpoint of a checkpoint directory the ranks have agreed on and verified (verify_checkpoint's
+    manifest): what the Engine's load calls after choosing it."""
+    saved = read_saved_json(path, "state.json")
     metadata = read_dcp_metadata(path)
     state = state if state is not None else {}
     saved_top = dict(saved["__dict__"])
@@ -443,13 +539,24 @@ def load_checkpoint(load_dir: str | Path, tag: str | None = None, state: dict | 
     template: dict[str, torch.Tensor] = {}
     _split({k: live[k] for k in state}, "state", template, "state")
     tensor_entries(metadata, path, template)
+    check_shapes(path, template, metadata, {k: getattr(target, "param_shapes", None) or {}
+                                            for k, target in state.items()})
     relaid = _full_where_layout_differs(template, metadata)
     streamed = {k: s for k, t in template.items() if (s := streamed_state(t)) is not None}   # NVMe states
     planner = (StreamingLoadPlanner(streamed, allow_partial_load=not strict) if streamed
                else SafeLoadPlanner(allow_partial_load=not strict))
-    dcp.load(template, checkpoint_id=path, storage_reader=SafeFileSystemReader(path), planner=planner)
+    try:
+        dcp.load(template, checkpoint_id=path, storage_reader=SafeFileSystemReader(path), planner=planner)
+        if streamed:
+            planner.finish()
+    except (Exception, CheckpointException) as e:
+        # DCP raises its CheckpointException (a BaseException, which `except Exception` misses) on every rank alike
+        logging.getLogger("fsdpzero").debug("checkpoint load failed", exc_info=e)
+        refused = _refusal(e)
+        if refused is not None:
+            raise refused from None
+        raise CheckpointError(f"loading checkpoint {path} failed: {describe(e)}") from None
     if streamed:
-        planner.finish()
         _log_streamed("loaded", planner)
     for key, target in relaid.items():
         _copy_full_into(target, template[key])
@@ -469,6 +576,14 @@ def load_checkpoint(load_dir: str | Path, tag: str | None = None, state: dict | 
     rng = path / f"rng_{_rank()}.safetensors"
     if load_rng and rng.is_file() and manifest["world_size"] == _world():
         _set_rng_state(load_file(rng))
-    client = json.loads((path / "client_state.json").read_text())
+    client = read_saved_json(path, "client_state.json")
     return path, _join(client, {})
 
+
+def _refusal(e: BaseException) -> BaseException | None:
+    """The allowlisted reader's own refusal (UnsafeCheckpointError) inside a DCP failure, raised as itself."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = failures[min(failures)]
+        e = inner[0] if isinstance(inner, tuple) else inner
+    return e if isinstance(e, UnsafeCheckpointError) else None

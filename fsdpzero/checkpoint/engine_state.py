@@ -18,10 +18,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from fsdpzero.checkpoint.agree import agree, check_tag_across_ranks, describe
-from fsdpzero.checkpoint.dcp import (MANIFEST, PendingSave, checkpoint_problems, client_state_json, load_checkpoint,
-                                     resolve_tag, save_checkpoint)
-from fsdpzero.checkpoint.files import LATEST_UNIVERSAL, check_tag, read_latest, write_atomic
+from fsdpzero.checkpoint.agree import agree, check_tag_across_ranks, describe, resolve_on_rank0
+from fsdpzero.checkpoint.dcp import (MANIFEST, PendingSave, checkpoint_problems, clean_fqn, client_state_json,
+                                     load_verified, read_saved_json, save_checkpoint, tensor_shapes,
+                                     verify_checkpoint, wait_for_pending_save)
+from fsdpzero.checkpoint.files import LATEST_UNIVERSAL, check_tag, write_atomic
 from fsdpzero.checkpoint.stream import streamed_state
 from fsdpzero.checkpoint.trust import read_dcp_metadata
 from fsdpzero.dist import agreed_errors, local_tensor
@@ -51,6 +52,7 @@ class EngineState(Stateful):
         self._live_groups: list[dict] = []
         self._swapper = None               # offload_param nvme's ParamSwapper when the shards stream
         self.model_keys: list[str] | None = None
+        self.param_shapes: dict[str, tuple] = {}
 
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -62,6 +64,7 @@ class EngineState(Stateful):
         with self._swapper.lazy() if self._swapper is not None else contextlib.nullcontext():
             sd = {"model": get_model_state_dict(self.engine.module)}
             self.model_keys = list(sd["model"])   # before any is moved or dropped below: what a strict load needs
+            self.param_shapes = tensor_shapes(sd["model"])   # and what check_shapes compares
             slots = _stream_param_entries(sd["model"], self._swapper) if self._swapper is not None else {}
             if not self.with_optimizer:
                 return sd
@@ -75,11 +78,11 @@ class EngineState(Stateful):
             return sd
         if live_masters:     # fill the live masters from the saved fp32 model weights
             for name, entry in state.items():
-                sd["model"][_clean_fqn(name)] = entry.pop("master")
+                sd["model"][clean_fqn(name)] = entry.pop("master")
             self._crossed = "to_masters"
         else:                # fill the live fp32 model weights from the saved masters
             for name, entry in state.items():
-                entry["master"] = sd["model"].pop(_clean_fqn(name))
+                entry["master"] = sd["model"].pop(clean_fqn(name))
             moved = {_data_ptr(entry["master"]) for entry in state.values()}
             for key in [k for k, v in sd["model"].items() if _data_ptr(v) in moved]:
                 del sd["model"][key]   # a tied alias (lm_head of wte) would load the saved 16-bit copy over it
@@ -95,10 +98,10 @@ class EngineState(Stateful):
             optim = sd["optim"]
             if self._crossed == "to_masters":   # copies: loading the weights may refresh masters from them (offload)
                 for name, entry in optim["state"].items():
-                    entry["master"] = model.pop(_clean_fqn(name)).detach().clone()
+                    entry["master"] = model.pop(clean_fqn(name)).detach().clone()
             elif self._crossed == "to_weights":
                 for name, entry in optim["state"].items():
-                    model[_clean_fqn(name)] = entry.pop("master")
+                    model[clean_fqn(name)] = entry.pop("master")
             for saved, live in zip(optim.get("param_groups", []), self._live_groups):
                 for key in ("params", "param_names"):   # torch groups list "params", stage 1's "param_names"
                     if key in live:
@@ -135,8 +138,8 @@ def _drop_mastered(model_sd: dict, slots: dict, optim_state: dict) -> None:
     """Loading a checkpoint that has masters, the shards they stream into (NVMeGradPath._master_loaded, or the
     shard itself when it is its own fp32 master) need not be written from the saved weights too (aliases of a
     tied weight included): the in-memory path's optimizer load overwrites them from the masters as well."""
-    mastered = {slots[_clean_fqn(name)] for name, entry in optim_state.items()
-                if streamed_state(entry.get("master")) is not None and _clean_fqn(name) in slots}
+    mastered = {slots[clean_fqn(name)] for name, entry in optim_state.items()
+                if streamed_state(entry.get("master")) is not None and clean_fqn(name) in slots}
     for key in [k for k, slot in slots.items() if slot in mastered]:
         del model_sd[key]
 
@@ -145,7 +148,7 @@ def _drop_mastered(model_sd: dict, slots: dict, optim_state: dict) -> None:
 def _load_buffers(module, entries: dict) -> None:
     """The model entries that are not swapped params (persistent buffers), copied in place; FSDP2's and the
     swapper's load_state_dict hooks would bring every unit into memory."""
-    buffers = {_clean_fqn(n): b for n, b in module.named_buffers()}
+    buffers = {clean_fqn(n): b for n, b in module.named_buffers()}
     unknown = sorted(k for k in entries if k not in buffers)
     if unknown:
         raise RuntimeError(f"checkpoint load (offload_param nvme): {unknown[:5]} are neither swapped parameter "
@@ -184,13 +187,6 @@ def save_engine(engine, save_dir, tag=None, client_state=None, save_latest=True,
                            **options)
 
 
-def _clean_fqn(name: str) -> str:
-    """Parameter name as the unwrapped model has it (activation-checkpoint and torch.compile wrappers removed)."""
-    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
-        name = name.replace(wrapper, "")
-    return name
-
-
 def _source_stamp(tag_dir: Path) -> dict:
     """What a converted copy was made from: the DeepSpeed files' names, sizes and modification times."""
     return {"source": str(tag_dir.resolve()),   # (a universal checkpoint keeps its files under zero/<param>/)
@@ -207,12 +203,14 @@ def from_deepspeed(engine, load_dir: Path, tag: str | None) -> tuple[Path, str |
     checkpoint.load_universal: with no tag, the universal checkpoint `latest_universal` names (as DeepSpeed);
     a universal checkpoint is recognised by its layout either way (fsdpzero.checkpoint.universal)."""
     if tag is None and engine.plan.checkpoint.load_universal:
-        tag = read_latest(load_dir, LATEST_UNIVERSAL)
-        if tag is None:
+        try:
+            tag = resolve_on_rank0(load_dir, None, LATEST_UNIVERSAL).name
+        except FileNotFoundError:
             raise FileNotFoundError(f"{load_dir / LATEST_UNIVERSAL} does not exist: checkpoint.load_universal loads "
-                                    f"the universal checkpoint it names (ds_to_universal writes it); or pass tag=...")
+                                    f"the universal checkpoint it names (ds_to_universal writes it); or pass tag=...") \
+                from None
     try:
-        path = resolve_tag(load_dir, tag)
+        path = resolve_on_rank0(load_dir, tag)
     except FileNotFoundError:
         return load_dir, tag
     if (path / MANIFEST).exists() or not any(path.glob("*_model_states.pt")):
@@ -230,7 +228,7 @@ def from_deepspeed(engine, load_dir: Path, tag: str | None) -> tuple[Path, str |
             if not fresh:
                 from fsdpzero.checkpoint.convert import deepspeed_to_ours
                 shutil.rmtree(out, ignore_errors=True)
-                names = [_clean_fqn(n) for n, p in engine.module.named_parameters() if p.requires_grad]
+                names = [clean_fqn(n) for n, p in engine.module.named_parameters() if p.requires_grad]
                 deepspeed_to_ours(path, None, out, to="dcp", trainable_names=names)
                 write_atomic(stamp, json.dumps(want))
         except (Exception, CheckpointException) as e:
@@ -245,14 +243,16 @@ def load_engine(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_
     DeepSpeed (`fsdpzero convert --from deepspeed`) carries "counters"/"loss_scaler" instead of "engine".
     strict (DeepSpeed's load_module_strict): the checkpoint's model keys must be the model's, else an error that
     lists both sides; strict=False loads the keys both have."""
+    wait_for_pending_save()   # it may be about to move `latest`
     load_dir, tag = from_deepspeed(engine, Path(load_dir), tag)
     try:
-        path = resolve_tag(load_dir, tag)
+        path = resolve_on_rank0(load_dir, tag)   # one checkpoint for every rank, whatever `latest` does meanwhile
     except FileNotFoundError as e:
         if _rank0():
             log.warning("%s", e)
         return None, None
-    top = dict(json.loads((path / "state.json").read_text())["__dict__"]) if (path / "state.json").is_file() else {}
+    manifest = verify_checkpoint(path)   # before any of it is parsed
+    top = dict(read_saved_json(path, "state.json")["__dict__"])
     with_optim = load_optimizer_states and not load_module_only
     state: dict = {"train": EngineState(engine, with_optim, _has_optimizer_masters(path))}
     engine_state: dict = {}
@@ -260,9 +260,7 @@ def load_engine(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_
         for key in ("engine", "counters", "loss_scaler"):
             if key in top:
                 state[key] = engine_state.setdefault(key, {})
-    # the tag as given (None: `latest`), not path.name: resolve_tag may have picked the `.old-<tag>` copy a crash
-    # during a re-save left, which is not a valid tag itself
-    path, client = load_checkpoint(load_dir, tag, state, load_rng=not load_module_only, strict=strict)
+    path, client = load_verified(path, manifest, state, load_rng=not load_module_only, strict=strict)
     if "engine" in engine_state:
         saved = engine_state["engine"]
         if not load_lr_scheduler_states:

@@ -1,17 +1,26 @@
 """The on-disk side of an fsdpzero checkpoint: atomic writes, the completion manifest, `latest`, rotation.
 
-Rank 0 finishes a save that every rank has written into <save_dir>/.tmp-<tag>/: it fsyncs the files, writes the
-manifest (file names, sizes and CRC-32 checksums) last, renames the directory to <tag>, and only then replaces
-`latest` (a temp file, fsync, rename). A crash at any point leaves `latest` naming the previous complete checkpoint. What goes into the
-files (DCP tensors, JSON state) is fsdpzero.checkpoint.dcp's business.
+Every rank of a save writes into the save's own temp dir, <save_dir>/.tmp-<tag>.<token> (SaveSlot). Rank 0 then
+fsyncs the files and, under the save directory's lock (.fsdpzero.lock, flock), checks that <tag> still holds what it
+held when the save began (else another job committed it meanwhile: this save loses, cleanly), writes the manifest
+(file names, sizes and CRC-32 checksums) last, renames the directory to <tag> (or moves its files into a <tag>/
+directory that holds files of the user's, leaving those alone), and only then replaces `latest` (a temp file, fsync,
+rename). A crash at any point leaves `latest` naming the previous complete checkpoint. What goes into the files (DCP
+tensors, JSON state) is fsdpzero.checkpoint.dcp's business.
 
 Tags are plain names inside the save dir (check_tag): on save, on an explicit load tag, and in `latest` when it is
 read, so neither a tag nor a planted `latest` reaches outside the directory or a temp/cache name.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import hashlib
 import json
+import logging
 import os
+import re
 import shutil
 import time
 import unicodedata
@@ -24,7 +33,10 @@ FORMAT = "fsdpzero-dcp-1"   # "checksums" was added later, as an optional key: o
 LATEST = "latest"
 LATEST_UNIVERSAL = "latest_universal"   # DeepSpeed's pointer to a universal checkpoint (checkpoint.load_universal)
 RESERVED_TAGS = (LATEST, LATEST_UNIVERSAL, MANIFEST)
-HIDDEN_PREFIX = "."   # .tmp-<tag> (a save in progress), .old-<tag> (a re-save), .fsdpzero-<tag> (a converted cache)
+HIDDEN_PREFIX = "."   # .tmp-<tag>.<token> (a save in progress), .old-<tag> (a re-save), .fsdpzero-<tag> (a converted
+#                       cache), .fsdpzero.lock (the save directory's lock)
+TMP_PREFIX, OLD_PREFIX = ".tmp-", ".old-"
+LOCK_FILE = ".fsdpzero.lock"
 
 
 def check_tag(tag, what: str = "tag") -> str:
@@ -70,12 +82,18 @@ def fsync_path(path: Path) -> None:
 
 
 def write_atomic(path: Path, text: str) -> None:
+    """path <- text: a temp file beside it, fsync, rename; the temp file is removed if any step fails (a full disk)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
     fsync_path(path.parent)
 
 
@@ -118,34 +136,243 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
-def finalize_checkpoint(save_dir: Path, tag: str, tmp: Path, save_latest: bool, keep_last: int | None,
-                        world: int) -> None:
-    """Rank 0, after every rank's files are written: manifest, fsync, rename, `latest`, rotation."""
-    sums = collect_side_checksums(tmp)   # DCP's data files, hashed as they were written
-    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-    for name in files:
-        fsync_path(tmp / name)
-        if name not in sums:             # the small ones: JSON state, RNG states, DCP's index
-            sums[name] = file_crc(tmp / name)
-    manifest = {"format": FORMAT, "tag": tag, "world_size": world, "saved_at_ns": time.time_ns(), "files": files,
-                "checksums": {name: sums[name] for name in files}}
-    write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
-    crash_point("before_rename")
-    final = save_dir / tag
-    if final.exists():  # re-saving a tag: move the old one aside first, so a crash leaves one of the two
-        old = save_dir / f".old-{tag}"
+# ---- a save's place in the directory: its own temp dir, the lock, the commit ----------------------------------------
+
+class SaveRefused(Exception):
+    """A save that must not go on: <save_dir>/<tag> is something fsdpzero did not write, or another save changed it
+    while this one was writing. The message is one line, and nothing of the user's was touched."""
+
+
+class LatestNotUpdated(Exception):
+    """The checkpoint was committed (complete, loadable by its tag), but `latest` could not be replaced."""
+
+
+# the files a save puts into <tag>/ (DCP names its data __<rank>_<n>.distcp); any of them in a <tag>/ directory that
+# no manifest lists belongs to someone else, and a save of that tag would replace it
+_SAVE_NAMES = re.compile(r"\.metadata|state\.json|client_state\.json|fsdpzero_complete\.json|__\d+_\d+\.distcp"
+                         r"|rng_\d+\.safetensors")
+
+
+def _tag_dir_state(final: Path) -> tuple[str | None, dict | None]:
+    """What <save_dir>/<tag> is as a save finds it: (identity, its manifest). The identity is None (absent), "dir"
+    (a directory without a manifest) or the manifest's digest (each save's manifest is unique), compared at the
+    commit. SaveRefused where a save would have to move or replace something fsdpzero did not write."""
+    if final.is_symlink():
+        raise SaveRefused(f"{final} is a symbolic link: a checkpoint is saved only into a directory inside the save "
+                          f"directory; remove the link or pick another tag")
+    if not final.exists():
+        return None, None
+    if not final.is_dir():
+        raise SaveRefused(f"{final} is a file, not a checkpoint directory, and fsdpzero does not move what it did not "
+                          f"write: pick another tag or move the file")
+    identity, manifest = "dir", None
+    if (final / MANIFEST).is_file():
+        identity = "manifest:" + hashlib.sha256((final / MANIFEST).read_bytes()).hexdigest()
+        try:
+            manifest = read_manifest(final)
+        except ValueError:
+            manifest = None   # its files are not known to be ours: the manifest itself clashes below
+    ours = set(manifest["files"]) | {MANIFEST} if manifest is not None else set()
+    clash = sorted(n for n in os.listdir(final) if n not in ours and _SAVE_NAMES.fullmatch(n))
+    if clash:
+        raise SaveRefused(f"{final / clash[0]} was not written by fsdpzero (no manifest lists it), and a save of tag "
+                          f"{final.name!r} would replace it: move it, or save under another tag")
+    return identity, manifest
+
+
+def _foreign(final: Path, manifest: dict) -> list[str]:
+    """Entries of a checkpoint directory that its manifest does not list (the user's files beside ours)."""
+    ours = set(manifest["files"]) | {MANIFEST}
+    return sorted(n for n in os.listdir(final) if n not in ours)
+
+
+@contextlib.contextmanager
+def _locked(save_dir: Path):
+    """The save directory's lock (flock on <save_dir>/.fsdpzero.lock; released by the kernel if the process dies):
+    commits, `latest` and rotation of concurrent jobs happen one at a time."""
+    fd = os.open(save_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:   # a filesystem without locks: saves still work, unguarded against a second job
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            logging.getLogger("fsdpzero").warning("cannot lock %s (%s): saves into it are not guarded against a "
+                                                  "second job saving there", save_dir, e)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _hold(path: Path) -> int | None:
+    """An exclusive, non-blocking flock on directory `path` (the fd that holds it), or None if another process
+    holds it or the filesystem cannot lock directories."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except OSError:
+        os.close(fd)
+        return None
+
+
+def _remove_abandoned_temps(save_dir: Path, tag: str) -> None:
+    """Temp dirs of earlier saves of `tag` whose owner is gone (a killed job): nobody holds their lock."""
+    mine = re.compile(re.escape(f"{TMP_PREFIX}{tag}") + r"(\.[0-9a-f]{16})?")
+    for p in save_dir.iterdir():
+        if mine.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
+            fd = _hold(p)
+            if fd is not None:
+                try:
+                    shutil.rmtree(p, ignore_errors=True)
+                finally:
+                    os.close(fd)
+
+
+def _manifests(save_dir: Path) -> list[tuple[Path, dict]]:
+    """The complete-looking checkpoints of save_dir (a readable manifest), with their manifests."""
+    out = []
+    for p in save_dir.iterdir():
+        if p.name.startswith(HIDDEN_PREFIX) or p.is_symlink() or not (p / MANIFEST).is_file():
+            continue
+        try:
+            out.append((p, read_manifest(p)))
+        except ValueError:
+            continue
+    return out
+
+
+def _int(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _age(manifest: dict) -> tuple:
+    """Oldest first: the step recorded at save time, then the save directory's own sequence number (a clock step
+    back changes neither); checkpoints from before both by their save time."""
+    step, seq = _int(manifest.get("step")), _int(manifest.get("sequence"))
+    return (-1 if step is None else step, -1 if seq is None else seq, _int(manifest.get("saved_at_ns")) or 0)
+
+
+class SaveSlot:
+    """One save's place in <save_dir>. Every rank writes into the save's own temp dir
+    <save_dir>/.tmp-<tag>.<token> (the token is rank 0's, shared), so two jobs saving one tag never write into each
+    other's files. Rank 0 opens it (checks <tag>, notes what it holds, holds a lock on the temp dir so that a later
+    save can tell an abandoned one from one in progress) and commits it: under the save directory's lock, only if
+    <tag> still holds what it held at the start (else SaveRefused: another save committed it meanwhile)."""
+
+    def __init__(self, save_dir: Path, tag: str, token: str):
+        self.save_dir, self.tag = Path(save_dir), tag
+        self.token = token
+        self.tmp = self.save_dir / f"{TMP_PREFIX}{tag}.{token}"
+        self.final = self.save_dir / tag
+        self._expected: str | None = None
+        self._fd: int | None = None
+
+    def open(self) -> None:
+        """Rank 0, before anything is written. SaveRefused (nothing created) if <tag> is not fsdpzero's to write."""
+        _tag_dir_state(self.final)   # before the directory or the lock file is made: a refusal leaves no trace
+        self.save_dir.mkdir(parents=True, exist_ok=True)
+        with _locked(self.save_dir):
+            self._expected, _ = _tag_dir_state(self.final)
+            _remove_abandoned_temps(self.save_dir, self.tag)
+            self.tmp.mkdir()
+            self._fd = _hold(self.tmp)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def abandon(self) -> None:
+        """Any rank, on failure: this save's temp dir removed (nothing else)."""
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.release()
+
+    def commit(self, save_latest: bool, keep_last: int | None, world: int, step: int | None) -> None:
+        """Rank 0, after every rank's files are written: manifest, fsync, rename (or move into a directory of the
+        user's), `latest`, rotation. SaveRefused / LatestNotUpdated / OSError."""
+        tmp, final, save_dir = self.tmp, self.final, self.save_dir
+        sums = collect_side_checksums(tmp)   # DCP's data files, hashed as they were written
+        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+        for name in files:
+            fsync_path(tmp / name)
+            if name not in sums:             # the small ones: JSON state, RNG states, DCP's index
+                sums[name] = file_crc(tmp / name)
+        try:
+            with _locked(save_dir):
+                identity, old_manifest = _tag_dir_state(final)
+                if identity != self._expected:
+                    raise SaveRefused(f"another save wrote {final} while this one was writing (two jobs saving tag "
+                                      f"{self.tag!r} into one directory?); {final} keeps that save's checkpoint")
+                sequence = 1 + max((_int(m.get("sequence")) or 0 for _, m in _manifests(save_dir)), default=0)
+                manifest = {"format": FORMAT, "tag": self.tag, "world_size": world, "step": step,
+                            "sequence": sequence, "save_id": self.token, "saved_at_ns": time.time_ns(),
+                            "files": files, "checksums": {name: sums[name] for name in files}}
+                write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
+                crash_point("before_rename")
+                old = save_dir / f"{OLD_PREFIX}{self.tag}"
+                if identity is None:
+                    os.rename(tmp, final)
+                elif old_manifest is not None and not _foreign(final, old_manifest):
+                    # re-saving a tag: move the old one aside first, so a crash leaves one of the two
+                    shutil.rmtree(old, ignore_errors=True)
+                    os.rename(final, old)
+                    os.rename(tmp, final)
+                else:
+                    _commit_into(final, tmp, old_manifest, old)
+                fsync_path(save_dir)
+                shutil.rmtree(old, ignore_errors=True)
+                crash_point("before_latest")
+                if save_latest:
+                    _write_latest(save_dir, self.tag)
+                if keep_last:
+                    _rotate(save_dir, keep_last, protect={self.tag, read_latest(save_dir)})
+        finally:
+            self.release()
+
+
+def _commit_into(final: Path, tmp: Path, old_manifest: dict | None, old: Path) -> None:
+    """<tag>/ holds files that are not ours (DeepSpeed writes into an existing directory too): move the new files in
+    one by one, manifest last, and leave everything else as it is. A previous checkpoint there is first hard-linked
+    into .old-<tag> (no data copied), where a load finds it (resolve_tag) until the new manifest is in; its files
+    that the new save does not write are then removed (they were ours)."""
+    new = [p.name for p in sorted(tmp.iterdir()) if p.name != MANIFEST]
+    if old_manifest is not None:
         shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, final)
-    fsync_path(save_dir)
-    crash_point("before_latest")
-    if save_latest:
+        try:
+            old.mkdir()
+            for name in [*old_manifest["files"], MANIFEST]:
+                os.link(final / name, old / name)
+            fsync_path(old)
+        except OSError:   # no hard links on this filesystem: the previous checkpoint is replaced unguarded
+            shutil.rmtree(old, ignore_errors=True)
+        os.unlink(final / MANIFEST)
+        fsync_path(final)
+        for name in old_manifest["files"]:
+            if name not in new:
+                (final / name).unlink(missing_ok=True)
+    for name in new:
+        os.replace(tmp / name, final / name)
+    os.replace(tmp / MANIFEST, final / MANIFEST)
+    fsync_path(final)
+    shutil.rmtree(tmp)
+
+
+def _write_latest(save_dir: Path, tag: str) -> None:
+    try:
+        previous = read_latest(save_dir)
+    except ValueError:
+        previous = None
+    try:
         write_atomic(save_dir / LATEST, tag)
-    if keep_last:
-        _rotate(save_dir, keep_last, protect={tag, read_latest(save_dir)})
+    except OSError as e:
+        named = f"still names {previous!r}" if previous is not None else "does not exist"
+        raise LatestNotUpdated(f"checkpoint {save_dir / tag} was saved and is complete, but {save_dir / LATEST} was "
+                               f"not updated ({type(e).__name__}: {e.strerror or e}) and {named}; load the new "
+                               f"checkpoint with tag={tag!r}, or free space and save again") from e
 
 
 def read_latest(save_dir: Path, name: str = LATEST) -> str | None:
@@ -164,26 +391,40 @@ def read_latest(save_dir: Path, name: str = LATEST) -> str | None:
 
 
 def _rotate(save_dir: Path, keep_last: int, protect: set) -> None:
-    done = [p for p in save_dir.iterdir() if p.is_dir() and not p.name.startswith(HIDDEN_PREFIX)
-            and (p / MANIFEST).is_file()]
-    done.sort(key=lambda p: json.loads((p / MANIFEST).read_text()).get("saved_at_ns", 0))
-    for p in done[:max(0, len(done) - keep_last)]:
+    done = sorted(_manifests(save_dir), key=lambda pm: _age(pm[1]))
+    for p, manifest in done[:max(0, len(done) - keep_last)]:
         if p.name not in protect:
-            shutil.rmtree(p)
+            remove_checkpoint(p, manifest)
 
 
-def resolve_tag(load_dir: str | Path, tag: str | None = None) -> Path:
+def remove_checkpoint(path: Path, manifest: dict) -> None:
+    """A checkpoint's own files (its manifest first, so it stops being one); the directory too unless it holds files
+    that are not ours."""
+    if not _foreign(path, manifest):
+        shutil.rmtree(path)
+        return
+    (path / MANIFEST).unlink()
+    for name in manifest["files"]:
+        (path / name).unlink(missing_ok=True)
+
+
+def resolve_tag(load_dir: str | Path, tag: str | None = None, latest: str = LATEST) -> Path:
+    """<load_dir>/<tag>, or what `latest` names; on this rank alone (fsdpzero.checkpoint.agree.resolve_on_rank0 is
+    the form every rank agrees on). A crash during a commit may have left the previous copy in .old-<tag>: it is
+    used while <tag> has no manifest."""
     load_dir = Path(load_dir)
     if tag is None:
-        tag = read_latest(load_dir)
+        tag = read_latest(load_dir, latest)
         if tag is None:
+            if latest != LATEST:
+                raise FileNotFoundError(f"{load_dir / latest} does not exist: pass tag=...")
             raise FileNotFoundError(f"{load_dir / LATEST} does not exist: nothing saved there yet, or pass tag=... "
                                     f"(complete checkpoints: "
                                     f"{sorted(p.parent.name for p in load_dir.glob('*/' + MANIFEST))})")
     tag = check_tag(tag)
     path = load_dir / tag
-    aside = load_dir / f".old-{tag}"  # a crash while re-saving this tag left the previous copy here
-    if not path.exists() and not path.is_symlink() and aside.is_dir() and not aside.is_symlink() \
+    aside = load_dir / f"{OLD_PREFIX}{tag}"  # a crash while re-saving this tag left the previous copy here
+    if not path.is_symlink() and not (path / MANIFEST).is_file() and aside.is_dir() and not aside.is_symlink() \
             and not checkpoint_problems(aside):
         return aside
     if path.is_symlink():   # a plain name may still be a link to anywhere: the checkpoint must be in the directory

@@ -49,7 +49,7 @@ def _errors_job(rank, world, root):
     # only rank 1 cannot write (its view of the save dir is a file, as on storage that is not shared)
     mine = root / ("good" if rank == 0 else "file")
     out["rank1_dir"] = _attempt(lambda: ck.save_checkpoint(mine, "t", _sharded_state(0)))
-    out["rank1_tmp_left"] = (root / "good" / ".tmp-t").exists()
+    out["rank1_tmp_left"] = any((root / "good").glob(".tmp-t*"))
     # a full disk on rank 1 while DCP writes the data (RLIMIT_FSIZE: EFBIG, like ENOSPC an OSError inside DCP's
     # writer thread, which DCP re-raises as a CheckpointException, a BaseException)
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
@@ -60,7 +60,7 @@ def _errors_job(rank, world, root):
         out["disk_full"] = _attempt(lambda: ck.save_checkpoint(root / "good", "t", _sharded_state(0)))
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-    out["disk_full_tmp_left"] = (root / "good" / ".tmp-t").exists()
+    out["disk_full_tmp_left"] = any((root / "good").glob(".tmp-t*"))
     # the caught failures left the collectives in step: a retry saves, loads, and an all-reduce still matches
     ck.save_checkpoint(root / "good", "t", _sharded_state(0))
     into = _sharded_state(1)
@@ -147,7 +147,7 @@ def _async_job(rank, world, root, part):
         return losses + engine_losses(engine, data[3:], rank, world), full_params(engine.module)
     pending = engine.save_checkpoint(root)              # writes in the background
     assert isinstance(pending, ck.PendingSave)
-    # not complete yet: no `latest`, no global_step3 (only .tmp-global_step3) until the save is finished
+    # not complete yet: no `latest`, no global_step3 (only .tmp-global_step3.<token>) until the save is finished
     seen = [(root / "latest").exists(), (root / "global_step3").exists()]
     losses += engine_losses(engine, data[3:4], rank, world)   # trains while the data is written
     seen += [(root / "latest").exists(), (root / "global_step3").exists()]

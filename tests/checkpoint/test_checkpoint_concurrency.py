@@ -1,0 +1,191 @@
+"""What a save does to the directory around it (issue 32): two jobs saving the same tag at once, a tag that names a
+directory or file fsdpzero did not write, `keep_last` after the clock steps back, and a full disk while `latest` is
+written. Real files, real processes (the two "jobs" are two forked processes, each saving on its own, without a
+process group), interleaved deterministically at the save's own fault-injection points (files.crash_point)."""
+from __future__ import annotations
+
+import errno
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.multiprocessing.spawn import ProcessExitedException
+
+from fsdpzero.checkpoint import dcp as ck
+from fsdpzero.checkpoint import files
+from fsdpzero.checkpoint.agree import CheckpointError
+from tests.multirank import run_distributed
+
+
+def _weights(seed: int) -> dict:
+    return {"w": {"x": torch.randn(64, 32, generator=torch.Generator().manual_seed(seed))}}
+
+
+def _loaded(path: Path, tag: str) -> torch.Tensor:
+    into = {"w": {"x": torch.zeros(64, 32)}}
+    ck.load_checkpoint(path, tag, into)
+    return into["w"]["x"]
+
+
+def _wait(events: Path, name: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not (events / name).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"event {name} never came")
+        time.sleep(0.01)
+
+
+def _pause_at(point: str, events: Path, me: str, until: str):
+    """A crash_point stand-in: at `point`, announce it (<me>_at_<point>) and wait for `until`."""
+    def hook(name: str) -> None:
+        if name == point:
+            (events / f"{me}_at_{point}").touch()
+            _wait(events, until)
+    return hook
+
+
+def _job(rank, world, save_dir, events, b_pause):
+    """rank 0 = job A, rank 1 = job B, both saving tag "T" into save_dir. A writes its data and stops before
+    finishing; B then starts and stops at `b_pause`; A finishes; then B finishes."""
+    events = Path(events)
+    me = "AB"[rank]
+    if rank == 0:
+        hook = _pause_at("mid_write", events, "A", "B_at_" + b_pause)
+    else:
+        _wait(events, "A_at_mid_write")
+        hook = _pause_at(b_pause, events, "B", "A_done")
+    files.crash_point = ck.crash_point = hook
+    try:
+        ck.save_checkpoint(save_dir, "T", _weights(10 + rank))
+        result = "ok"
+    except CheckpointError as e:
+        result = f"CheckpointError: {e}"
+    except BaseException as e:   # anything else is a failure of the test, reported as such
+        result = f"unexpected {type(e).__name__}: {e}"
+    if me == "A":
+        (events / "A_done").touch()
+    return result
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new_tag", "resaved_tag"])
+@pytest.mark.parametrize("b_pause", ["before_data", "mid_write"])
+def test_two_jobs_saving_one_tag(tmp_path, existing, b_pause):
+    """Whatever the interleaving, every success reported is true (the tag holds that job's weights), the loser gets
+    a clear error, `latest` names a complete checkpoint, and no temp dir of either job is left behind. On the old
+    fixed `.tmp-<tag>` both jobs wrote into one directory: A reported success over B's weights, or committed B's
+    half-written directory (no .metadata) over the good checkpoint that was there."""
+    save_dir, events = tmp_path / "ck", tmp_path / "events"
+    events.mkdir()
+    if existing:
+        ck.save_checkpoint(save_dir, "T", _weights(1))
+    a, b = run_distributed(_job, 2, str(save_dir), str(events), b_pause, init_pg=False, timeout=120)
+    assert [a, b].count("ok") == 1, (a, b)   # one commit wins, the other finds the tag changed under it
+    winner, loser = (0, b) if a == "ok" else (1, a)
+    assert loser.startswith("CheckpointError: ") and "another save" in loser and "nothing saved" in loser, loser
+    assert "\n" not in loser
+    assert ck.checkpoint_problems(save_dir / "T") == []
+    assert (save_dir / "latest").read_text() == "T"
+    assert torch.equal(_loaded(save_dir, None), _weights(10 + winner)["w"]["x"])
+    assert sorted(p.name for p in save_dir.iterdir() if p.name not in (".fsdpzero.lock",)) == ["T", "latest"]
+
+
+def test_a_job_killed_mid_save_leaves_a_temp_dir_the_next_save_removes(tmp_path):
+    """Unique temp names must not pile up after crashes: a temp dir whose saving process is gone is removed by the
+    next save of that tag (one whose owner still runs is left alone: the test above)."""
+    save_dir = tmp_path / "ck"
+    with pytest.raises((RuntimeError, ProcessExitedException)):   # the process is killed mid-save
+        run_distributed(_killed_job, 1, str(save_dir), init_pg=False, timeout=60)
+    left = [p.name for p in save_dir.iterdir() if p.name.startswith(".tmp-T")]
+    assert len(left) == 1, left
+    ck.save_checkpoint(save_dir, "T", _weights(3))
+    assert not [p.name for p in save_dir.iterdir() if p.name.startswith(".tmp-")]
+    assert torch.equal(_loaded(save_dir, "T"), _weights(3)["w"]["x"])
+
+
+def _killed_job(rank, world, save_dir):
+    os.environ["FSDPZERO_CKPT_CRASH_AT"] = "mid_write"
+    ck.save_checkpoint(save_dir, "T", _weights(2))
+
+
+# ---- a tag that names something fsdpzero did not write ------------------------------------------------------------
+
+def _user_files(d: Path) -> dict:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_saving_into_a_directory_of_the_users_keeps_their_files(tmp_path):
+    """DeepSpeed writes into an existing <save_dir>/<tag>/ and leaves other files alone; so does fsdpzero, on the
+    first save and on a re-save of the tag (the old code moved the directory aside and deleted it)."""
+    tag_dir = tmp_path / "T"
+    (tag_dir / "logs").mkdir(parents=True)
+    (tag_dir / "config.json").write_text('{"model_type": "gpt2"}')
+    (tag_dir / "tokenizer.json").write_text("{}")
+    (tag_dir / "logs" / "train.log").write_text("step 1\n")
+    mine = _user_files(tag_dir)
+    ck.save_checkpoint(tmp_path, "T", _weights(1))
+    assert {k: v for k, v in _user_files(tag_dir).items() if k in mine} == mine
+    assert ck.checkpoint_problems(tag_dir) == [] and torch.equal(_loaded(tmp_path, "T"), _weights(1)["w"]["x"])
+    ck.save_checkpoint(tmp_path, "T", _weights(2))   # a re-save of a checkpoint that has the user's files in it
+    assert {k: v for k, v in _user_files(tag_dir).items() if k in mine} == mine
+    assert ck.checkpoint_problems(tag_dir) == [] and torch.equal(_loaded(tmp_path, "T"), _weights(2)["w"]["x"])
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".tmp-", ".old-"))]
+
+
+def test_a_tag_that_names_a_file_or_holds_a_clashing_file_is_refused_before_writing(tmp_path):
+    (tmp_path / "notes").write_text("my notes")
+    before = _user_files(tmp_path)
+    with pytest.raises(CheckpointError, match=r"notes is a file.*nothing saved"):
+        ck.save_checkpoint(tmp_path, "notes", _weights(1))
+    assert _user_files(tmp_path) == before and sorted(os.listdir(tmp_path)) == ["notes"]
+    (tmp_path / "T").mkdir()
+    (tmp_path / "T" / "state.json").write_text("the user's own state.json")
+    before = _user_files(tmp_path)
+    with pytest.raises(CheckpointError, match=r"T/state.json was not written by fsdpzero"):
+        ck.save_checkpoint(tmp_path, "T", _weights(1))
+    assert _user_files(tmp_path) == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+# ---- keep_last orders by step ------------------------------------------------------------------------------------
+
+def test_keep_last_orders_by_step_not_by_the_clock(tmp_path, monkeypatch):
+    """The clock steps back an hour before every save: the two highest steps are kept, not the two oldest
+    timestamps (the old code deleted each new checkpoint)."""
+    clock = [time.time_ns()]
+
+    def stepping_back() -> int:
+        clock[0] -= 3600 * 10**9
+        return clock[0]
+    monkeypatch.setattr(time, "time_ns", stepping_back)
+    for step in range(1, 6):
+        ck.save_checkpoint(tmp_path, None, _weights(step), step=step, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == \
+        ["global_step4", "global_step5", "latest"]
+    assert torch.equal(_loaded(tmp_path, None), _weights(5)["w"]["x"])
+
+
+# ---- a full disk while `latest` is written -------------------------------------------------------------------
+
+def test_no_space_for_latest_reports_the_saved_tag_truthfully(tmp_path, monkeypatch):
+    """ENOSPC when `latest` is written (reported at its fsync, as ext4 and NFS do): the tag is complete, the error
+    says so and that `latest` still names the previous one, and no `.latest.tmp` is left."""
+    ck.save_checkpoint(tmp_path, "one", _weights(1))
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("latest.tmp"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_fsync(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(CheckpointError) as raised:
+        ck.save_checkpoint(tmp_path, "two", _weights(2))
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    message = str(raised.value)
+    assert "two" in message and "was saved" in message and "not updated" in message and "'one'" in message, message
+    assert "nothing saved" not in message and "No space left on device" in message, message
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp") or p.name.startswith(".tmp-")]
+    assert (tmp_path / "latest").read_text() == "one"
+    assert ck.checkpoint_problems(tmp_path / "two") == []
+    assert torch.equal(_loaded(tmp_path, "two"), _weights(2)["w"]["x"])
