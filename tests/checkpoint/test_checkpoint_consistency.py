@@ -187,3 +187,36 @@ def test_dcp_load_failures_are_fsdpzeros_error(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match=r"loading checkpoint .*t failed: .*No such file") as raised:
         ck.load_checkpoint(tmp_path, "t", {"w": {"x": torch.zeros(4, 8), "y": torch.zeros(3)}})
     assert isinstance(raised.value, Exception)
+
+
+# ---- read-only sources -----------------------------------------------------------------------------------------
+
+def _tree(d: Path) -> dict:
+    return {str(p.relative_to(d)): (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None)
+            for p in sorted(d.rglob("*"))}
+
+
+def test_a_checkpoint_on_a_read_only_mount_loads_and_is_left_as_it_was(tmp_path):
+    """A load writes nothing into the checkpoint's directory (the save directory's lock and temp dirs are the
+    save's): it loads from a read-only mount (a tmpfs remounted read-only where this machine allows mounting, else
+    the files made read-only), and the tree is unchanged after it."""
+    import shutil
+    import subprocess
+    ck.save_checkpoint(tmp_path / "src", None, {"w": {"x": torch.arange(12.0)}}, step=3)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(ro)],
+                             capture_output=True).returncode == 0
+    try:
+        shutil.copytree(tmp_path / "src", ro, dirs_exist_ok=True)
+        if not mounted or subprocess.run(["mount", "-o", "remount,ro", str(ro)], capture_output=True).returncode:
+            for p in [*ro.rglob("*"), ro]:
+                p.chmod(0o555 if p.is_dir() else 0o444)
+        before = _tree(ro)
+        into = {"w": {"x": torch.zeros(12)}}
+        path, _ = ck.load_checkpoint(ro, None, into)
+        assert path.name == "global_step3" and torch.equal(into["w"]["x"], torch.arange(12.0))
+        assert _tree(ro) == before
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(ro)], capture_output=True)
