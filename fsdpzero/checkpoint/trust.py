@@ -2,8 +2,11 @@
 
 DCP keeps its index (`.metadata`) as a pickle, and torch's FileSystemReader reads it with plain `pickle.load`: a
 planted file would run code as soon as it is loaded. `SafeFileSystemReader` reads it with an unpickler that rebuilds
-only DCP's metadata classes, torch.Size, dtypes, layouts and plain containers (`METADATA_GLOBALS`), refuses anything
-else with an `UnsafeCheckpointError` naming the file and the global, and then checks the index before DCP acts on it
+only what DCP's metadata contains (`METADATA_GLOBALS`: its dataclasses, torch.Size, dtypes, layouts, the
+memory-format enum, paths): each object-making opcode is checked (`_MetadataUnpickler`), so no builtin is reachable
+(nothing larger than the file is made) and no state is set on anything but the instances the index itself made (not
+on a class, an enum member or another shared object: no process poisoning). Anything else is an
+`UnsafeCheckpointError` naming the file and what was refused; the index is then checked before DCP acts on it
 (entries stored in plain files of the same directory). DCP reads tensor data itself with torch.load(weights_only=True);
 a non-tensor ("bytes") entry DCP would read with torch.load(weights_only=False), so `SafeLoadPlanner` refuses those
 (fsdpzero never writes them: non-tensor state goes to JSON).
@@ -15,7 +18,6 @@ whoever can rewrite a file can rewrite the manifest too. Trust comes from the re
 """
 from __future__ import annotations
 
-import builtins
 import collections
 import json
 import pathlib
@@ -40,45 +42,94 @@ class UnsafeCheckpointError(pickle.UnpicklingError, ValueError):
 
 
 _DCP_MD = "torch.distributed.checkpoint.metadata"
-# (module, name) a DCP .metadata may name. Enum / dataclass constructors, torch.Size and a layout lookup by name:
-# building them runs no code of the file's choosing.
-METADATA_GLOBALS = {
-    *((_DCP_MD, n) for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-                             "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-    *(("builtins", n) for n in ("set", "frozenset", "tuple", "list", "dict", "int", "float", "str", "bytes")),
-    *((m, n) for m in ("pathlib", "pathlib._local") for n in ("Path", "PosixPath", "PurePosixPath",
-                                                                "WindowsPath", "PureWindowsPath")),
-}
-_CONTAINERS = {"collections": collections, "builtins": builtins}
+# What a DCP .metadata really contains (pickle protocol 4/5, as DCP writes it): its dataclasses, made by NEWOBJ with
+# no arguments and then filled by BUILD; torch.Size, layouts (by name) and the memory-format enum, made by REDUCE
+# from a tuple of plain values; dtypes and pathlib paths (a StorageMeta.checkpoint_id) named directly.
+METADATA_CLASSES = {(_DCP_MD, n) for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                           "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata")} \
+    | {("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+METADATA_CALLABLES = {("torch", "Size"), ("torch.serialization", "_get_layout"), (_DCP_MD, "_MEM_FORMAT_ENCODING"),
+                      ("collections", "OrderedDict"),
+                      *((m, n) for m in ("pathlib", "pathlib._local") for n in ("Path", "PosixPath", "PurePosixPath",
+                                                                                "WindowsPath", "PureWindowsPath"))}
+METADATA_GLOBALS = METADATA_CLASSES | METADATA_CALLABLES
+_PLAIN = (str, int, float, bool, type(None), bytes)
 
 
 class _MetadataUnpickler(pickle._Unpickler):
-    """The pure-Python unpickler, so that BUILD can be checked too: BUILD sets attributes (or calls
-    __setstate__) on the object below it, and on an allowlisted class itself that would rewrite the class for the
-    whole process (e.g. `pathlib.PosixPath.is_file = ...`). Only instances may be built."""
+    """The pure-Python unpickler with its object-making opcodes checked, so that nothing outside DCP's metadata is
+    built and nothing shared is changed:
+    - NEWOBJ only on the DCP metadata dataclasses, with no arguments (a fresh, empty instance);
+    - REDUCE only on torch.Size, the layout lookup, the memory-format enum, OrderedDict and pathlib paths, with
+      arguments that are plain values or tuples of them (nothing built from them is larger than the file: no
+      builtins such as bytes(N) or str(...) are reachable);
+    - BUILD (set state) only on an instance this load made by NEWOBJ: never on a class, an enum member, a dtype or
+      layout singleton, or any other object shared with the rest of the process (an 8-opcode BUILD on
+      `_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT` poisoned every later DCP save);
+    - INST / OBJ / NEWOBJ_EX (protocol 0/1 and keyword constructors, which DCP never writes) and persistent ids are
+      refused."""
 
     def __init__(self, file, source: Path):
         super().__init__(file)
         self.source = source
+        self.fresh: set[int] = set()    # ids of the instances NEWOBJ made in this load (BUILD may fill those only)
+        self.keep: list = []            # ... kept alive so that their ids stay theirs
+
+    def refuse(self, what: str):
+        raise UnsafeCheckpointError(f"{self.source}: refused {what}: a DCP checkpoint index holds only DCP "
+                                    f"metadata, torch.Size, dtypes and containers; the file is corrupt or was planted, "
+                                    f"nothing from it was run")
+
+    def load_newobj(self):
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        if not any(cls is self.find_class(*k) for k in METADATA_CLASSES):
+            self.refuse(f"to construct {cls!r} by NEWOBJ")
+        if args != ():
+            self.refuse(f"arguments {args!r} to {cls.__name__}")
+        obj = cls.__new__(cls)
+        self.fresh.add(id(obj))
+        self.keep.append(obj)
+        self.append(obj)
+
+    def load_reduce(self):
+        args = self.stack.pop()
+        func = self.stack[-1]
+        if not any(func is self.find_class(*k) for k in METADATA_CALLABLES):
+            self.refuse(f"to call {func!r}")
+        if not isinstance(args, tuple) or not all(
+                isinstance(a, _PLAIN) or isinstance(a, tuple) and all(isinstance(x, _PLAIN) for x in a)
+                for a in args):
+            self.refuse(f"arguments of types {[type(a).__name__ for a in args]} to {func!r}")
+        self.stack[-1] = func(*args)
 
     def load_build(self):
-        if isinstance(self.stack[-2], type) or not hasattr(self.stack[-2], "__dict__") and not hasattr(
-                self.stack[-2], "__setstate__"):
-            raise UnsafeCheckpointError(f"{self.source}: refused to set state on {self.stack[-2]!r}: a DCP "
-                                        "checkpoint index only builds instances of its metadata classes")
+        state = self.stack[-1]
+        inst = self.stack[-2]
+        if id(inst) not in self.fresh:
+            self.refuse(f"to set state on {inst!r} (only DCP metadata instances made by this index are filled)")
+        if isinstance(state, dict) and not all(isinstance(k, str) and not k.startswith("__") for k in state):
+            self.refuse(f"state keys {[k for k in state if not isinstance(k, str) or k.startswith('__')]!r}")
+        if not isinstance(state, (dict, tuple)):
+            self.refuse(f"state of type {type(state).__name__} for {type(inst).__name__}")
         return super().load_build()
 
+    def load_refused(self):
+        self.refuse("an INST/OBJ/NEWOBJ_EX opcode (DCP writes protocol 4 NEWOBJ only)")
+
     dispatch = dict(pickle._Unpickler.dispatch)
+    dispatch[pickle.NEWOBJ[0]] = load_newobj
+    dispatch[pickle.REDUCE[0]] = load_reduce
     dispatch[pickle.BUILD[0]] = load_build
+    for _op in (pickle.INST, pickle.OBJ, pickle.NEWOBJ_EX):
+        dispatch[_op[0]] = load_refused
 
     def find_class(self, module: str, name: str):
         if (module, name) in METADATA_GLOBALS:
             if module.startswith("pathlib"):
                 return getattr(pathlib, name)
-            if module in _CONTAINERS:
-                return getattr(_CONTAINERS[module], name)
+            if module == "collections":
+                return collections.OrderedDict
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)

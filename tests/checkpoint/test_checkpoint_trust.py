@@ -352,3 +352,85 @@ def _engine_loads_the_old_copy(rank, world, save_dir):
 def test_engine_load_falls_back_to_the_copy_a_crashed_resave_left(tmp_path):
     [(name, same)] = run_distributed(_engine_loads_the_old_copy, 1, str(tmp_path / "ck"), timeout=120)
     assert name == ".old-t1" and same
+
+
+# ---- issue 32 item 5: state-setting on shared objects, unbounded construction -----------------------------------
+
+def _index_with(tmp_path: Path, ops: bytes) -> Path:
+    """A real `.metadata` (written by a save) with `ops` run just before its STOP, the Metadata staying on top of the
+    stack: the file still reads as a valid index. The save's FRAME is dropped so the new opcodes stand outside it."""
+    ck.save_checkpoint(tmp_path, "t", _small_state(), save_rng=False)
+    path = tmp_path / "t" / ".metadata"
+    data = path.read_bytes()
+    assert data[2:3] == pickle.FRAME and data.endswith(pickle.STOP)
+    path.write_bytes(data[:2] + data[11:-1] + ops + pickle.STOP)
+    return tmp_path / "t"
+
+
+def _glob(module: str, name: str) -> bytes:
+    return pickle.GLOBAL + f"{module}\n{name}\n".encode()
+
+
+def _unicode(text: str) -> bytes:
+    return pickle.BINUNICODE + len(text).to_bytes(4, "little") + text.encode()
+
+
+def test_a_planted_index_cannot_set_state_on_an_enum_singleton(tmp_path):
+    """Ten opcodes added to a real index: REDUCE fetches the shared member
+    _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT (an enum lookup), BUILD sets its _value_. Allowed, that poisoned the
+    process: every later DCP save wrote contiguous tensors under another encoding. Refused before BUILD runs; the
+    enum is unchanged and a later save and load in this process round-trip."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+    member = _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    saved = dict(member.__dict__)
+    ops = (_glob("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING") + pickle.BININT1 + b"\x00"
+           + pickle.TUPLE1 + pickle.REDUCE + pickle.EMPTY_DICT + _unicode("_value_") + pickle.BININT1 + b"\x02"
+           + pickle.SETITEM + pickle.BUILD + pickle.POP)
+    tag = _index_with(tmp_path / "a", ops)
+    try:
+        with pytest.raises(UnsafeCheckpointError, match="refused to set state on") as info:
+            read_dcp_metadata(tag)
+        _one_line(info.value, str(tag / ".metadata"))
+        assert member.value == 0 and member.__dict__ == saved
+        # no process poisoning: a later save and load are exact
+        ck.save_checkpoint(tmp_path / "b", "t", _small_state(3), save_rng=False)
+        back = _small_state(4)
+        ck.load_checkpoint(tmp_path / "b", "t", back)
+        assert all(torch.equal(back["w"][k], _small_state(3)["w"][k]) for k in ("a", "b"))
+        md = read_dcp_metadata(tmp_path / "b" / "t")
+        assert md.state_dict_metadata["state/w/a"].properties.memory_format == torch.contiguous_format
+    finally:   # on code that let it through, do not leave the rest of the test run poisoned
+        member.__dict__.clear()
+        member.__dict__.update(saved)
+
+
+def test_a_tiny_index_cannot_make_large_objects(tmp_path):
+    """`str(bytes(N))` in a 44-byte file: builtins reachable from the index made ~1 GB for N = 2**28. DCP's metadata
+    never names a builtin (protocol 4 has opcodes for its containers); the first one is refused, before any call."""
+    n = 1 << 24   # 16 MiB (and a 64 MiB str) on code that allowed it: small enough for a test machine
+    payload = (b"\x80\x02" + _glob("builtins", "str") + _glob("builtins", "bytes") + pickle.BININT
+               + n.to_bytes(4, "little") + pickle.TUPLE1 + pickle.REDUCE + pickle.TUPLE1 + pickle.REDUCE + pickle.STOP)
+    assert len(payload) <= 44
+    (tmp_path / ".metadata").write_bytes(payload)
+    with pytest.raises(UnsafeCheckpointError, match="refused to unpickle builtins.str") as info:
+        read_dcp_metadata(tmp_path)
+    _one_line(info.value, ".metadata")
+
+
+@pytest.mark.parametrize("ops,refused", [
+    # a DCP dataclass called with arbitrary arguments instead of NEWOBJ + BUILD
+    (_glob("torch.distributed.checkpoint.metadata", "StorageMeta") + pickle.MARK + pickle.NONE + pickle.TUPLE
+     + pickle.REDUCE + pickle.POP, "refused to call"),
+    # protocol-0 INST runs the class's constructor directly, bypassing REDUCE's check
+    (pickle.MARK + pickle.INST + b"torch.distributed.checkpoint.metadata\nStorageMeta\n" + pickle.POP, "INST"),
+    # NEWOBJ of something that is not a DCP metadata class
+    (_glob("collections", "OrderedDict") + pickle.EMPTY_TUPLE + pickle.NEWOBJ + pickle.POP, "NEWOBJ"),
+    # BUILD on a torch.Size (made by REDUCE, not a metadata instance)
+    (_glob("torch", "Size") + pickle.EMPTY_TUPLE + pickle.TUPLE1 + pickle.REDUCE + pickle.EMPTY_DICT + pickle.BUILD
+     + pickle.POP, "refused to set state on"),
+], ids=["reduce-dataclass", "inst", "newobj-other", "build-size"])
+def test_only_what_dcp_metadata_contains_is_built(tmp_path, ops, refused):
+    tag = _index_with(tmp_path, ops)
+    with pytest.raises(UnsafeCheckpointError, match=refused) as info:
+        read_dcp_metadata(tag)
+    _one_line(info.value, ".metadata")
