@@ -57,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no_shim", action="store_true",
                         help="run the script unchanged, without making `import deepspeed` / transformers' Trainer "
                              "run on fsdpzero")
+    parser.add_argument("--config_file", default=None,
+                        help="accelerate's launch config for DeepSpeed (the YAML `accelerate config` writes): its "
+                             "process layout and ACCELERATE_* settings; flags given here take precedence "
+                             "(docs/accelerate_trl.md)")
     parser.add_argument("--dry_run", action="store_true", help="print the torchrun command and exit")
     parser.add_argument("user_script", help="the training script (or module with --module)")
     parser.add_argument("user_args", nargs=argparse.REMAINDER, help="the script's own arguments, passed unchanged")
@@ -240,11 +244,41 @@ def plan_launch(args: argparse.Namespace, pool: dict[str, int] | None, *, gpu_co
     return LaunchPlan(out, env, summary)
 
 
+# argparse defaults of the flags an accelerate config may set: a flag still at its default takes the config's value
+_DEFAULTS = {"hostfile": None, "include": "", "exclude": "", "num_nodes": -1, "num_gpus": -1, "master_addr": "",
+             "master_port": None, "node_rank": -1}
+
+
+def apply_accelerate_config(args: argparse.Namespace, path: str):
+    """Read `--config_file` (fsdpzero/compat/accelerate_config.py) into `args`; returns the config's launch (its
+    environment for the ranks, and its fate rows). Flags given on the command line win, as with accelerate."""
+    from fsdpzero.compat.accelerate_config import read_accelerate_config
+    config = read_accelerate_config(path)
+    for dest, value in config.flags.items():
+        if getattr(args, dest) == _DEFAULTS[dest]:
+            setattr(args, dest, value)
+    if (args.include or args.exclude) and args.num_gpus >= 0 and "num_gpus" in config.flags \
+            and "include" not in config.flags and "exclude" not in config.flags:
+        args.num_gpus = -1          # --include/--exclude on the command line picks the slots instead
+    args.no_local_rank = True       # accelerate launch passes no --local_rank: accelerate scripts do not parse it
+    return config
+
+
+def machines_pool(config, args: argparse.Namespace) -> dict[str, int] | None:
+    """Several machines of an accelerate config and no hostfile: one entry per machine (machine_rank picks ours),
+    each with num_processes / num_machines slots."""
+    if config is None or config.machines <= 1 or args.hostfile is not None:
+        return None
+    per = args.num_gpus if args.num_gpus > 0 else 1
+    return collections.OrderedDict((f"machine{i}", per) for i in range(config.machines))
+
+
 def run(args: argparse.Namespace) -> int:
     import shlex
     import sys
 
-    pool = read_hostfile(args.hostfile)          # a bad hostfile is reported before torch is imported
+    config = apply_accelerate_config(args, args.config_file) if args.config_file else None
+    pool = machines_pool(config, args) or read_hostfile(args.hostfile)   # reported before torch is imported
     import torch
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -253,6 +287,10 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_launch(args, pool, gpu_count=gpu_count, hostname=socket.gethostname(),
                        visible=os.environ.get("CUDA_VISIBLE_DEVICES") if pool is None and not (
                            args.include or args.exclude or args.num_gpus > 0) else None)
+    if config is not None:
+        from fsdpzero.compat.accelerate_config import format_rows
+        plan.env.update(config.env)
+        print(f"fsdpzero launch: accelerate config {args.config_file}\n{format_rows(config.rows)}", file=sys.stderr)
     print(f"fsdpzero launch: {plan.summary}", file=sys.stderr, flush=True)
     if args.dry_run:
         env = " ".join(f"{k}={v}" for k, v in plan.env.items())

@@ -15,6 +15,7 @@ COMMANDS = {
     "convert": "convert checkpoints: ours -> safetensors/fp32, DeepSpeed -> ours",
     "nvme-bench": "sweep aio settings on a disk and print the best `aio` section",
     "launch": "the `deepspeed` launcher's flags (--num_gpus, --hostfile, ...) run by torchrun",
+    "env": "versions, GPUs, CPU SIMD / CPU Adam kernel, aio, ops built, launch layout: for bug reports",
 }
 
 
@@ -30,6 +31,8 @@ def command_module(name: str):
         from fsdpzero.ops import aio_bench as module
     elif name == "launch":
         from fsdpzero.cli import launch as module
+    elif name == "env":
+        from fsdpzero.cli import env as module
     else:
         raise KeyError(name)
     return module

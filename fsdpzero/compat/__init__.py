@@ -9,6 +9,7 @@ changes a Python process that `fsdpzero launch` did not start: a plain `import d
   when `transformers.trainer` loads, `Trainer` becomes fsdpzero.hf's Trainer (so every Trainer subclass defined
   afterwards, Seq2SeqTrainer or a user's, runs on fsdpzero too).
 - `deepspeed.py`: what the stand-in `deepspeed` module offers (initialize, init_distributed, add_config_arguments,
-  zero, comm).
+  zero, comm, DeepSpeedEngine); `submodules.py`: the deepspeed.* names accelerate imports; `comm.py`: deepspeed.comm.
+- `accelerate_config.py`: accelerate's launch YAML for DeepSpeed, read by `fsdpzero launch --config_file` (pure).
 - `bootstrap.py`: the per-rank entry point.
 """

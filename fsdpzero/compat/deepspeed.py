@@ -1,14 +1,81 @@
 """What `import deepspeed` gives a script started by `fsdpzero launch` (see fsdpzero/compat/shim.py): DeepSpeed's
 training entry points, run by fsdpzero. `deepspeed.zero` is `fsdpzero.zero` and `deepspeed.comm` is
-torch.distributed (plus `get_local_rank`); both are imported on first use. Anything else (deepspeed.ops,
-deepspeed.utils, ...) is not provided: the import fails naming the module; `fsdpzero launch --no_shim` runs the
-script with the real DeepSpeed."""
+torch.distributed (plus `get_local_rank`, `init_distributed`); both are imported on first use. The submodules
+accelerate uses (runtime.lr_schedules, checkpoint.utils, ops.adam, utils) come from fsdpzero/compat/submodules.py.
+Anything else (deepspeed.moe, deepspeed.inference, ...) is not provided: the import fails naming the module;
+`fsdpzero launch --no_shim` runs the script with the real DeepSpeed."""
 from __future__ import annotations
 
-from fsdpzero.api import add_config_arguments, init_distributed, initialize
-from fsdpzero.engine import Engine as DeepSpeedEngine
+import contextlib
+from typing import Any
 
-# the DeepSpeed release whose config surface fsdpzero follows; the local part says what this really is
-__version__ = "0.19.8+fsdpzero"
+import torch
+
+from fsdpzero import api
+from fsdpzero.api import add_config_arguments, init_distributed
+from fsdpzero.compat.shim import STAND_IN_VERSION as __version__  # noqa: F401
+from fsdpzero.engine import Engine
+
+
+class DeepSpeedEngine(Engine):
+    """fsdpzero's Engine plus the DeepSpeed engine methods accelerate calls by name (`get_state_dict`,
+    `save_model`): nothing else differs. `deepspeed.initialize` returns one."""
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return self.plan.shard.gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """The whole model's weights in the compute dtype on rank 0, None on the other ranks (DeepSpeed's
+        contract). Collective: every rank calls it."""
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        from fsdpzero.checkpoint.export import full_tensor
+        from fsdpzero.precision import DTYPES
+        self.wait_for_params()
+        dtype = DTYPES[self.plan.precision.param_dtype]
+        swapper = self.grad_path.param_swapper
+        frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        out: dict[str, torch.Tensor] | None = {} if rank0 else None
+        # NVMe-swapped params (offload_param nvme) are read from their files, as the export does
+        with swapper.lazy() if swapper is not None else contextlib.nullcontext():
+            for name, t in get_model_state_dict(self.module).items():
+                if exclude_frozen_parameters and name in frozen:
+                    continue
+                full = full_tensor(t, swapper)          # every rank joins each gather, in the same order
+                if rank0:
+                    out[name] = (full.to(dtype) if full.is_floating_point() else full).detach().cpu().clone()
+        return out
+
+    _consolidated_16bit_state_dict = _zero3_consolidated_16bit_state_dict   # DeepSpeed's AutoTP name
+
+
+def initialize(args: Any = None, model: Any = None, optimizer: Any = None, *rest: Any, **kwargs: Any):
+    """`deepspeed.initialize`: fsdpzero.initialize, whose engine is a DeepSpeedEngine (above).
+
+    A client optimizer the engine steps through another object (the offload path's CPU Adam over fp32 masters)
+    lends it its param-group dicts: a scheduler built on the client optimizer, such as accelerate's
+    AcceleratedScheduler over a torch LambdaLR, then sets the learning rate that steps, as with DeepSpeed, whose
+    ZeRO optimizer steps the client's own groups."""
+    engine, engine_optimizer, loader, scheduler = api.initialize(args, model, optimizer, *rest, **kwargs)
+    engine.__class__ = DeepSpeedEngine          # methods only: the object and its state are fsdpzero's Engine
+    if isinstance(optimizer, torch.optim.Optimizer) and engine_optimizer is not None \
+            and engine_optimizer is not optimizer:
+        share_param_groups(optimizer, engine_optimizer)
+    return engine, engine_optimizer, loader, scheduler
+
+
+def share_param_groups(client: torch.optim.Optimizer, stepped: torch.optim.Optimizer) -> None:
+    """Make `stepped` use `client`'s group dicts, holding `stepped`'s entries (its params, its hyperparameters) plus
+    the client's own keys (a scheduler's initial_lr)."""
+    if len(client.param_groups) != len(stepped.param_groups):
+        raise ValueError(f"deepspeed.initialize: the client optimizer has {len(client.param_groups)} param groups, "
+                         f"the engine's {len(stepped.param_groups)}: a scheduler on the client optimizer could not "
+                         "drive the engine's learning rate")
+    for i, (mine, theirs) in enumerate(zip(client.param_groups, stepped.param_groups)):
+        mine.update(theirs)
+        stepped.param_groups[i] = mine
+
 
 __all__ = ["DeepSpeedEngine", "add_config_arguments", "init_distributed", "initialize"]

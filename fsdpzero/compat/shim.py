@@ -5,13 +5,18 @@ names (`transformers.trainer.Trainer`, `TrainingArguments.__post_init__`) at the
 loading, whatever order the script imports them in (`from transformers import Trainer`, `transformers.Trainer`,
 HfArgumentParser first, ...), and `deepspeed` is resolved before sys.path, so an installed DeepSpeed is not used.
 
-- `deepspeed`, `deepspeed.zero`, `deepspeed.comm`: new modules named so, whose attributes forward to
-  fsdpzero.compat.deepspeed, fsdpzero.zero and fsdpzero.compat.comm (resolved on first use). Other
-  `deepspeed.*` imports fail with a message naming the module.
+- `deepspeed`, `deepspeed.zero`, `deepspeed.comm` (and the submodules accelerate imports: runtime.lr_schedules,
+  checkpoint.utils, ops.adam, utils): new modules named so, whose attributes forward to fsdpzero.compat.deepspeed,
+  fsdpzero.zero, fsdpzero.compat.comm and fsdpzero.compat.submodules (resolved on first use). Other `deepspeed.*`
+  imports fail with a message naming the module. importlib.metadata finds a `deepspeed` distribution of version
+  0.19.8+fsdpzero, so accelerate's and transformers' "is DeepSpeed installed" checks pass.
+- accelerate.state: on a machine without GPUs, a DeepSpeed rank of accelerate joins a gloo process group (accelerate
+  would run it alone), so `Accelerator(deepspeed_plugin=...)` runs on CPU ranks as on GPUs.
 - transformers.training_args: `TrainingArguments(deepspeed=...)` (any subclass: Seq2SeqTrainingArguments, TRL's
   configs) keeps the config in `fsdpzero_config` and leaves `deepspeed` None, so transformers and accelerate never
   configure DeepSpeed; on a machine without GPUs it also sets `use_cpu=True` (accelerate joins a CPU process
-  group only then).
+  group only then). Without `deepspeed=`, an accelerate launch config's DeepSpeed settings (ACCELERATE_USE_DEEPSPEED
+  and the rest, from `fsdpzero launch --config_file`) become the config, as transformers reads them.
 - transformers.trainer: `Trainer` becomes a subclass of fsdpzero.hf.Trainer that takes the diverted config; a
   script that passes none runs ZeRO stage 0 (replicated data parallel, what transformers would do with DDP).
   fsdpzero.hf, which subclasses the original, loads transformers.trainer first whoever imports it first.
@@ -21,7 +26,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.metadata
 import importlib.util
+import os
+import pathlib
 import sys
 import types
 
@@ -30,7 +38,24 @@ FORWARDS = {
     "deepspeed": "fsdpzero.compat.deepspeed",
     "deepspeed.zero": "fsdpzero.zero",
     "deepspeed.comm": "fsdpzero.compat.comm",
+    # what accelerate's DeepSpeed integration imports (fsdpzero/compat/submodules.py)
+    "deepspeed.runtime": "fsdpzero.compat.submodules",
+    "deepspeed.runtime.lr_schedules": "fsdpzero.compat.submodules",
+    "deepspeed.checkpoint": "fsdpzero.compat.submodules",
+    "deepspeed.checkpoint.utils": "fsdpzero.compat.submodules",
+    "deepspeed.ops": "fsdpzero.compat.submodules",
+    "deepspeed.ops.adam": "fsdpzero.compat.submodules",
+    "deepspeed.utils": "fsdpzero.compat.submodules",
 }
+
+
+# The stand-in's version, also its importlib.metadata version (accelerate and transformers check DeepSpeed is
+# installed by its distribution metadata): the DeepSpeed release whose config fsdpzero follows (config.schema's
+# COMPAT_VERSION, not imported here: metadata scans, pydantic's plugin lookup among them, run while it imports) and
+# a local part saying what it really is.
+STAND_IN_VERSION = "0.19.8+fsdpzero"
+
+
 # a DeepSpeed config for a Trainer given none: replicated data parallel, batch and clipping from TrainingArguments
 NO_CONFIG = {"zero_optimization": {"stage": 0}, "train_micro_batch_size_per_gpu": "auto",
              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
@@ -64,7 +89,20 @@ class ForwardingLoader(importlib.abc.Loader):
         module.__getattr__ = __getattr__
         module.__fsdpzero_target__ = target
         if module.__name__ == "deepspeed":
-            module.__version__ = importlib.import_module(target).__version__
+            module.__version__ = STAND_IN_VERSION
+
+
+class StandInDistribution(importlib.metadata.Distribution):
+    """importlib.metadata's view of the stand-in: a `deepspeed` distribution of STAND_IN_VERSION, no files."""
+
+    def read_text(self, filename):
+        if filename == "METADATA":
+            return (f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {STAND_IN_VERSION}\n"
+                    "Summary: fsdpzero's stand-in for DeepSpeed under `fsdpzero launch`\n")
+        return None
+
+    def locate_file(self, path):
+        return pathlib.Path(path)
 
 
 class ShimFinder(importlib.abc.MetaPathFinder):
@@ -72,12 +110,12 @@ class ShimFinder(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname in FORWARDS:
-            return importlib.util.spec_from_loader(fullname, ForwardingLoader(FORWARDS[fullname]),
-                                                   is_package=fullname == "deepspeed")
+            package = any(name.startswith(fullname + ".") for name in FORWARDS)
+            return importlib.util.spec_from_loader(fullname, ForwardingLoader(FORWARDS[fullname]), is_package=package)
         if fullname.startswith("deepspeed."):
             raise ModuleNotFoundError(
                 f"No module named {fullname!r}: under `fsdpzero launch`, `deepspeed` is fsdpzero's stand-in, which "
-                f"provides {', '.join(sorted(FORWARDS))} and deepspeed.initialize / init_distributed / "
+                f"provides {', '.join(sorted(FORWARDS))}, deepspeed.initialize / init_distributed / "
                 f"add_config_arguments (docs/launch.md); `fsdpzero launch --no_shim` runs the real DeepSpeed",
                 name=fullname)
         if fullname in POST_HOOKS or fullname in PRE_HOOKS:
@@ -90,6 +128,12 @@ class ShimFinder(importlib.abc.MetaPathFinder):
                         spec.loader = HookLoader(spec.loader, PRE_HOOKS.get(fullname), POST_HOOKS.get(fullname))
                     return spec
         return None
+
+    def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
+        """The stand-in's metadata, found before an installed DeepSpeed's (this finder is first)."""
+        if context.name is None or context.name.replace("-", "_").lower() == "deepspeed":
+            return iter([StandInDistribution()])
+        return iter(())
 
 
 class HookLoader(importlib.abc.Loader):
@@ -119,6 +163,9 @@ def divert_training_arguments(module: types.ModuleType) -> None:
     def __post_init__(self):
         if self.deepspeed and getattr(self, "fsdpzero_config", None) is None:
             self.fsdpzero_config, self.deepspeed = self.deepspeed, None
+        elif not self.deepspeed and getattr(self, "fsdpzero_config", None) is None \
+                and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+            self.fsdpzero_config = accelerate_env_config(self)
         import torch
         if not torch.cuda.is_available() and not self.use_cpu:
             self.use_cpu = True
@@ -126,6 +173,19 @@ def divert_training_arguments(module: types.ModuleType) -> None:
 
     cls.__post_init__ = __post_init__
     cls.__fsdpzero_diverted__ = True
+
+
+def accelerate_env_config(args) -> dict:
+    """The DeepSpeed config an accelerate launch config gave a Trainer script (ACCELERATE_* variables, set by
+    `fsdpzero launch --config_file` as by `accelerate launch`): what transformers builds then, accelerate's
+    `DeepSpeedPlugin()` from the environment with the mixed precision applied. The variable is then cleared for this
+    process, so the Trainer's own Accelerator stays out of DeepSpeed's way and fsdpzero's Trainer runs the config."""
+    from accelerate.utils import DeepSpeedPlugin
+    plugin = DeepSpeedPlugin()
+    precision = "fp16" if args.fp16 else "bf16" if args.bf16 else os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    plugin.set_mixed_precision(precision)
+    del os.environ["ACCELERATE_USE_DEEPSPEED"]
+    return plugin.deepspeed_config
 
 
 def swap_trainer(module: types.ModuleType) -> None:
@@ -183,8 +243,29 @@ def trainer_first() -> None:
         pass                     # no transformers (or no accelerate): fsdpzero.hf will say what is missing
 
 
+def join_cpu_ranks(module: types.ModuleType) -> None:
+    """accelerate's PartialState joins a CPU process group only when told `cpu=True`, and takes its DeepSpeed branch
+    only when `cpu=False`: on a machine without GPUs an `Accelerator(deepspeed_plugin=...)` rank would run alone.
+    There, a DeepSpeed rank (ACCELERATE_USE_DEEPSPEED and LOCAL_RANK set) picks its backend as a CPU rank does
+    (gloo) and still takes the DeepSpeed branch, which joins through deepspeed.comm.init_distributed."""
+    cls = module.PartialState
+    if getattr(cls._prepare_backend, "__fsdpzero_shim__", False):
+        return
+    original = cls._prepare_backend
+
+    def _prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
+        import torch
+        if not cpu and not torch.cuda.is_available() and int(os.environ.get("LOCAL_RANK", -1)) != -1 \
+                and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+            cpu = True
+        return original(self, cpu, sagemaker_dp, backend)
+
+    _prepare_backend.__fsdpzero_shim__ = True
+    cls._prepare_backend = _prepare_backend
+
+
 POST_HOOKS = {"transformers.training_args": divert_training_arguments, "transformers.trainer": swap_trainer,
-              "transformers.integrations.deepspeed": swap_hf_deepspeed_config}
+              "transformers.integrations.deepspeed": swap_hf_deepspeed_config, "accelerate.state": join_cpu_ranks}
 PRE_HOOKS = {"fsdpzero.hf": trainer_first}
 
 

@@ -223,7 +223,9 @@ import deepspeed, deepspeed.comm
 import transformers
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainingArguments
 from transformers.integrations import HfDeepSpeedConfig
-out = {"initialize": deepspeed.initialize is fsdpzero.initialize, "version": deepspeed.__version__,
+import fsdpzero.compat.deepspeed
+out = {"initialize": deepspeed.initialize is fsdpzero.compat.deepspeed.initialize
+                     and deepspeed.DeepSpeedEngine.__mro__[1] is fsdpzero.Engine, "version": deepspeed.__version__,
        "trainer": issubclass(Trainer, fsdpzero.hf.Trainer) and transformers.Trainer is Trainer,
        "seq2seq": issubclass(Seq2SeqTrainer, fsdpzero.hf.Trainer), "local_rank": deepspeed.comm.get_local_rank()}
 args = Seq2SeqTrainingArguments(output_dir=sys.argv[2], deepspeed={"zero_optimization": {"stage": 3}})
@@ -232,7 +234,7 @@ dschf = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}})
 out["hf_deepspeed_config"] = type(dschf) is fsdpzero.hf.HfDeepSpeedConfig
 del dschf
 try:
-    importlib.import_module("deepspeed.ops.adam")
+    importlib.import_module("deepspeed.moe.layer")
 except ModuleNotFoundError as e:
     out["ops"] = str(e)
 json.dump(out, open(sys.argv[1], "w"))
@@ -249,7 +251,7 @@ def test_shim_inside_launch_and_real_deepspeed_outside(tmp_path):
     got = json.loads((tmp_path / "out.json").read_text())
     assert got["initialize"] and got["trainer"] and got["seq2seq"] and got["version"] == "0.19.8+fsdpzero"
     assert got["diverted"] == [None, {"zero_optimization": {"stage": 3}}, True] and got["local_rank"] == 0
-    assert "'deepspeed.ops'" in got["ops"] and "--no_shim" in got["ops"]
+    assert "'deepspeed.moe'" in got["ops"] and "--no_shim" in got["ops"]
     assert got["hf_deepspeed_config"]
     # the same interpreter outside `fsdpzero launch`: DeepSpeed itself (when installed), transformers untouched
     p = subprocess.run([sys.executable, "-c", "import deepspeed, transformers; print(deepspeed.__file__, "
