@@ -88,11 +88,9 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
     fill = take_deferred(model)   # zero.Init / HfDeepSpeedConfig: built without full weights; filled per shard
     meta = is_meta(model)
     if not meta:
-        upcasts = upcast_to_master(model, plan)
+        upcast_to_master(model, plan)   # logs what it cast; the startup block names the master dtype
         model.to(info.device)
         broadcast_module(model)
-    else:
-        upcasts = []
     original = [p for p in model.parameters() if p.requires_grad]
     groups = _param_groups(model_parameters)
     all_blocks = find_blocks(model, block_classes, block_predicate)
@@ -115,7 +113,7 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
         engine.compile(plan.compile.backend, plan.compile.kwargs)
     log_startup(plan, {"world_size": info.world_size, "mesh": str(mesh),
                        "grad_path": grad_path_name(plan) if not forward_only else "none (forward only)",
-                       "blocks_sharded": len(blocks), "upcast_params": len(upcasts),
+                       "blocks_sharded": len(blocks), "master_weights": plan.precision.master_dtype,
                        **({"compile": f"{plan.compile.backend} per block ({plan.compile.source})"}
                           if plan.compile.enabled else {}),
                        "optimizer": type(path.optimizer).__name__ if path.optimizer is not None else "none"})

@@ -323,7 +323,12 @@ class Engine(nn.Module):
         """DeepSpeed's signature; options: keep_last, async_save (see fsdpzero.checkpoint.dcp)."""
         from fsdpzero.checkpoint.engine_state import save_engine
         self.wait_for_params()
-        return save_engine(self, save_dir, tag, client_state, save_latest, **options)
+        saved = save_engine(self, save_dir, tag, client_state, save_latest, **options)
+        if is_rank0() and isinstance(saved, os.PathLike):   # DeepSpeed users expect a line
+            log.info("saved checkpoint %s at global step %d", saved, self.global_steps)
+        elif is_rank0():   # async_save: finished (and agreed across ranks) by the next save or load
+            log.info("saving the checkpoint of global step %d in the background", self.global_steps)
+        return saved
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False):
@@ -331,8 +336,15 @@ class Engine(nn.Module):
         load_module_strict=False loads only the model keys the checkpoint and the model share."""
         from fsdpzero.checkpoint.engine_state import load_engine
         self._settle()          # a pending verdict belongs to the state being replaced, not to the loaded one
-        return load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only,
-                           strict=load_module_strict)
+        path, client = load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                                   load_module_only, strict=load_module_strict)
+        if path is not None and is_rank0() and load_module_only:
+            log.info("loaded the weights of checkpoint %s (load_module_only: counters and optimizer left as they "
+                     "were)", path)
+        elif path is not None and is_rank0():
+            log.info("loaded checkpoint %s%s: resuming at global step %d", path,
+                     "" if load_optimizer_states else " without its optimizer state", self.global_steps)
+        return path, client
 
     def save_16bit_model(self, save_dir, save_filename="model.safetensors", exclude_frozen_parameters=False):
         """Consolidated weights in the compute dtype for from_pretrained (see fsdpzero.checkpoint.export)."""

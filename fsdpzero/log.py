@@ -48,6 +48,25 @@ def log_startup(plan: Plan, extra: dict) -> None:
         log.debug("every key DeepSpeed reads:\n%s", fate_table(plan, show_all=True))
 
 
+def mean_over_ranks(value) -> float:
+    """A per-rank loss (a tensor on the engine's device, where its group communicates; None on every rank: nan)
+    averaged over all ranks, as the monitor's; every rank calls it."""
+    if value is None:
+        return float("nan")
+    t = value.detach().float().reshape(()).clone() if torch.is_tensor(value) else torch.tensor(float(value))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+        t = t / dist.get_world_size()
+    return float(t)
+
+
+def count(n: int) -> str:
+    """An element or parameter count a reader takes in at once: 8,192 / 3.42 M / 8.03 B (never '0.0 M')."""
+    if n < 1_000_000:
+        return f"{n:,}"
+    return f"{n / 1e6:.2f} M" if n < 1_000_000_000 else f"{n / 1e9:.2f} B"
+
+
 class Timers:
     """Accumulated wall time per phase since the last report; no-ops unless enabled."""
 
@@ -98,8 +117,8 @@ class StepPrinter:
         now = time.perf_counter()
         rate = (samples - self._samples0) / max(now - self._t0, 1e-9)
         self._t0, self._samples0 = now, samples
-        loss_v = float(loss) if loss is not None else float("nan")   # one host sync, only on print steps
-        if is_rank0():
+        loss_v = mean_over_ranks(loss)   # one collective and host sync, only on print steps
+        if is_rank0():   # this optimizer step's loss, averaged over micro-steps and ranks (as the monitor's)
             log.info("step=%d, skipped=%d, loss=%.6f, lr=%s, grad_norm=%.4g, loss_scale=%s, samples/s=%.2f",
                      step, skipped, loss_v, lr, float(grad_norm), loss_scale, rate)
             if self.timers.enabled:

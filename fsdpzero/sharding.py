@@ -60,7 +60,7 @@ def find_blocks(model: nn.Module, block_classes: Iterable[str | type] | None = N
         wanted = list(block_classes) if block_classes is not None else list(getattr(model, "_no_split_modules", None)
                                                                            or [])
         if not wanted:
-            log.info("fsdpzero: %s declares no transformer blocks (no HF _no_split_modules): sharding it as one "
+            log.info("%s declares no transformer blocks (no HF _no_split_modules): sharding it as one "
                      "unit; pass block_classes=[...] or block_predicate=fn for per-block sharding",
                      type(model).__name__)
             return []
@@ -116,7 +116,7 @@ def shard_model(model: nn.Module, plan: Plan, mesh: DeviceMesh, mp_policy: Mixed
         blocks = find_blocks(model, block_classes, block_predicate)
     if plan.activation_checkpointing.enabled:
         how = apply_checkpointing(model, blocks, cpu_offload=plan.activation_checkpointing.cpu_checkpointing)
-        log.info("fsdpzero: activation checkpointing on %s (%s)", type(model).__name__, how)
+        log.info("activation checkpointing on %s (%s)", type(model).__name__, how)
     if plan.shard.stage == 1:
         return model, []
     shard_size = mesh.size(mesh.ndim - 1)
@@ -197,7 +197,7 @@ def materialize(model: nn.Module, device: torch.device, full_state_dict: dict | 
             setattr(m, n, getattr(fresh, n).to(device))
     if full_state_dict is None:
         if not filled_later:   # filled_later: the caller writes each shard next (zero.Init, HfDeepSpeedConfig)
-            log.warning("fsdpzero: %s was built on the meta device and no full_state_dict was given: its "
+            log.warning("%s was built on the meta device and no full_state_dict was given: its "
                         "parameters are uninitialised memory until a checkpoint is loaded", type(model).__name__)
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

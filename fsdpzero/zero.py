@@ -362,12 +362,11 @@ def _index_modules() -> None:
     _owner_index.clear()
     _fsdp_units.clear()
     for obj in gc.get_objects():
-        try:
-            if not isinstance(obj, nn.Module):
-                continue
-        except Exception:                                   # objects whose __class__ lookup fails
+        # type(), not isinstance(): isinstance reads obj.__class__ through the object's own __getattribute__, and
+        # some objects answer with a side effect (torch.distributed.reduce_op warns "deprecated" on every rank)
+        if not issubclass(type(obj), nn.Module):
             continue
-        if isinstance(obj, FSDPModule):
+        if issubclass(type(obj), FSDPModule):
             _fsdp_units.append(weakref.ref(obj))
         for name, p in obj._parameters.items():
             if p is not None:

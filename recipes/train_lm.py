@@ -93,11 +93,8 @@ class TrainLMRecipe:
             raise RecipeError(f"resume={resume}: not a checkpoint directory (no 'latest' file naming a tag)")
         if not hasattr(self.engine, "load_checkpoint"):
             raise RecipeError("resume: this fsdpzero build has no engine.load_checkpoint; use resume=never")
-        _, client_state = self.engine.load_checkpoint(str(src))
-        step = int((client_state or {}).get("step", 0))
-        if self.rank == 0:
-            log.info("resumed from %s at step %d", src, step)
-        return step
+        _, client_state = self.engine.load_checkpoint(str(src))   # the engine logs the line on rank 0
+        return int((client_state or {}).get("step", 0))
 
     def _batches(self, start_step: int):
         """Micro-batches forever, epoch after epoch; a resumed run skips what was already consumed."""
@@ -137,6 +134,7 @@ class TrainLMRecipe:
                    unit="step", dynamic_ncols=True)
         self.engine.train()
         t_last, steps_since, loss_sum = time.perf_counter(), 0, 0.0
+        first = self.start_step + 1   # the first step of the current logging window
         for step in range(self.start_step + 1, tcfg.max_steps + 1):
             for _ in range(self.gas):
                 loss = self.engine(**next(batches)).loss
@@ -155,7 +153,11 @@ class TrainLMRecipe:
                 t_last, steps_since = now, 0
                 lr = self.engine.get_lr()[0]
                 self.curves["train"].append((step, train_loss))
-                bar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", refresh=False)
+                # labelled: the engine's steps_per_print line shows one step's loss, this the mean since the last
+                window = f"step {step}" if step - first == 0 else f"steps {first}-{step}"
+                bar.set_postfix_str(f"loss {train_loss:.3f} (mean of {window}, all ranks), lr {lr:.2e}, "
+                                    f"tok/s {tok_s:,.0f}", refresh=False)
+                first = step + 1
             if tcfg.eval_every and step % tcfg.eval_every == 0 and step != tcfg.max_steps:
                 self._eval_and_log(step)
             if tcfg.save_every and step % tcfg.save_every == 0:

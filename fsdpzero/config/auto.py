@@ -25,8 +25,12 @@ FLAGS = {"hidden_size": "--hidden-size H", "world_size": "--world-size N"}   # `
 
 
 def _how_to_pass(field: str) -> str:
-    """The fix for an unresolved "auto": the context key, and the migrate flag that carries it."""
+    """The fix for an unresolved "auto": the context key, and the migrate/validate flag that carries it. A
+    TrainingArguments name comes first from `--hf-defaults`, which fills every such name as the Trainer would."""
     flag = FLAGS.get(field, f"--set {field}=...")
+    if field in HF_DEFAULTS:
+        return (f"add --hf-defaults (TrainingArguments' defaults, {field}={HF_DEFAULTS[field]!r}, as the HF Trainer "
+                f"fills them), or pass {field} (`fsdpzero migrate {flag}`), or write a value")
     return f"pass {field} in the context (`fsdpzero migrate {flag}`) or write a value"
 
 STEP_KEYS = ("scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps")

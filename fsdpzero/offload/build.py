@@ -46,6 +46,7 @@ from fsdpzero.offload.path import OffloadGradPath
 from fsdpzero.optim.factory import OptimizerFactory
 from fsdpzero.plan import Plan
 from fsdpzero.dist import local_tensor
+from fsdpzero.log import count
 from fsdpzero.precision import DTYPES
 from fsdpzero.tuning import Tuning, current
 
@@ -289,10 +290,10 @@ def build_offload_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFa
         path.param_swapper = _param_swapper(model, plan, entries)
     spec = "off" if path.spec is None else (f"{len(path.spec.covered)} of {len(path.cpu_chunks)} chunks, "
                                             f"{path.spec.shadow_used_bytes / 2**30:.2f} GiB of shadows")
-    log.info("offload: %d params, %.1f M elements on this rank, %d chunks, %d CPU threads, staged=%s, pinned "
+    log.info("offload: %d params, %s elements on this rank, %d chunks, %d CPU threads, staged=%s, pinned "
              "copy buffers=%s, "
              "overlap=%s, speculative step: %s, device-stepped chunks=%d (ratio %s)", len(entries),
-             sum(e.master.numel() for e in entries) / 1e6, len(path.chunks), threads, stage, pin, path.overlap,
+             count(sum(e.master.numel() for e in entries)), len(path.chunks), threads, stage, pin, path.overlap,
              spec, len(path.device_chunks), ratio)
     return path
 

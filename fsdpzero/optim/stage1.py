@@ -120,7 +120,7 @@ def build_stage1_path(model: nn.Module, plan, make_optimizer: Callable, mesh=Non
     optimizer = make_optimizer([p for _, p in named])
     if type(optimizer).__name__ not in _ELEMENTWISE and (not dist.is_initialized() or dist.get_rank() == 0):
         logging.getLogger("fsdpzero").warning(
-            "fsdpzero: ZeRO stage 1 gives %s one flat tensor per param group and rank, as DeepSpeed's ZeRO 1/2 do; "
+            "ZeRO stage 1 gives %s one flat tensor per param group and rank, as DeepSpeed's ZeRO 1/2 do; "
             "per-tensor quantities (LAMB trust ratios, ...) are then taken over that flat shard and results differ "
             "from stage 0", type(optimizer).__name__)
     shard, precision, offload = plan.shard, plan.precision, plan.offload
