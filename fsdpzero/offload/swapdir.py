@@ -1,5 +1,8 @@
 """Swap directories for NVMe offload: <nvme_path>/fsdpzero_swap/<host>.<pid>.<n>.rank<r>/, one per optimizer.
 
+Each is made by this process with mode 0700 (an exclusive mkdir: a name someone planted, a link included, is never
+used) and its files are created with O_EXCL | O_NOFOLLOW (fsdpzero.ops.aio.open_file(exclusive=True)).
+
 Created at start with a marker naming the owning process (pid, its start time, the boot id) and saying it is not a
 checkpoint; free space and writability are checked before anything is written; removed on close, at exit and on
 garbage collection; one left by a killed process (dead pid, reused pid, another boot) is removed by the next start
@@ -48,9 +51,11 @@ def is_swap_dir(path) -> bool:
 def remove_stale_swap_dirs(nvme_path) -> list[Path]:
     """Remove swap directories under nvme_path left by dead processes of this host (killed runs). Returns them."""
     base, host, removed = Path(nvme_path) / SWAP_ROOT, socket.gethostname(), []
-    if not base.is_dir():
+    if base.is_symlink() or not base.is_dir():   # a link: not ours to look into
         return removed
     for d in base.iterdir():
+        if d.is_symlink():
+            continue
         try:
             owner_host, pid, _, _ = d.name.rsplit(".", 3)
             pid = int(pid)
@@ -75,6 +80,29 @@ def remove_stale_swap_dirs(nvme_path) -> list[Path]:
     return removed
 
 
+def _private_dir(base: Path, rank: int) -> Path:
+    """base/<host>.<pid>.<n>.rank<r>, made by this call with mode 0700 (mkdir is exclusive): never a directory or
+    link someone else planted under that predictable name (a taken name moves on to the next n). `base` itself,
+    shared by the ranks and the users of the disk, must be a real directory, not a link to somewhere else."""
+    for _ in range(1000):
+        try:
+            base.mkdir(exist_ok=True)   # again each time: another rank may just have removed it
+        except FileExistsError:
+            pass
+        if base.is_symlink() or not base.is_dir():
+            raise OSError(errno.ELOOP, f"{base} is a symbolic link or not a directory; the swap space is made only "
+                          f"in a real directory (remove it)", str(base))
+        path = base / f"{socket.gethostname()}.{os.getpid()}.{next(_instances)}.rank{rank}"
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            continue
+        except FileNotFoundError:   # base removed by another rank between the two calls
+            continue
+        return path
+    raise FileExistsError(errno.EEXIST, f"no free swap directory name under {base}", str(base))
+
+
 class SwapDir:
     """This process's swap directory under nvme_path; `key` names the config key in error messages."""
 
@@ -93,10 +121,7 @@ class SwapDir:
                                          "directory", str(self.root))
             base = self.root / SWAP_ROOT
             remove_stale_swap_dirs(self.root)
-            base.mkdir(exist_ok=True)
-            # one directory per optimizer: a process may hold several (a resumed copy, tests)
-            self.path = base / f"{socket.gethostname()}.{os.getpid()}.{next(_instances)}.rank{rank}"
-            self.path.mkdir(parents=True, exist_ok=True)   # parents: another rank may just have removed base
+            self.path = _private_dir(base, rank)
             (self.path / MARKER).write_text(json.dumps(
                 {"what": "fsdpzero NVMe swap space (optimizer states of a running job); not a checkpoint",
                  "pid": os.getpid(), "start_time": _proc_start_time(os.getpid()), "boot_id": _boot_id(),
@@ -117,7 +142,8 @@ class SwapDir:
         """Fail now, not mid-step: the file system must take an O_DIRECT write and have `nbytes` free."""
         probe = self.path / ".write_probe"
         try:
-            with AioHandle(AioConfig(block_size=ALIGN), backend="python") as h, h.open(probe, write=True) as f:
+            with AioHandle(AioConfig(block_size=ALIGN), backend="python") as h, \
+                    h.open(probe, write=True, exclusive=True) as f:
                 h.pwrite(aligned_empty(ALIGN), f).wait()
                 os.fsync(f.fd)
         except OSError as e:

@@ -266,31 +266,58 @@ class AioFile:
 _warned_buffered: set[str] = set()
 
 
-def open_file(path, write: bool = False, direct: bool = True) -> AioFile:
-    """Open for O_DIRECT reads (or read+write, creating it); buffered, with one warning, where refused."""
+def open_file(path, write: bool = False, direct: bool = True, exclusive: bool = False) -> AioFile:
+    """Open for O_DIRECT reads (or read+write, creating it); buffered, with one warning, where refused.
+    Never through a symbolic link (O_NOFOLLOW). exclusive: create the file, failing if the name exists
+    (O_EXCL): swap and scratch files, whose predictable names a planted link must not redirect."""
     path = Path(path)
     flags = (os.O_RDWR | os.O_CREAT) if write else os.O_RDONLY
+    flags |= os.O_NOFOLLOW | os.O_CLOEXEC
     try:
+        if exclusive:   # created first, O_DIRECT set after: a refused O_DIRECT must not leave the name taken
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+            if not direct:
+                return AioFile(path, fd, False)
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+                return AioFile(path, fd, True)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    os.close(fd)
+                    raise
+                _warn_buffered(path)
+                return AioFile(path, fd, False)
         if direct:
             try:
                 return AioFile(path, os.open(path, flags | os.O_DIRECT, 0o600), True)
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
-                if str(path.parent) not in _warned_buffered:
-                    _warned_buffered.add(str(path.parent))
-                    warnings.warn(f"fsdpzero aio: the file system of {path.parent} refuses O_DIRECT; using buffered "
-                                  "I/O through the page cache (slower, and it uses host memory)", RuntimeWarning,
-                                  stacklevel=2)
+                _warn_buffered(path)
         return AioFile(path, os.open(path, flags, 0o600), False)
     except FileNotFoundError:
         raise FileNotFoundError(errno.ENOENT, f"fsdpzero aio: cannot open {path}: "
                                 + (f"directory {path.parent} does not exist" if not path.parent.exists()
                                    else "no such file"), str(path)) from None
+    except FileExistsError:
+        raise FileExistsError(errno.EEXIST, f"fsdpzero aio: {path} exists already (a file is created only under a "
+                              f"name nobody else holds)", str(path)) from None
     except PermissionError:
         raise PermissionError(errno.EACCES, f"fsdpzero aio: cannot open {path} for "
                               f"{'writing' if write else 'reading'}: permission denied (check the owner and mode "
                               f"of {path.parent})", str(path)) from None
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise OSError(errno.ELOOP, f"fsdpzero aio: {path} is a symbolic link; fsdpzero never opens its I/O files "
+                      f"through one", str(path)) from None
+
+
+def _warn_buffered(path: Path) -> None:
+    if str(path.parent) not in _warned_buffered:
+        _warned_buffered.add(str(path.parent))
+        warnings.warn(f"fsdpzero aio: the file system of {path.parent} refuses O_DIRECT; using buffered I/O "
+                      "through the page cache (slower, and it uses host memory)", RuntimeWarning, stacklevel=3)
 
 
 class AioRequest:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -114,13 +114,19 @@ def sweep(path: Path, size: int, block_sizes, queue_depths, parallelism, submit_
     except OSError as e:
         raise ValueError(f"cannot create {path} ({e.strerror or e}); pass a writable directory on the disk to "
                          "test") from None
-    scratch = path / f".fsdpzero_nvme_bench.{os.getpid()}.bin"
+    try:   # a private (0700) directory of its own, and the scratch file created in it exclusively: a name
+        # planted in a shared directory (a symlink to someone's file) is never written through
+        private = Path(tempfile.mkdtemp(prefix=".fsdpzero_nvme_bench.", dir=path))
+    except OSError as e:
+        raise ValueError(f"cannot write a scratch file in {path} ({e.strerror or e}); pass a writable "
+                         "directory on the disk to test") from None
+    scratch = private / "scratch.bin"
     buf = aligned_empty(size)
     buf.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
     results = []
     try:
         try:
-            with AioHandle(AioConfig(), backend) as h, h.open(scratch, write=True) as f:
+            with AioHandle(AioConfig(), backend) as h, h.open(scratch, write=True, exclusive=True) as f:
                 h.pwrite(buf, f).wait()                      # allocate the file's blocks before timing
         except OSError as e:          # a read-only mount, no permission, a full disk: say so, not errno alone
             raise ValueError(f"cannot write a scratch file in {path} ({e.strerror or e}); pass a writable "
@@ -135,6 +141,7 @@ def sweep(path: Path, size: int, block_sizes, queue_depths, parallelism, submit_
                                 "backend": h.backend, "write_GBps": round(w, 3), "read_GBps": round(r, 3)})
     finally:
         scratch.unlink(missing_ok=True)
+        private.rmdir()
     return results
 
 
