@@ -73,8 +73,8 @@ def _train(rank, world):
 
 
 def _reference(world):
-    """Plain torch, unsharded, the skipped steps left out (no update, no scheduler step)."""
-    from fsdpzero.optim.schedulers import WarmupLR
+    """Plain torch, unsharded, the skipped steps left out (no update, no scheduler step); DeepSpeed's WarmupLR."""
+    from deepspeed.runtime.lr_schedules import WarmupLR
     model = build_model("llama")
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     sched = WarmupLR(opt, **WARMUP)
