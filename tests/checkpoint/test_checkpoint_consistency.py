@@ -89,12 +89,12 @@ def _latest_job(rank, world, root):
     mine = root / ("run" if rank == 0 else "elsewhere")
     mine.mkdir(exist_ok=True)
     out["visible"] = _attempt(lambda: _linear_engine().load_checkpoint(mine)[0])
-    # a flipped byte in state.json: the checksum is checked before it is parsed
+    # a flipped byte in state.json ('{' -> 'z': no longer JSON): the checksum is checked before it is parsed
     dist.barrier()
     if rank == 0:
         f = root / "run" / "s1" / "state.json"
         blob = bytearray(f.read_bytes())
-        blob[len(blob) // 2] ^= 0x01
+        blob[0] ^= 0x01
         f.write_bytes(bytes(blob))
     dist.barrier()
     out["state_json"] = _attempt(lambda: _linear_engine().load_checkpoint(root / "run", tag="s1")[0])
