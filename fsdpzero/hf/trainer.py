@@ -71,7 +71,7 @@ def load_sharded_safetensors(model: nn.Module, path: str | Path) -> None:
     tensors = dict(model.named_parameters())
     persistent = set(model.state_dict().keys())
     tensors.update({n: b for n, b in model.named_buffers() if n in persistent})
-    missing = []
+    missing, keyed = [], {}
     for name, t in tensors.items():
         key = name
         for part in _WRAPPER_PARTS:
@@ -79,6 +79,9 @@ def load_sharded_safetensors(model: nn.Module, path: str | Path) -> None:
         if key not in where:
             missing.append(key)
             continue
+        keyed[key] = t
+    _check_shapes(path, where, keyed)
+    for key, t in keyed.items():
         local, box = _local_box(t)
         if local.numel() == 0:
             continue
@@ -90,6 +93,30 @@ def load_sharded_safetensors(model: nn.Module, path: str | Path) -> None:
     if missing:
         raise KeyError(f"{path}: {len(missing)} tensor(s) of the model are not in the checkpoint, e.g. "
                        f"{missing[:3]} (is it the same architecture and config?)")
+
+
+def _check_shapes(path: Path, where: dict[str, Path], tensors: dict[str, torch.Tensor]) -> None:
+    """Every checkpoint tensor has the model's (full, unsharded) shape, compared as torch's load_state_dict and
+    transformers do, before anything is copied: a rank reads only its rows, so a larger checkpoint tensor would be
+    cut to the model's rows and a 1-row one broadcast. Same files, same answer on every rank."""
+    from safetensors import safe_open
+    by_file: dict[Path, list[str]] = {}
+    for key in tensors:
+        by_file.setdefault(where[key], []).append(key)
+    wrong = []
+    for file, keys in by_file.items():
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in keys:
+                saved, live = tuple(f.get_slice(key).get_shape()), tuple(tensors[key].shape)
+                if saved != live:
+                    wrong.append((key, saved, live))
+    if wrong:
+        key, saved, live = wrong[0]
+        hint = (" (the transpose: a Conv1D (in, out) weight for a Linear (out, in), or the reverse?)"
+                if len(live) == 2 and saved == live[::-1] else "")
+        more = f"; and {len(wrong) - 1} more tensor(s)" if len(wrong) > 1 else ""
+        raise ValueError(f"{path}: size mismatch for {key}: the checkpoint has shape {saved}, the model "
+                         f"{live}{hint}{more}; is it the same architecture and config?")
 
 
 def from_pretrained(path: str | Path, ds_config: Any, *, model_class: Any = None,

@@ -42,11 +42,12 @@ _original: Any = None         # transformers' from_pretrained (the classmethod o
 _HUB_KEYS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder",
              "trust_remote_code", "resume_download", "use_auth_token", "_from_auto", "_from_pipeline", "_commit_hash")
 # ... that change nothing here (weights always come from safetensors, a shard at a time)
-_IGNORED_KEYS = ("low_cpu_mem_usage", "use_safetensors", "weights_only", "variant", "ignore_mismatched_sizes")
-# ... that this path cannot honour
+_IGNORED_KEYS = ("low_cpu_mem_usage", "use_safetensors", "weights_only", "variant")
+# ... that this path cannot honour (ignore_mismatched_sizes=True: a mismatched tensor is an error naming it, shapes
+# are compared as transformers does; re-initialising it instead is not done here)
 _REFUSED_KEYS = ("device_map", "quantization_config", "load_in_8bit", "load_in_4bit", "tp_plan", "tp_size",
                  "device_mesh", "gguf_file", "from_tf", "from_flax", "state_dict", "max_memory", "offload_folder",
-                 "key_mapping")
+                 "key_mapping", "ignore_mismatched_sizes")
 
 
 class HfDeepSpeedConfig:
