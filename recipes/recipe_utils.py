@@ -291,8 +291,12 @@ def earlier_curve(run_dir: Path, name: str) -> list[tuple[int, float]]:
         return []
 
 
+NO_PNG = " (matplotlib not installed: data only; `pip install matplotlib` or the recipes extra draws the PNG)"
+
+
 def write_loss_curve(run_dir: Path, curves: dict[str, list[tuple[int, float]]]) -> Path:
-    """A PNG with matplotlib when it is installed; otherwise (and always) loss_curve.json. Returns what was made."""
+    """loss_curve.png, drawn with matplotlib (the recipes extra installs it), and always loss_curve.json (the data).
+    Returns the PNG, or the JSON where matplotlib is missing."""
     data_path = run_dir / "loss_curve.json"
     data_path.write_text(json.dumps({k: [[s, v] for s, v in pts] for k, pts in curves.items()}) + "\n")
     try:
@@ -301,6 +305,7 @@ def write_loss_curve(run_dir: Path, curves: dict[str, list[tuple[int, float]]]) 
         import matplotlib.pyplot as plt
     except ImportError:
         return data_path
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)   # its font-cache notice is not the user's business
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, pts in curves.items():
         if pts:

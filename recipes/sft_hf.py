@@ -24,7 +24,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 import fsdpzero.hf
 from corpus import ByteTokenizer, HFTokenizer, InstructionDataset, build_loader
-from recipe_utils import RecipeError, ds_config_dict, rank_and_world, run_main, setup_run_dir, write_loss_curve
+from recipe_utils import (NO_PNG, RecipeError, ds_config_dict, rank_and_world, run_main, setup_run_dir,
+                          write_loss_curve)
 
 log = logging.getLogger("recipe")
 
@@ -129,7 +130,7 @@ class SFTRecipe:
             tr = self.curves["train"]
             summary = (f"done: {cfg.trainer.max_steps} SFT steps on {self.world} rank(s), answer loss "
                        f"{tr[0][1]:.3f} -> {tr[-1][1]:.3f}; loss curve {curve}"
-                       + ("" if curve.suffix == ".png" else " (matplotlib not installed: data only)")
+                       + ("" if curve.suffix == ".png" else NO_PNG)
                        + (f"; weights {hf_dir}" if hf_dir else ""))
             print(summary, flush=True)   # once, on stdout: the line a script or a user looks for
         if dist.is_initialized():

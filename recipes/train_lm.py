@@ -25,8 +25,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 import fsdpzero
 from corpus import PackedLMDataset, build_loader
-from recipe_utils import (RecipeError, ds_config_dict, earlier_curve, latest_checkpoint, rank_and_world, run_main,
-                          setup_run_dir, write_loss_curve)
+from recipe_utils import (NO_PNG, RecipeError, ds_config_dict, earlier_curve, latest_checkpoint, rank_and_world,
+                          run_main, setup_run_dir, write_loss_curve)
 
 log = logging.getLogger("recipe")   # not under "fsdpzero": that logger does not propagate to train.log
 
@@ -51,6 +51,7 @@ class TrainLMRecipe:
         self.rank, self.local_rank, self.world = rank_and_world()
         self.device = torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
         self.curves: dict[str, list[tuple[int, float]]] = {"train": [], "val": []}
+        self.saved_step: int | None = None   # the step of the checkpoint this run wrote last
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -175,6 +176,9 @@ class TrainLMRecipe:
             log.info("step %d: val loss %.4f", step, val)
 
     def save(self, step: int) -> None:
+        if step == self.saved_step:   # save_every hit the last step: already written
+            return
+        self.saved_step = step
         if hasattr(self.engine, "save_checkpoint"):
             self.engine.save_checkpoint(str(self.ckpt_dir), tag=f"global_step{step}", client_state={"step": step})
         elif self.rank == 0:
@@ -211,8 +215,8 @@ class TrainLMRecipe:
             last = f"{tr[-1][1]:.3f}" if tr else "-"
             summary = (f"done: {steps} steps on {self.world} rank(s), train loss {first} -> {last}"
                        + (f", val loss {val[-1][1]:.3f}" if val else "")
-                       + f"; loss curve {curve}" + ("" if curve.suffix == ".png" else " (matplotlib not installed: "
-                                                   "data only)") + (f"; weights {hf_dir}" if hf_dir else ""))
+                       + f"; loss curve {curve}" + ("" if curve.suffix == ".png" else NO_PNG)
+                       + (f"; weights {hf_dir}" if hf_dir else ""))
             print(summary, flush=True)   # once, on stdout: the line a script or a user looks for
         if dist.is_initialized():
             dist.destroy_process_group()

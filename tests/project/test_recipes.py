@@ -42,6 +42,9 @@ def test_readme_train_command_loss_falls(tmp_path):
     assert first > 5.0, curve                       # ln(259) = 5.56: a fresh byte-level model
     assert last < first - 1.0, curve                # clearly learnt something
     assert "done: 30 steps on 2 rank(s)" in p.stdout
+    # the recipes extra draws the curve; the bar labels its loss (a window mean, not the engine's one step)
+    assert (tmp_path / "run" / "loss_curve.png").is_file() and "loss_curve.png" in p.stdout
+    assert "(mean of steps" in p.stderr and "all ranks)" in p.stderr
     # rank 0 alone wrote the run dir: config, the DeepSpeed config it composed, the log
     ds = json.loads((tmp_path / "run" / "ds_config.json").read_text())
     assert ds["zero_optimization"]["stage"] == 3
