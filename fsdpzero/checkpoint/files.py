@@ -173,11 +173,19 @@ def _tag_dir_state(final: Path) -> tuple[str | None, dict | None]:
         except ValueError:
             manifest = None   # its files are not known to be ours: the manifest itself clashes below
     ours = set(manifest["files"]) | {MANIFEST} if manifest is not None else set()
-    clash = sorted(n for n in os.listdir(final) if n not in ours and _SAVE_NAMES.fullmatch(n))
+    interrupted = manifest is None and _interrupted(final)   # then the checkpoint's names there are ours
+    clash = sorted(n for n in os.listdir(final) if n not in ours and _SAVE_NAMES.fullmatch(n) and not interrupted)
     if clash:
         raise SaveRefused(f"{final / clash[0]} was not written by fsdpzero (no manifest lists it), and a save of tag "
                           f"{final.name!r} would replace it: move it, or save under another tag")
     return identity, manifest
+
+
+def _interrupted(final: Path) -> bool:
+    """A commit into <tag>/ was cut short: <tag>/ has no manifest and .old-<tag> holds the previous checkpoint whole
+    (_commit_into). The save that was cut short checked that no file of the user's has a checkpoint's name there."""
+    old = final.parent / f"{OLD_PREFIX}{final.name}"
+    return old.is_dir() and not old.is_symlink() and not checkpoint_problems(old)
 
 
 def _foreign(final: Path, manifest: dict) -> list[str]:
@@ -354,6 +362,10 @@ def _commit_into(final: Path, tmp: Path, old_manifest: dict | None, old: Path) -
         for name in old_manifest["files"]:
             if name not in new:
                 (final / name).unlink(missing_ok=True)
+    elif _interrupted(final):   # what the cut-short commit left and this one does not replace
+        for name in os.listdir(final):
+            if _SAVE_NAMES.fullmatch(name) and name not in new:
+                (final / name).unlink()
     for name in new:
         os.replace(tmp / name, final / name)
     os.replace(tmp / MANIFEST, final / MANIFEST)

@@ -189,3 +189,50 @@ def test_no_space_for_latest_reports_the_saved_tag_truthfully(tmp_path, monkeypa
     assert (tmp_path / "latest").read_text() == "one"
     assert ck.checkpoint_problems(tmp_path / "two") == []
     assert torch.equal(_loaded(tmp_path, "two"), _weights(2)["w"]["x"])
+
+
+def _killed_while_moving_in(rank, world, save_dir):
+    """Re-save tag T, whose directory holds the user's files, and die as the new manifest is moved in (the last
+    step of the commit, after every data file has replaced the previous checkpoint's)."""
+    real_replace = os.replace
+
+    def replace(src, dst, *args, **kwargs):
+        if Path(dst) == Path(save_dir) / "T" / files.MANIFEST:
+            os._exit(17)
+        return real_replace(src, dst, *args, **kwargs)
+    os.replace = replace
+    ck.save_checkpoint(save_dir, "T", _weights(2))
+
+
+def test_a_save_killed_while_moving_into_the_users_directory_leaves_the_previous_checkpoint(tmp_path):
+    """Moving files into a directory of the user's is not one rename: until the new manifest is in, the previous
+    checkpoint is kept whole in .old-T (hard links) and a load uses it; the next save of T finishes the job."""
+    (tmp_path / "T").mkdir()
+    (tmp_path / "T" / "config.json").write_text("{}")
+    ck.save_checkpoint(tmp_path, "T", _weights(1))
+    with pytest.raises((RuntimeError, ProcessExitedException)):
+        run_distributed(_killed_while_moving_in, 1, str(tmp_path), init_pg=False, timeout=60)
+    assert not (tmp_path / "T" / files.MANIFEST).exists()   # the kill came where it was meant to
+    assert torch.equal(_loaded(tmp_path, None), _weights(1)["w"]["x"])
+    ck.save_checkpoint(tmp_path, "T", _weights(3))
+    assert torch.equal(_loaded(tmp_path, None), _weights(3)["w"]["x"])
+    assert (tmp_path / "T" / "config.json").read_text() == "{}" and ck.checkpoint_problems(tmp_path / "T") == []
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".tmp-", ".old-"))]
+
+
+def _two_rank_save(rank, world, save_dir):
+    ck.save_checkpoint(save_dir, "T", _weights(4))
+
+
+def test_a_resave_on_fewer_ranks_into_the_users_directory_removes_only_its_own_old_files(tmp_path):
+    """Saved on 2 ranks into a directory of the user's, then re-saved on 1: rank 1's data and RNG files are the
+    previous checkpoint's (its manifest lists them) and go; the user's files stay."""
+    (tmp_path / "T").mkdir()
+    (tmp_path / "T" / "README.md").write_text("mine")
+    run_distributed(_two_rank_save, 2, str(tmp_path), timeout=60)
+    assert {"__1_0.distcp", "rng_1.safetensors"} <= set(os.listdir(tmp_path / "T"))
+    ck.save_checkpoint(tmp_path, "T", _weights(5))
+    left = set(os.listdir(tmp_path / "T"))
+    assert "__1_0.distcp" not in left and "rng_1.safetensors" not in left and "README.md" in left
+    assert left == set(files.read_manifest(tmp_path / "T")["files"]) | {files.MANIFEST, "README.md"}
+    assert torch.equal(_loaded(tmp_path, "T"), _weights(5)["w"]["x"])
