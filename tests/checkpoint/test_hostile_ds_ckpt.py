@@ -222,15 +222,16 @@ def load_file_weights(variant_dir: Path) -> dict:
 
 # ---- the bounded fuzz -------------------------------------------------------------------------------------------
 
-FUZZ_CASES = 240
+FUZZ_CASES = 200
 FUZZ_SEED = 32
 
 
 def test_fuzz_malformed_deepspeed_checkpoints(tmp_path):
     """Seeded mutations of the recorded checkpoints (structure: keys dropped, values of the wrong type, tensors
     truncated / reshaped / re-typed / stride-0 expanded; bytes: flipped, truncated files) through `fsdpzero convert`
-    (alternately --to safetensors and --to dcp) in one memory-capped child: every case is a conversion or one clear
-    error line; none is a traceback, none an allocation failure."""
+    (alternately --to safetensors and --to dcp) and, for some, engine.load_checkpoint on the DeepSpeed directory, in
+    one memory-capped child: every case is a conversion / load or one clear error line; none is a traceback, none an
+    allocation failure."""
     child = _run_child(f'''
         import json, random, shutil
         from fsdpzero.checkpoint.deepspeed_reader import load_ds_file
@@ -281,7 +282,24 @@ def test_fuzz_malformed_deepspeed_checkpoints(tmp_path):
                 data = data[: rng.randrange(len(data))]
             f.write_bytes(bytes(data))
 
-        results = {{"cases": 0, "converted": 0, "errors": 0, "bad": []}}
+        # the load path: engine.load_checkpoint(<DeepSpeed dir>) converts (into the ckpt_convert_dir cache) and loads
+        os.environ["FSDPZERO_CKPT_CONVERT_DIR"] = str(work / "convert-cache")
+        from transformers import GPT2Config, GPT2LMHeadModel
+        from fsdpzero.api import wrap
+        model = GPT2LMHeadModel(GPT2Config.from_pretrained(assets))
+        model.transformer.wpe.weight.requires_grad_(False)
+        engine = wrap(model, json.loads((assets / "record.json").read_text())["variants"]["z2_fp32"]["config"])
+
+        def load(ckpt):
+            try:
+                engine.load_checkpoint(str(ckpt))
+                return 0, ""
+            except Exception as e:
+                return 2, f"fsdpzero convert: error: {{e}}"   # judged as the CLI's line: one line, no traceback
+            except BaseException as e:
+                return 99, f"Traceback: {{type(e).__name__}}: {{e}}"
+
+        results = {{"cases": 0, "converted": 0, "errors": 0, "loads": 0, "bad": []}}
         for case in range({FUZZ_CASES}):
             variant = rng.choice(variants)
             ckpt = work / f"c{{case}}"
@@ -290,22 +308,28 @@ def test_fuzz_malformed_deepspeed_checkpoints(tmp_path):
             target = rng.choice(files)
             (structural if rng.random() < 0.75 else byte_level)(target)
             to = "dcp" if case % 4 == 0 else "safetensors"
-            rc, err = convert([str(ckpt), "--from", "deepspeed", "--to", to, "--out", str(work / f"o{{case}}")])
-            lines = [l for l in err.splitlines() if l.strip()]
+            runs = [convert([str(ckpt), "--from", "deepspeed", "--to", to, "--out", str(work / f"o{{case}}")])]
+            if case % 3 == 0 and variant.endswith("fp32"):
+                runs.append(load(ckpt))
+                results["loads"] += 1
+            for rc, err in runs:
+                lines = [l for l in err.splitlines() if l.strip()]
+                if rc == 0:
+                    results["converted"] += 1
+                elif rc == 2 and len(lines) == 1 and lines[0].startswith("fsdpzero convert: error:") \\
+                        and "allocate" not in err and "Traceback" not in err:
+                    results["errors"] += 1
+                else:
+                    results["bad"].append([case, variant, target.name, rc, err[-400:]])
             results["cases"] += 1
-            if rc == 0:
-                results["converted"] += 1
-            elif rc == 2 and len(lines) == 1 and lines[0].startswith("fsdpzero convert: error:") \\
-                    and "allocate" not in err and "Traceback" not in err:
-                results["errors"] += 1
-            else:
-                results["bad"].append([case, variant, target.name, rc, err[-400:]])
             shutil.rmtree(ckpt)
             shutil.rmtree(work / f"o{{case}}", ignore_errors=True)
         print(json.dumps(results))
     ''', timeout=600)
     assert child.returncode == 0, f"fuzz child died ({child.returncode}): {child.stderr[-3000:]}"
     results = json.loads(child.stdout.strip().splitlines()[-1])
+    print({k: v for k, v in results.items() if k != "bad"})
     assert results["cases"] == FUZZ_CASES
     assert results["bad"] == [], json.dumps(results["bad"][:10], indent=1)
     assert results["errors"] > FUZZ_CASES // 4   # the mutations do reach the error paths
+    assert results["loads"] >= 8
