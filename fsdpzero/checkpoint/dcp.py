@@ -11,9 +11,10 @@
 Crash safety: ranks write into the save's own <save_dir>/.tmp-<tag>.<token>/, rank 0 fsyncs, writes the manifest,
 renames the directory to <tag> (if no other job committed <tag> meanwhile), and only then replaces `latest` (write a
 temp file, fsync, rename); fsdpzero.checkpoint.files does that part. A crash at any point leaves `latest` naming the
-previous complete checkpoint. Loads agree first on which checkpoint (rank 0 resolves `latest`), then check it. Nothing is pickled: tensors go to DCP,
-everything else to JSON (DCP would pickle non-tensor values and read them back with weights_only=False). DCP's own
-index (.metadata) is a pickle: it is read through fsdpzero.checkpoint.trust's allowlisted unpickler, never pickle.load.
+previous complete checkpoint. Loads agree first on which checkpoint (rank 0 resolves `latest`), then check it.
+Nothing is pickled: tensors go to DCP, everything else to JSON (DCP would pickle non-tensor values and read them back
+with weights_only=False). DCP's own index (.metadata) is a pickle: it is read through fsdpzero.checkpoint.trust's
+allowlisted unpickler, never pickle.load.
 This module is the flow: the state split into DCP tensors and JSON, saved (sync or async), loaded and resharded.
 """
 from __future__ import annotations
