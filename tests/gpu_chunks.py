@@ -60,10 +60,12 @@ CHUNKS = [
     Chunk("optim", 2, ("tests/optim/test_stage1.py", "tests/optim/test_lamb.py", "tests/ops/test_aio.py",
                        "tests/cli/test_estimate.py"), needs="DeepSpeed (FusedLamb oracle, estimate's DeepSpeed rows)"),
     Chunk("offload", 1, ("tests/offload", "tests/hf/test_trainer_gpu.py")),
+    Chunk("hf", 2, ("tests/hf/test_launch_gpu.py",), f"not {FOUR}"),
     Chunk("parity", 1, ("tests/engine/test_gpu_loss_parity.py",), needs="DeepSpeed; ~9.5 min on one H100 (S10)"),
     Chunk("engine4", 4, ("tests/engine/test_gpu_engine.py", "tests/engine/test_gpu_fp16.py"), FOUR),
     Chunk("ranks4", 4, ("tests/engine/test_rank_agreement_gpu.py", "tests/optim/test_stage1_gpu.py",
                         "tests/checkpoint/test_checkpoint_gpu.py"), FOUR),
+    Chunk("hf4", 4, ("tests/hf/test_launch_gpu.py",), FOUR),
 ]
 BY_NAME = {c.name: c for c in CHUNKS}
 
@@ -90,8 +92,8 @@ def run_chunk(chunk: Chunk, out: Path, devices: list[int] | None, timeout: float
     timeout = min(timeout, left)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("NCCL_NVLS_ENABLE", "0")   # never NVLink multicast (the lent hosts require it off)
-    if devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+    if devices is not None:   # a 1-GPU chunk sees one GPU (a Trainer in one process would take 2 for DataParallel)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices[:chunk.gpus]))
     xml = out / f"{chunk.name}.xml"
     cmd = chunk.command(sys.executable) + [f"--junitxml={xml}"]
     t0 = time.monotonic()

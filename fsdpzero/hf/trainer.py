@@ -339,6 +339,16 @@ class Trainer(transformers.Trainer):
             super().__init__(sharded, args, *pos, **kwargs)
         finally:
             args.save_only_model = save_only_model
+        # transformers before the "sharded at load time" flag (5.17 seen) hands the sharded model to
+        # accelerate.prepare, which on several GPUs refuses its DTensors or wraps it in DDP; newer versions prepare
+        # it as for evaluation (no DDP, no placement). Do that on every version.
+        prepare_model = self.accelerator.prepare_model
+
+        def _prepare_model(model, device_placement=None, evaluation_mode=False):
+            if model is sharded:
+                return prepare_model(model, device_placement=False, evaluation_mode=True)
+            return prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        self.accelerator.prepare_model = _prepare_model
 
     def _sync_replicated_trainable_parameters(self, model: nn.Module) -> None:
         """Nothing: transformers adds a broadcast and a per-parameter all-reduce hook for trainable parameters that
