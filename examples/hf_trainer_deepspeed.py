@@ -6,7 +6,9 @@
 (`fsdpzero launch` on a machine without GPUs: 2 gloo processes.) A ~0.2M-parameter Llama, built from a config,
 learns the bytes of CPython's own documentation (`pydoc_data.topics`, always installed) for --max_steps steps
 (default 20), then `save_model` writes a folder plain `from_pretrained` loads. Any TrainingArguments flag works
-(--output_dir, --learning_rate, --bf16, ...); the config's "auto" values are filled from them.
+(--output_dir, --learning_rate, --bf16, ...); the config's "auto" values are filled from them. To resume, save
+checkpoints (`--save_strategy steps --save_steps 10`) and pass `--resume_from_checkpoint OUTPUT_DIR/checkpoint-10`,
+as Hugging Face's example scripts do.
 """
 import sys
 
@@ -33,7 +35,7 @@ def main() -> None:
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                          max_position_embeddings=SEQ, tie_word_embeddings=False))
     trainer = Trainer(model=model, args=args, train_dataset=byte_windows(512))
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)   # None: from the start
     trainer.save_model(f"{args.output_dir}/final")
     # DeepSpeed's idiom for reading a ZeRO-3-partitioned weight whole (every rank enters: it is collective)
     with deepspeed.zero.GatheredParameters(model.lm_head.weight):
