@@ -70,13 +70,18 @@ def _train(rank, world, library, model_kind, config, steps):
     ga = config["gradient_accumulation_steps"]
     g = torch.Generator().manual_seed(1234)
     data = [torch.randint(0, VOCAB, (MICRO, SEQ), generator=g) for _ in range(steps * ga * world)]
-    losses, norms, lrs, betas = [], [], [], []
+    losses, norms, lrs, betas, torch_norms = [], [], [], [], []
     for step in range(steps):
         total = torch.zeros(())
         for micro in range(ga):
             x = data[(step * ga + micro) * world + rank]
             loss = engine(input_ids=x, labels=x).loss
             engine.backward(loss)
+            if micro == ga - 1 and library == "deepspeed" and config["zero_optimization"]["stage"] == 0:
+                # DeepSpeed reports no norm at stage 0 (fp32); its grads are all-reduced in the boundary backward,
+                # so torch measures them here, before its step clips them
+                grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+                torch_norms.append(float(torch.nn.utils.get_total_norm(grads, 2.0)))
             engine.step()
             total += loss.detach().float()
         torch.distributed.all_reduce(total)
@@ -91,7 +96,7 @@ def _train(rank, world, library, model_kind, config, steps):
             params = {n: _full(p) for n, p in engine.module.named_parameters()}
     else:
         params = {n: _full(p) for n, p in engine.module.named_parameters()}
-    return dict(losses=losses, norms=norms, lrs=lrs, betas=betas, params=params)
+    return dict(losses=losses, norms=norms, lrs=lrs, betas=betas, params=params, torch_norms=torch_norms)
 
 
 def _config(stage, ga, scheduler=None, clip=0.5, optimizer="AdamW", **extra):
@@ -136,21 +141,36 @@ CASES = {
 }
 CASES["z0_adam_l2"][1]["optimizer"]["params"]["adam_w_mode"] = False
 
+# Adam's update hardly depends on the gradient's scale: with it, a missing GA division or a clip that never engages
+# moves the loss by ~1e-5 at most. Under SGD each mechanism is visible: the clip at 0.56 engages on the first 3 steps
+# only (norms 0.571, 0.574, 0.571, then 0.537, 0.462, 0.410), and turning off the GA division, the clip or the
+# scheduler moves the loss by 9e-3, 4e-3 and 4e-2, >= 400x TOL (test_sgd_cases_make_each_mechanism_visible). The
+# non-fused SGD also takes the engine's host-side overflow verdict (Adam's fused kernel, the device-side one).
+SGD_SCHEDULE = {"type": "WarmupDecayLR", "params": {"total_num_steps": STEPS, "warmup_min_lr": 0.0,
+                                                     "warmup_max_lr": 3.0, "warmup_num_steps": 3}}
+SGD = {"type": "SGD", "params": {"lr": 3.0, "momentum": 0.9, "weight_decay": 0.01}}
+for _stage in (0, 2):
+    CASES[f"z{_stage}_sgd_ga4_clip_some"] = ("llama", _config(_stage, 4, SGD_SCHEDULE, clip=0.56, optimizer="SGD",
+                                                              zero_allow_untested_optimizer=True))
+    CASES[f"z{_stage}_sgd_ga4_clip_some"][1]["optimizer"] = copy.deepcopy(SGD)
+
 
 def _compare(ds, ours, stage):
-    for r in range(WORLD):   # every rank ends with the same full parameters
+    for r in range(WORLD):   # every rank: the same losses, and its own full parameters equal to DeepSpeed's rank r
         assert ours[r]["losses"] == ours[0]["losses"]
+        assert ds[r]["params"].keys() == ours[r]["params"].keys()
+        worst = max((ds[r]["params"][n] - ours[r]["params"][n]).abs().max().item() for n in ds[r]["params"])
+        assert worst <= TOL, f"rank {r}: final params differ by {worst} (stage {stage})"
     d, o = ds[0], ours[0]
     for step, (a, b) in enumerate(zip(d["losses"], o["losses"])):
         assert abs(a - b) <= TOL, f"step {step} loss: deepspeed {a} vs fsdpzero {b}"
-    for step, (a, b) in enumerate(zip(d["norms"], o["norms"])):
-        if a is not None:    # DeepSpeed records no norm at stage 0 without fp16/bf16
-            assert abs(a - b) <= TOL * max(1.0, abs(a)), f"step {step} grad norm: deepspeed {a} vs fsdpzero {b}"
+    # DeepSpeed records no norm at stage 0 without fp16/bf16: there torch's norm of its reduced grads stands in
+    ref_norms = d["torch_norms"] if stage == 0 and all(a is None for a in d["norms"]) else d["norms"]
+    assert len(ref_norms) == len(o["norms"]) == STEPS and None not in ref_norms
+    for step, (a, b) in enumerate(zip(ref_norms, o["norms"])):
+        assert abs(a - b) <= TOL * max(1.0, abs(a)), f"step {step} grad norm: deepspeed {a} vs fsdpzero {b}"
     assert o["lrs"] == pytest.approx(d["lrs"], rel=1e-12, abs=0)
     assert [tuple(b) if b else None for b in o["betas"]] == [tuple(b) if b else None for b in d["betas"]]
-    assert d["params"].keys() == o["params"].keys()
-    worst = max((d["params"][n] - o["params"][n]).abs().max().item() for n in d["params"])
-    assert worst <= TOL, f"final params differ by {worst} (stage {stage})"
 
 
 def _run_both(model_kind, config):
@@ -178,13 +198,22 @@ def test_cpu_optimizer_offload_matches_deepspeed(stage):
     _compare(ds, ours, stage)
 
 
-def _torch_recipe(model_kind, config, steps, clip):
+def _torch_recipe(model_kind, config, steps, clip, ga_division=True, scheduler=True):
     """DeepSpeed's training step restated in plain single-process PyTorch (docs/deepspeed_differences.md):
-    AdamW, loss / GA per micro-step, mean over ranks = the global batch, clip the global norm, step."""
+    AdamW (or SGD), loss / GA per micro-step, mean over ranks = the global batch, clip the global norm, step, then
+    the config's scheduler (DeepSpeed's own class over the torch optimizer). The flags turn a mechanism off."""
     model = _model(model_kind)
-    p = config["optimizer"]["params"]
-    opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], betas=p["betas"], eps=p["eps"],
-                            weight_decay=p["weight_decay"])
+    o = config["optimizer"]
+    p = o["params"]
+    if o["type"] == "SGD":
+        opt = torch.optim.SGD(model.parameters(), lr=p["lr"], momentum=p["momentum"], weight_decay=p["weight_decay"])
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], betas=p["betas"], eps=p["eps"],
+                                weight_decay=p["weight_decay"])
+    sched = None
+    if scheduler and "scheduler" in config:
+        from deepspeed.runtime import lr_schedules
+        sched = getattr(lr_schedules, config["scheduler"]["type"])(opt, **config["scheduler"]["params"])
     ga = config["gradient_accumulation_steps"]
     g = torch.Generator().manual_seed(1234)
     data = [torch.randint(0, VOCAB, (MICRO, SEQ), generator=g) for _ in range(steps * ga * WORLD)]
@@ -194,11 +223,13 @@ def _torch_recipe(model_kind, config, steps, clip):
         for micro in range(ga):
             x = torch.cat([data[(step * ga + micro) * WORLD + r] for r in range(WORLD)])
             loss = model(input_ids=x, labels=x).loss
-            (loss / ga).backward()
+            (loss / ga if ga_division else loss).backward()
             total += loss.item()
         losses.append(total / ga)
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf")).item())
         opt.step()
+        if sched is not None:
+            sched.step()
         opt.zero_grad()
     return dict(losses=losses, norms=norms, params={n: _full(q) for n, q in model.named_parameters()})
 
@@ -206,6 +237,7 @@ def _torch_recipe(model_kind, config, steps, clip):
 RECIPES = {  # name: (config, the clip DeepSpeed should apply)
     "default_clip_adam": (_config(2, 1, clip=None, optimizer="Adam"), 1.0),   # norms ~1.15 > 1: the clip bites
     "ga4_clip": (_config(1, 4, clip=0.5), 0.5),
+    "sgd_ga4_clip_some": (CASES["z0_sgd_ga4_clip_some"][1], 0.56),
 }
 
 
@@ -219,11 +251,26 @@ def test_deepspeed_is_this_torch_recipe(name):
     ds = run_distributed(_train, WORLD, "deepspeed", "llama", config, STEPS, timeout=240)[0]
     ref = _torch_recipe("llama", config, STEPS, clip=clip)
     assert max(abs(a - b) for a, b in zip(ds["losses"], ref["losses"])) <= TOL
-    assert ds["norms"] == pytest.approx(ref["norms"], rel=TOL)
+    ds_norms = ds["torch_norms"] if None in ds["norms"] else ds["norms"]   # stage 0: torch's norm of its grads
+    assert ds_norms == pytest.approx(ref["norms"], rel=TOL)
     assert max((ds["params"][n] - ref["params"][n]).abs().max().item() for n in ref["params"]) <= TOL
     if "default_clip" in name:
         unclipped = _torch_recipe("llama", config, STEPS, clip=None)
         assert max((ds["params"][n] - unclipped["params"][n]).abs().max().item() for n in ref["params"]) > 3 * TOL
+
+
+def test_sgd_cases_make_each_mechanism_visible():
+    """The SGD cases' recipe (which DeepSpeed follows to TOL: test_deepspeed_is_this_torch_recipe) with GA division,
+    clipping or the scheduler turned off moves the loss by >= 100x TOL: a port that drops one cannot pass them. The
+    clip engages on some steps and not on others."""
+    _deepspeed()
+    config = CASES["z0_sgd_ga4_clip_some"][1]
+    base = _torch_recipe("llama", config, STEPS, clip=0.56)
+    assert any(n > 0.56 for n in base["norms"]) and any(n < 0.56 for n in base["norms"]), base["norms"]
+    for off in (dict(ga_division=False), dict(clip=None), dict(scheduler=False)):
+        other = _torch_recipe("llama", config, STEPS, **{"clip": 0.56, **off})
+        moved = max(abs(a - b) for a, b in zip(base["losses"], other["losses"]))
+        assert moved >= 100 * TOL, f"turning off {off} moves the loss by only {moved:.3g}"
 
 
 def _train_poisoned(rank, world, library, config, steps, bad):
