@@ -125,7 +125,13 @@ def test_out_of_range_values_are_one_error_naming_the_key(cfg, key):
 
 def test_sub_group_size_0_stays_legal_without_nvme():
     # DeepSpeed: a sub-group per parameter; a real config (axolotl zero3 bf16 cpuoffload) writes 0
-    load_config({**BASE, "zero_optimization": {"stage": 3, "sub_group_size": 0}})
+    raw = {**BASE, "zero_optimization": {"stage": 3, "sub_group_size": 0}}
+    cfg = load_config(raw)
+    assert cfg.zero_optimization.sub_group_size == 0 and not cfg.warnings
+    plan = build_plan(raw, Env())
+    assert plan.offload.sub_group_size == 0
+    decision = next(d for d in plan.decisions if d.key == "zero_optimization.sub_group_size")
+    assert (decision.value, decision.status) == (0, "noop")     # it only tiles an offloaded optimizer step
 
 
 def test_the_sane_edges_are_accepted():
@@ -236,4 +242,7 @@ def test_value_errors_come_before_the_process_group():
 
 
 def test_accepted_configs_still_translate():
-    build_plan({**BASE, "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 943718.4}}, Env())
+    plan = build_plan({**BASE, "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 943718.4}}, Env())
+    assert plan.shard.stage == 3 and plan.shard.prefetch_bucket_size == 943718
+    decision = next(d for d in plan.decisions if d.key == "zero_optimization.stage3_prefetch_bucket_size")
+    assert (decision.value, decision.status) == (943718, "mapped") and "rounded from 943718.4" in decision.detail
