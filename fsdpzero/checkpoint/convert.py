@@ -25,6 +25,23 @@ def model_keys(metadata) -> dict[str, str]:
     return out
 
 
+def _sizes_within_data(path: Path, meta, keys) -> None:
+    """The weights the index declares fit in the data files it names (DCP stores tensors uncompressed): buffers are
+    allocated from these sizes before DCP reads a byte, so a tiny planted index must not claim gigabytes."""
+    import math
+    files = {info.relative_path for info in (meta.storage_data or {}).values()}
+    data = sum((path / name).stat().st_size for name in files if (path / name).is_file())
+    total = 0
+    for key in keys:
+        entry = meta.state_dict_metadata[key]
+        nbytes = math.prod(entry.size) * entry.properties.dtype.itemsize
+        total += nbytes
+        if total > data:
+            raise ValueError(f"{path}: index entry {key!r} declares shape {tuple(entry.size)} "
+                             f"({entry.properties.dtype}), more bytes than the checkpoint's data files hold ({data}); "
+                             f"the index is corrupt or was planted")
+
+
 def dcp_to_safetensors(ckpt_dir: str | Path, tag: str | None = None, out: str | Path | None = None, *,
                        dtype=None, max_shard_size: int | str = "5GB") -> Path:
     import torch
@@ -44,6 +61,7 @@ def dcp_to_safetensors(ckpt_dir: str | Path, tag: str | None = None, out: str | 
         raise ValueError(str(e)) from None
     if not keys:
         raise ValueError(f"{path}: no model weights (state/<name>/model/<fqn>) in this checkpoint")
+    _sizes_within_data(path, meta, keys)
     by_fqn = {fqn: key for key, fqn in keys.items()}
 
     def out_dtype(md):

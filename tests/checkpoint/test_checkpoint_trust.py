@@ -434,3 +434,32 @@ def test_only_what_dcp_metadata_contains_is_built(tmp_path, ops, refused):
     with pytest.raises(UnsafeCheckpointError, match=refused) as info:
         read_dcp_metadata(tag)
     _one_line(info.value, ".metadata")
+
+
+def test_convert_does_not_allocate_what_a_tiny_index_claims(tmp_path):
+    """An index that says a 3-element weight is (65536, 32768) fp32 (8 GiB): `fsdpzero convert` allocated the whole
+    claimed tensor before DCP read the data file. Sizes are now bounded by the data files the index names: one
+    error line naming the key. Run in a child whose address space is capped at +512 MiB."""
+    import subprocess
+    import sys
+    from torch.distributed.checkpoint.metadata import Metadata
+    ck.save_checkpoint(tmp_path / "run", None, {"train": {"model": {"w": torch.ones(3)}}}, step=1, save_rng=False)
+    tag = tmp_path / "run" / "global_step1"
+    md = read_dcp_metadata(tag)
+    assert isinstance(md, Metadata)
+    md.state_dict_metadata["state/train/model/w"].size = torch.Size([65536, 32768])
+    (tag / ".metadata").write_bytes(pickle.dumps(md, protocol=4))   # the test's own object: plain pickle
+    _fix_manifest(tag)
+    code = (f"import resource, sys\n"
+            f"import torch\n"
+            f"from fsdpzero.cli import main as cli\n"
+            f"vm = int([l for l in open('/proc/self/status') if l.startswith('VmSize:')][0].split()[1]) << 10\n"
+            f"resource.setrlimit(resource.RLIMIT_AS, (vm + (512 << 20), vm + (512 << 20)))\n"
+            f"sys.exit(cli(['convert', {str(tmp_path / 'run')!r}, '--to', 'safetensors', '--out', "
+            f"{str(tmp_path / 'out')!r}]))\n")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           cwd=str(Path(__file__).resolve().parents[2]), env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [l for l in child.stderr.splitlines() if l.startswith("fsdpzero convert")]
+    assert child.returncode == 2 and len(lines) == 1, child.stderr[-2000:]
+    assert "state/train/model/w" in lines[0] and "(65536, 32768)" in lines[0], lines
+    assert "can't allocate" not in lines[0], lines
