@@ -155,6 +155,76 @@ def test_comet_wandb_tensorboard_writers_make_deepspeeds_calls(monkeypatch, tmp_
     assert [c[1:] for c in calls if c[0] == "scalar"] == [("Train/Samples/lr", 0.1, x) for x in (4, 8, 14, 20, 24)]
 
 
+def _recording_writers(calls: list) -> dict:
+    """Stand-ins for comet_ml / wandb / tensorboard (none is installed here) that record every call made on them."""
+    class Experiment:
+        def set_name(self, name):
+            calls.append(("set_name", name))
+
+        def log_metric(self, name, value, step):
+            calls.append(("log", name, value, step))
+
+        __internal_api__log_metric__ = log_metric   # what DeepSpeed 0.19.8 calls
+
+        def end(self):
+            pass
+
+    class SummaryWriter:
+        def __init__(self, log_dir):
+            calls.append(("tb", log_dir))
+
+        def add_scalar(self, tag, value, step):
+            calls.append(("scalar", tag, value, step))
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    comet = types.SimpleNamespace(__version__="3.50.0", start=lambda **kw: calls.append(("start", kw)) or Experiment())
+    wandb = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw)) or types.SimpleNamespace(
+        finish=lambda: None), log=lambda d, step, commit=None: calls.append(("wandb", d, step)))
+    return {"comet_ml": comet, "wandb": wandb, "tensorboard": types.ModuleType("tensorboard"),
+            "torch.utils.tensorboard": types.SimpleNamespace(SummaryWriter=SummaryWriter)}
+
+
+@pytest.mark.oracle
+def test_writers_make_the_calls_deepspeeds_own_writers_make(monkeypatch, tmp_path):
+    """DeepSpeed's CometMonitor, WandbMonitor and TensorBoardMonitor (0.19.8) and ours, over the same recording
+    stand-ins, the same section and the same events: the same calls, in the same order."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    pytest.importorskip("deepspeed")
+    from deepspeed.monitor import comet as ds_comet, tensorboard as ds_tb, wandb as ds_wandb
+    from deepspeed.monitor.config import CometConfig, TensorBoardConfig, WandbConfig
+    from fsdpzero.monitor import Monitor
+    section = {"comet": {"enabled": True, "samples_log_interval": 10, "project": "p", "experiment_name": "e"},
+               "wandb": {"enabled": True, "project": "q", "team": "t", "group": "g"},
+               "tensorboard": {"enabled": True, "output_path": str(tmp_path), "job_name": "tb"}}
+    events = [("Train/Samples/lr", 0.1 * x, x) for x in (4, 8, 14, 20, 24)] + [("Train/Samples/train_loss", 2.5, 24)]
+    theirs, ours = [], []
+    for module in (ds_comet, ds_tb, ds_wandb):
+        monkeypatch.setattr(module.dist, "get_rank", lambda: 0)
+    for name, stand_in in _recording_writers(theirs).items():
+        monkeypatch.setitem(sys.modules, name, stand_in)
+    writers = [ds_comet.CometMonitor(CometConfig(**section["comet"])),
+               ds_wandb.WandbMonitor(WandbConfig(**section["wandb"])),
+               ds_tb.TensorBoardMonitor(TensorBoardConfig(**section["tensorboard"]))]
+    for w in writers:            # DeepSpeed's MonitorMaster hands each writer the whole list
+        w.write_events(events)
+    for name, stand_in in _recording_writers(ours).items():
+        monkeypatch.setitem(sys.modules, name, stand_in)
+    Monitor(section, rank=0).write_events(events)
+
+    def by_writer(calls):
+        kinds = {"start": "comet", "set_name": "comet", "log": "comet", "init": "wandb", "wandb": "wandb",
+                 "tb": "tb", "scalar": "tb"}
+        return {k: [c for c in calls if kinds[c[0]] == k] for k in ("comet", "wandb", "tb")}
+
+    assert by_writer(ours) == by_writer(theirs)
+    assert len([c for c in theirs if c[0] == "log"]) == 4   # comet's interval skipped some: the check has teeth
+
+
 @pytest.mark.oracle
 def test_comet_interval_is_deepspeeds(monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
