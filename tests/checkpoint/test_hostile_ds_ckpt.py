@@ -301,6 +301,10 @@ def test_fuzz_malformed_deepspeed_checkpoints(tmp_path):
             except BaseException as e:
                 return 99, f"Traceback: {{type(e).__name__}}: {{e}}"
 
+        def status(field):
+            return int([l for l in open("/proc/self/status") if l.startswith(field)][0].split()[1]) << 10
+
+        hwm = status("VmHWM:")
         results = {{"cases": 0, "converted": 0, "errors": 0, "loads": 0, "bad": []}}
         for case in range({FUZZ_CASES}):
             variant = rng.choice(variants)
@@ -326,6 +330,7 @@ def test_fuzz_malformed_deepspeed_checkpoints(tmp_path):
             results["cases"] += 1
             shutil.rmtree(ckpt)
             shutil.rmtree(work / f"o{{case}}", ignore_errors=True)
+        results["peak_rss_growth"] = status("VmHWM:") - hwm
         print(json.dumps(results))
     ''', timeout=600)
     assert child.returncode == 0, f"fuzz child died ({child.returncode}): {child.stderr[-3000:]}"
@@ -335,3 +340,6 @@ def test_fuzz_malformed_deepspeed_checkpoints(tmp_path):
     assert results["bad"] == [], json.dumps(results["bad"][:10], indent=1)
     assert results["errors"] > FUZZ_CASES // 4   # the mutations do reach the error paths
     assert results["loads"] >= 8
+    # what the 200 conversions and loads touched beyond the engine set up before them: a few of the ~50 KB files'
+    # worth, nowhere near one hostile tensor's 8 GB
+    assert results["peak_rss_growth"] < 128 << 20, results["peak_rss_growth"]
