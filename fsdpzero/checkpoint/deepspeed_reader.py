@@ -117,21 +117,23 @@ def _check_zip(f, path, size: int) -> None:
                                     f"more than the file's {size}: entries share bytes; not written by torch")
 
 
-def _tensors(obj, seen: set, depth: int = 0):
+def _tensors(obj, seen: set, path, depth: int = 0):
     """Every tensor in what the weights_only unpickler built (containers and the stand-ins' attributes)."""
-    if id(obj) in seen or depth > 64:
+    if id(obj) in seen:
         return
+    if depth > 64:   # DeepSpeed's files nest a few levels; nothing may hide below the walk
+        raise MalformedCheckpointError(f"{path}: containers nested more than 64 deep; DeepSpeed never writes that")
     seen.add(id(obj))
     if torch.is_tensor(obj):
         yield obj
     elif isinstance(obj, dict):
         for v in obj.values():
-            yield from _tensors(v, seen, depth + 1)
+            yield from _tensors(v, seen, path, depth + 1)
     elif isinstance(obj, (list, tuple, set, frozenset)):
         for v in obj:
-            yield from _tensors(v, seen, depth + 1)
+            yield from _tensors(v, seen, path, depth + 1)
     elif isinstance(obj, (LossScalerState, FragmentAddress, argparse.Namespace)):
-        yield from _tensors(vars(obj), seen, depth + 1)
+        yield from _tensors(vars(obj), seen, path, depth + 1)
 
 
 def _non_overlapping(t: torch.Tensor) -> bool:
@@ -147,7 +149,7 @@ def _check_tensors(obj, path, size: int) -> None:
     """Plain strided CPU tensors, no view overlapping itself, the distinct views' bytes within the file's size:
     whatever the conversion copies is then bounded by the file."""
     views = {}
-    for t in _tensors(obj, set()):
+    for t in _tensors(obj, set(), path):
         if t.layout != torch.strided or t.is_nested or t.device.type != "cpu" or t.is_quantized:
             raise UnsafeCheckpointError(f"{path}: a {t.layout} {t.device.type} tensor; DeepSpeed checkpoints hold "
                                         f"plain dense CPU tensors")

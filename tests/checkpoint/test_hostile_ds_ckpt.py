@@ -165,6 +165,17 @@ def test_aliased_views_beyond_the_file_size_are_refused(tmp_path):
         load_ds_file(target)
 
 
+def test_a_tensor_hidden_deep_in_containers_is_still_checked(tmp_path):
+    ckpt, tag = _copy("z2_fp32", tmp_path)
+    target = tag / "mp_rank_00_model_states.pt"
+    nested = torch.zeros(1).expand(1_500_000_000)
+    for _ in range(100):
+        nested = [nested]
+    save({"module": {}, "deep": nested}, target)
+    with pytest.raises(ValueError, match=f"{target.name}.*nested more than 64 deep"):
+        load_ds_file(target)
+
+
 @pytest.mark.parametrize("mutate,expect", [
     ("del d['optim']['optimizer_state_dict']", "optimizer_state_dict"),
     ("d['optim']['optimizer_state_dict']['partition_count'] = 'two'", "partition_count"),
