@@ -206,7 +206,10 @@ def fsdpzero_bytes(c: ModelCounts, stage: int, option: str, n: int, gpus: int, c
         gpu, host = 16 * P // n + working3, 0
     if offload:                                         # compute-dtype param and grad shards stay on the GPU
         shards = 2 * cb * P // n
-        gpu = (cb * P + shards + cb * B) if stage == 2 else shards + working3
+        # stage 2: the unsharded params from forward to the start of backward (grads still None), the param shards
+        # dropped meanwhile (offload_drop_shards: CUDA, no gradient accumulation; docs/offload.md), or the step's
+        # param and grad shards
+        gpu = max(shards, cb * P + cb * B) if stage == 2 else shards + working3
         host = 16 * P // n * gpus
         if ratio < 1.0:   # partial offload: fp32 master + moments (12 B/param) of the rest on the GPU; at stage 2
             # the units holding them also keep their compute-dtype shards (fsdp_state.DroppableShards drops only
