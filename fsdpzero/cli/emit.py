@@ -7,6 +7,9 @@ from the config and `ds_config:` to the rest of the resolved config ("auto" fill
 then means what the user's file means. Limits, written into the file when they apply: a config without a
 scheduler or optimizer gets the recipe's; optimizers other than Adam/AdamW also receive betas/eps.
 python: a short native-PyTorch FSDP2 script doing what the plan says (also the path off fsdpzero).
+accelerate: accelerate's FSDP2 launch config (fsdp_version 2, reshard, offload, mixed precision, state-dict type)
+for plain accelerate + FSDP2; what it cannot express (ZeRO-1, optimizer-only or NVMe offload, DeepSpeed's loss
+scaler, ...) is said in the file's comments and by the command.
 """
 from __future__ import annotations
 
@@ -133,3 +136,86 @@ def emit_python(plan: Plan) -> str:
         lines.append(f"        torch.nn.utils.clip_grad_norm_(model.parameters(), {b.gradient_clipping})")
     lines += ["        optimizer.step()", "        optimizer.zero_grad()"]
     return "\n".join(lines) + "\n"
+
+
+def emit_accelerate(plan: Plan) -> tuple[str, list[str]]:
+    """accelerate's FSDP2 launch config (the YAML `accelerate config` writes) for this plan, and the notes on what
+    accelerate's FSDP2 cannot express (written into the file as comments too). For plain accelerate + FSDP2:
+    `accelerate launch --config_file FILE train.py`."""
+    s, p, b, o = plan.shard, plan.precision, plan.batch, plan.offload
+    notes = []
+    if s.stage == 0:
+        notes.append("ZeRO-0 is plain data parallelism: FSDP2 with reshard_after_forward false is its nearest "
+                     "FSDP config (accelerate's MULTI_GPU, i.e. DDP, is the exact one)")
+    if s.stage == 1:
+        notes.append("ZeRO-1 (only the optimizer states sharded) has no FSDP2 form: this is the ZeRO-2 equivalent "
+                     "(gradients sharded too: less memory, the same updates)")
+    if not isinstance(s.reshard_after_forward, bool):
+        notes.append(f"zero_hpz_partition_size ({s.reshard_after_forward}): FSDP2 reshards to an int group "
+                     "size, which accelerate's fsdp_reshard_after_forward (a bool) cannot say; true is written")
+    if len(s.mesh_shape) > 1:
+        notes.append(f"a {s.mesh_shape} (replicate, shard) mesh (MiCS / hybrid sharding): accelerate's FSDP2 "
+                     "config shards over all ranks; set a parallelism_config (dp_replicate_size) by hand")
+    if o.optimizer_device != "none" and o.param_device == "none":
+        notes.append(f"offload_optimizer.device = {o.optimizer_device} without offload_param: FSDP2's "
+                     "CPUOffloadPolicy offloads parameters, gradients and optimizer states together; "
+                     "optimizer-only offload has no accelerate setting (left off)")
+    if "nvme" in (o.optimizer_device, o.param_device):
+        notes.append("NVMe offload has no FSDP2 equivalent: " + ("parameters offloaded to CPU instead"
+                                                               if o.param_device != "none" else "left off"))
+    if o.optimizer_device == "cpu" and o.param_device == "cpu" and o.ratio < 1:
+        notes.append(f"offload_optimizer.ratio = {o.ratio}: FSDP2 offloads all or nothing (all written)")
+    if p.loss_scale is not None:
+        notes.append("fp16: DeepSpeed's dynamic loss scaler (hysteresis, window, min scale) becomes accelerate's "
+                     "torch GradScaler (growth every 2000 steps, no hysteresis)")
+    if p.reduce_dtype != p.param_dtype:
+        notes.append(f"communication_data_type {p.reduce_dtype}: accelerate's mixed_precision reduces in the "
+                     f"compute dtype ({p.param_dtype}); set the plugin's mixed_precision_policy by hand")
+    if p.master_dtype != "float32":
+        notes.append(f"{p.master_dtype} master weights: accelerate's FSDP2 keeps fp32 parameters")
+    offload = o.param_device != "none"
+    precision = {"float32": "'no'", "bfloat16": "bf16", "float16": "fp16"}[p.param_dtype]
+    fsdp = {"fsdp_activation_checkpointing": False,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_cpu_ram_efficient_loading": True,
+            "fsdp_offload_params": offload,
+            "fsdp_reshard_after_forward": bool(s.reshard_after_forward),
+            "fsdp_state_dict_type": "FULL_STATE_DICT" if s.gather_16bit_weights_on_model_save
+            else "SHARDED_STATE_DICT",
+            "fsdp_version": 2}
+    script = [f"micro batch {b.micro_batch_size} per rank: DataLoader(batch_size={b.micro_batch_size})",
+              f"gradient_accumulation_steps {b.gradient_accumulation_steps}: "
+              f"Accelerator(gradient_accumulation_steps={b.gradient_accumulation_steps})"]
+    if b.gradient_clipping > 0:
+        script.append(f"gradient_clipping {b.gradient_clipping}: accelerator.clip_grad_norm_(model.parameters(), "
+                      f"{b.gradient_clipping})")
+    if plan.optimizer.type:
+        script.append(f"optimizer {plan.optimizer.type} {dict(plan.optimizer.params)}: build it in the script")
+    if plan.scheduler.type:
+        script.append(f"scheduler {plan.scheduler.type} {dict(plan.scheduler.params)}: build it in the script")
+    lines = ["# Generated by `fsdpzero migrate --emit accelerate`: accelerate's FSDP2 launch config for this plan.",
+             "# Run: accelerate launch --config_file THIS.yaml train.py",
+             f"# ZeRO stage {s.stage} -> fsdp_reshard_after_forward {str(bool(s.reshard_after_forward)).lower()}; "
+             f"offload_param {o.param_device} -> fsdp_offload_params {str(offload).lower()}",
+             *[f"# not expressible: {n}" for n in notes],
+             "# The script's part (accelerate's YAML has no keys for these):",
+             *[f"#   {line}" for line in script],
+             "compute_environment: LOCAL_MACHINE",
+             "debug: false",
+             "distributed_type: FSDP",
+             "downcast_bf16: 'no'",
+             "enable_cpu_affinity: false",
+             "fsdp_config:",
+             *[f"  {k}: {_scalar(v)}" for k, v in fsdp.items()],
+             "machine_rank: 0",
+             "main_training_function: main",
+             f"mixed_precision: {precision}",
+             f"num_machines: {plan.env.nodes}",
+             f"num_processes: {plan.env.world_size}",
+             "rdzv_backend: static",
+             "same_network: true",
+             "tpu_env: []",
+             "tpu_use_cluster: false",
+             "tpu_use_sudo: false",
+             "use_cpu: false"]
+    return "\n".join(lines) + "\n", notes

@@ -32,10 +32,11 @@ def _version(name: str) -> str:
 
 
 def cpu_simd(flags: set[str]) -> str:
-    """The widest SIMD level fsdpzero's CPU kernels use on a CPU with these /proc/cpuinfo flags."""
-    if "avx512f" in flags:
+    """The kernel fsdpzero's CPU Adam picks on a CPU with these /proc/cpuinfo flags (best_isa() in
+    ops/csrc/cpu_adam_kernels.h, which also asks the OS; this reads the flags only)."""
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
         return "avx512"
-    if "avx2" in flags and "fma" in flags:
+    if {"avx2", "fma", "f16c"} <= flags:
         return "avx2"
     return "scalar"
 

@@ -41,8 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser, name: str = "migrate") -> Non
     parser.add_argument("--json", action="store_true", help="print one JSON object (see docs/migration.md)")
     if name == "migrate":
         parser.add_argument("--all", action="store_true", help="also list keys left at DeepSpeed's defaults")
-        parser.add_argument("--emit", choices=("yaml", "python"), default=None,
-                            help="print the Hydra experiment file (yaml) or a native FSDP2 snippet (python)")
+        parser.add_argument("--emit", choices=("yaml", "python", "accelerate"), default=None,
+                            help="print the Hydra experiment file (yaml), a native FSDP2 snippet (python) or "
+                                 "accelerate's FSDP2 launch config (accelerate)")
 
 
 def _parse_set(items: list[str]) -> dict[str, Any]:
@@ -134,7 +135,13 @@ def _print_human(args: argparse.Namespace, path: str, code: int, result: dict) -
     plan: Plan | None = result.pop("_plan", None)
     cfg = result.pop("_cfg", None)
     if getattr(args, "emit", None) and plan is not None:
-        from fsdpzero.cli.emit import emit_python, emit_yaml
+        from fsdpzero.cli.emit import emit_accelerate, emit_python, emit_yaml
+        if args.emit == "accelerate":
+            text, notes = emit_accelerate(plan)
+            for note in notes:     # also comments in the file; said here so that a redirected run still shows them
+                print(f"fsdpzero migrate: not expressible in accelerate's FSDP2 config: {note}", file=sys.stderr)
+            sys.stdout.write(text)
+            return
         sys.stdout.write(emit_yaml(cfg, plan, path) if args.emit == "yaml" else emit_python(plan))
         return
     for w in result["warnings"]:
@@ -227,7 +234,10 @@ composed `ds_config` gives the same plan as your file (a test composes it with H
 the file when they apply: without a scheduler or optimizer the recipe's are used; optimizers other than
 Adam/AdamW also receive the recipe's betas/eps (use `recipes/train_lm.py ds_config=FILE` for those).
 `--emit python` prints a short native FSDP2 script (`fully_shard`, `MixedPrecisionPolicy`, accumulation with
-`set_requires_gradient_sync`, clipping): the way off fsdpzero, too.
+`set_requires_gradient_sync`, clipping): the way off fsdpzero, too. `--emit accelerate` prints accelerate's FSDP2
+launch config (`fsdp_version: 2`, reshard, offload, mixed precision, state-dict type) for
+`accelerate launch --config_file FILE train.py`; what accelerate's FSDP2 cannot express (ZeRO-1, optimizer-only or
+NVMe offload, DeepSpeed's loss scaler) is said in the file's comments and on stderr.
 
 ## 5. `--json`
 

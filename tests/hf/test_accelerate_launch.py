@@ -212,6 +212,7 @@ def test_accelerate_loop_under_launch_config_without_deepspeed(tmp_path, tmp_pat
                        env=no_deepspeed, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-5000:]
     ours = torch.load(out / "result.pt", weights_only=True)
+    assert ours["unwrapped"] == "FSDPLlamaForCausalLM"
     theirs, _ = oracle._run("deepspeed", "stage2", tmp_path_factory)
     oracle._compare(ours, theirs)
 
@@ -220,3 +221,26 @@ def test_stand_in_version_is_the_compat_version():
     from fsdpzero.compat.shim import STAND_IN_VERSION
     from fsdpzero.config.schema import COMPAT_VERSION
     assert STAND_IN_VERSION == f"{COMPAT_VERSION}+fsdpzero"
+
+
+@pytest.mark.slow
+@pytest.mark.oracle
+@pytest.mark.timeout(900)
+def test_accelerate_launch_itself_with_the_bootstrap_module(tmp_path, tmp_path_factory):
+    """docs/accelerate_trl.md: where DeepSpeed is installed (accelerate's launcher imports it), `accelerate launch
+    --config_file ds.yaml -m fsdpzero.compat.bootstrap train.py` trains on fsdpzero: the same numbers as DeepSpeed."""
+    from tests.hf import test_accelerate_oracle as oracle
+    model = oracle._model_dir(tmp_path_factory)
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps(oracle.CASES["stage2"][0]))
+    config = tmp_path / "acc.yaml"
+    config.write_text(FILE.format(ds=ds))
+    out = tmp_path / "ours"
+    p = subprocess.run([str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", str(config),
+                        "-m", "fsdpzero.compat.bootstrap", SCRIPT, model, str(out)], cwd=tmp_path,
+                       env=_env(DS_ACCELERATOR="cpu"), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-5000:]
+    ours = torch.load(out / "result.pt", weights_only=True)
+    assert ours["unwrapped"] == "FSDPLlamaForCausalLM"     # fsdpzero's engine, not DeepSpeed's
+    theirs, _ = oracle._run("deepspeed", "stage2", tmp_path_factory)
+    oracle._compare(ours, theirs)

@@ -141,7 +141,7 @@ def test_accelerate_loop_matches_deepspeed(tmp_path_factory, case):
     theirs, _ = _run("deepspeed", case, tmp_path_factory)
     ours, out = _run("ours", case, tmp_path_factory, save)
     _compare(ours, theirs)
-    assert theirs["unwrapped"] == "LlamaForCausalLM" and ours["unwrapped"].endswith("LlamaForCausalLM")
+    assert theirs["unwrapped"] == "LlamaForCausalLM" and ours["unwrapped"] == "FSDPLlamaForCausalLM"
     # save_model wrote what get_state_dict returned, loadable by plain transformers
     from safetensors.torch import load_file
     saved = load_file(os.path.join(out, "model", "model.safetensors"))
