@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -25,80 +24,18 @@ import torch
 
 from fsdpzero.checkpoint import deepspeed as dc
 from fsdpzero.checkpoint.deepspeed_reader import load_ds_file
+from tests.checkpoint.ds_mutate import save   # the child processes import it too
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "deepspeed_ckpts"
 REPO = Path(__file__).resolve().parents[2]
 VARIANTS = sorted(p.name for p in ASSETS.iterdir() if p.is_dir())
 
-# Shared with the child processes below: build a hostile file from a real one.
-HELPERS = textwrap.dedent('''
-    import io, os, resource, sys, zipfile, torch
-    from pathlib import Path
-
-    def cap_memory(extra=768 << 20):
-        """Address space capped at what this process has mapped now plus `extra`."""
-        vm = int([l for l in open("/proc/self/status") if l.startswith("VmSize:")][0].split()[1]) << 10
-        resource.setrlimit(resource.RLIMIT_AS, (vm + extra, vm + extra))
-
-    def convert(argv):
-        """`fsdpzero convert ...` in this process: (exit code, stderr text); an escaped exception is reported
-        as a traceback line, which the tests count as a failure."""
-        from contextlib import redirect_stderr
-        from fsdpzero.cli.main import main
-        err = io.StringIO()
-        try:
-            with redirect_stderr(err):
-                rc = main(["convert", *argv])
-        except BaseException as e:      # what a user would see as a traceback
-            return 99, f"Traceback: {type(e).__name__}: {e}"
-        return rc, err.getvalue()
-
-    import pickle, types
-
-    from fsdpzero.checkpoint.deepspeed_reader import FragmentAddress, LossScalerState, ZeroStage
-    # pickled under DeepSpeed's names, as DeepSpeed writes them (DeepSpeed is not imported)
-    DS_NAMES = {LossScalerState: b"deepspeed.runtime.fp16.loss_scaler\\nDynamicLossScaler",
-                FragmentAddress: b"deepspeed.utils.tensor_fragment\\nfragment_address"}
-    AS_DS = {cls: type(cls.__name__ + "AsDeepSpeed", (), {}) for cls in DS_NAMES}
-    GLOBALS = {AS_DS[cls]: name for cls, name in DS_NAMES.items()}
-
-    class _DeepSpeedNames(pickle._Pickler):
-        def save_global(self, obj, name=None):
-            if obj in GLOBALS:
-                self.write(pickle.GLOBAL + GLOBALS[obj] + b"\\n")
-                self.memoize(obj)
-                return
-            super().save_global(obj, name)
-        dispatch = dict(pickle._Pickler.dispatch)
-        dispatch[type] = save_global
-
-    pickle_module = types.SimpleNamespace(Pickler=_DeepSpeedNames, __name__="pickle")
-
-    def as_deepspeed_wrote_it(obj):
-        """The reader's stand-ins back to what DeepSpeed pickles (its classes, ints for the stage enum)."""
-        if isinstance(obj, dict):
-            return type(obj)((k, as_deepspeed_wrote_it(v)) for k, v in obj.items())
-        if isinstance(obj, list):
-            return [as_deepspeed_wrote_it(v) for v in obj]
-        if isinstance(obj, ZeroStage):
-            return int(obj)
-        if type(obj) in AS_DS:
-            out = AS_DS[type(obj)].__new__(AS_DS[type(obj)])
-            out.__dict__.update(vars(obj))
-            return out
-        return obj
-
-    def save(obj, path):
-        """torch.save beside, then rename: `obj` may still hold the old file's tensors."""
-        torch.save(as_deepspeed_wrote_it(obj), f"{path}.new", pickle_module=pickle_module)
-        os.replace(f"{path}.new", path)
-''')
-exec(HELPERS)   # save() and as_deepspeed_wrote_it() here too
-
 
 def _run_child(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-c", HELPERS + textwrap.dedent(code)], capture_output=True, text=True,
+    code = ("from tests.checkpoint.ds_mutate import *\nimport os\nimport torch\nfrom pathlib import Path\n"
+            + textwrap.dedent(code))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=str(REPO))
 
 
