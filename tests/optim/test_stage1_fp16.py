@@ -3,13 +3,14 @@
 - DeepSpeedExamples' `dsex_imagenet_fp16_z1.json` (stage 1, `fp16.auto_cast: true`) runs as written through
   `fsdpzero.initialize`: fp32 images meet fp16 weights, so the inputs are cast (DeepSpeed's engine casts floating
   inputs to half under auto_cast; FSDP2's root does it at stages 0/2/3). The run must equal stage 2's.
-- A stage-1 fp16 run saved and resumed gives the straight run's losses, weights and loss scale bit for bit: the fp32
-  masters DCP reads must not be rounded to fp16 by the model's load hook.
+- A stage-1 fp16 or bf16 run saved and resumed gives the straight run's losses, weights and loss scale bit for bit: the fp32
+  masters DCP reads must not be rounded to 16 bits by the model's load hook.
 """
 import json
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 import transformers  # noqa: F401  imported before forking the ranks
 from transformers import ConvNextConfig, ConvNextForImageClassification
@@ -78,13 +79,13 @@ SCALER = LossScalePlan(initial_scale_power=8, loss_scale_window=2, hysteresis=1)
 STEPS, HALF = 6, 3
 
 
-def _plan(world):
-    return make_plan(stage=1, gas=2, world=world, micro=2, dtype="float16", fp16=SCALER)
+def _plan(world, dtype):
+    return make_plan(stage=1, gas=2, world=world, micro=2, dtype=dtype, fp16=SCALER if dtype == "float16" else None)
 
 
-def _resume(rank, world, save_dir, part):
+def _resume(rank, world, save_dir, part, dtype):
     data = batches(STEPS, 2, 2 * world)
-    engine = wrap(build_model("gpt2", seed=9 if part == "second" else 0), _plan(world))
+    engine = wrap(build_model("gpt2", seed=9 if part == "second" else 0), _plan(world, dtype))
     if part == "second":
         engine.load_checkpoint(save_dir)
     losses = engine_losses(engine, data[HALF:] if part == "second" else data[:HALF] if part == "first" else data,
@@ -96,11 +97,12 @@ def _resume(rank, world, save_dir, part):
             "masters": masters, "state": engine.client_state()["loss_scaler"]}
 
 
-def test_stage1_fp16_resumes_bit_exactly():
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_stage1_16bit_resumes_bit_exactly(dtype):
     with tempfile.TemporaryDirectory() as d:
-        ref = run_distributed(_resume, 2, d, "straight", timeout=240)
-        first = run_distributed(_resume, 2, d, "first", timeout=240)
-        second = run_distributed(_resume, 2, d, "second", timeout=240)
+        ref = run_distributed(_resume, 2, d, "straight", dtype, timeout=240)
+        first = run_distributed(_resume, 2, d, "first", dtype, timeout=240)
+        second = run_distributed(_resume, 2, d, "second", dtype, timeout=240)
     assert first[0]["losses"] + second[0]["losses"] == ref[0]["losses"]
     assert second[0]["scale"] == ref[0]["scale"] and second[0]["state"] == ref[0]["state"]
     for r in range(2):
