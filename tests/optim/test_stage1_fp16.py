@@ -3,8 +3,8 @@
 - DeepSpeedExamples' `dsex_imagenet_fp16_z1.json` (stage 1, `fp16.auto_cast: true`) runs as written through
   `fsdpzero.initialize`: fp32 images meet fp16 weights, so the inputs are cast (DeepSpeed's engine casts floating
   inputs to half under auto_cast; FSDP2's root does it at stages 0/2/3). The run must equal stage 2's.
-- A stage-1 fp16 or bf16 run saved and resumed gives the straight run's losses, weights and loss scale bit for bit: the fp32
-  masters DCP reads must not be rounded to 16 bits by the model's load hook.
+- A stage-1 fp16 or bf16 run saved and resumed gives the straight run's losses, weights and loss scale bit for bit:
+  the fp32 masters DCP reads must not be rounded to 16 bits by the model's load hook.
 """
 import json
 import tempfile
