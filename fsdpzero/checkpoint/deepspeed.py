@@ -307,4 +307,27 @@ def _checked_state(where, st: dict) -> dict:
             raise MalformedCheckpointError(f"{where}: the Adam state of {name!r} has no step")
     if not isinstance(st["param_groups"], list) or not all(isinstance(g, dict) for g in st["param_groups"]):
         raise MalformedCheckpointError(f"{where}: the optimizer's param_groups are not a list of dicts")
+    for g in st["param_groups"]:   # what the resumed optimizer computes with: numbers, not whatever the file holds
+        for key in ("lr", "eps", "weight_decay"):
+            if key in g and not _number(g[key]):
+                raise MalformedCheckpointError(f"{where}: param group {key} is {g[key]!r:.60}, not a number")
+        if "betas" in g and not (isinstance(g["betas"], (list, tuple)) and len(g["betas"]) == 2
+                                 and all(_number(b) for b in g["betas"])):
+            raise MalformedCheckpointError(f"{where}: param group betas is {g['betas']!r:.60}, not two numbers")
+    for name, s in st["adam"].items():
+        if not _number(s["step"]):
+            raise MalformedCheckpointError(f"{where}: the Adam step of {name!r} is {s['step']!r:.60}, not a number")
+    for key, v in st["counters"].items():
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63):
+            raise MalformedCheckpointError(f"{where}: `{key}` is {v!r:.60}, not a step count")
+    for key, v in (st["loss_scaler"] or {}).items():
+        if not _number(v) and not isinstance(v, (bool, type(None))):
+            raise MalformedCheckpointError(f"{where}: the loss scaler's {key} is {v!r:.60}, not a number")
     return st
+
+
+def _number(v) -> bool:
+    """A finite int/float or a one-element tensor of one (what optimizers and scalers keep)."""
+    if torch.is_tensor(v):
+        return v.numel() == 1 and bool(torch.isfinite(v.float()).all())
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

@@ -122,6 +122,10 @@ def test_a_tensor_hidden_deep_in_containers_is_still_checked(tmp_path):
     ("d['model'] = [1, 2]", "mp_rank_00_model_states.pt"),
     ("del d['optim']['optimizer_state_dict']['base_optimizer_state']['state'][0]['exp_avg']", "exp_avg"),
     ("d['model']['param_shapes'][0]['transformer.wte.weight'] = [10**9, 10**9]", "transformer.wte.weight"),
+    # values the resumed run computes with: converted as they were, then a TypeError mid-training
+    ("d['model']['global_steps'] = 'x'", "global_steps"),
+    ("d['optim']['optimizer_state_dict']['base_optimizer_state']['param_groups'][0]['lr'] = 'fast'", "lr"),
+    ("d['optim']['optimizer_state_dict']['loss_scaler'].cur_scale = [1, 2]", "cur_scale"),
 ])
 def test_malformed_structure_is_one_clear_line(tmp_path, mutate, expect, capsys):
     """KeyError / TypeError / AttributeError inside the conversion became tracebacks of `fsdpzero convert`."""
