@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pickle
 import sys
 from pathlib import Path
@@ -71,6 +72,13 @@ def run(args: argparse.Namespace) -> int:
                      "--to safetensors or --to fp32")
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
         return _fail(f"--out {args.out} is a file; pass a directory (created if missing)")
+    if args.out is None:   # the default output goes beside the checkpoint, which may be on a read-only mount
+        source = Path(args.dir)
+        parent = source.parent if (args.source == "fsdpzero" and args.tag is None
+                                   and (source / ".metadata").is_file()) else source
+        if parent.is_dir() and not os.access(parent, os.W_OK):
+            return _fail(f"{parent} is not writable (a read-only mount?), and the output goes there by default; "
+                         f"pass --out DIR (the checkpoint itself is only read)")
     try:
         config_text = _model_config(args.config) if args.config else None
     except ValueError as e:

@@ -295,3 +295,25 @@ def test_fuzz_malformed_deepspeed_checkpoints(tmp_path):
     # what the 200 conversions and loads touched beyond the engine set up before them: a few of the ~50 KB files'
     # worth, nowhere near one hostile tensor's 8 GB
     assert results["peak_rss_growth"] < 128 << 20, results["peak_rss_growth"]
+
+
+def test_convert_from_a_read_only_mount(tmp_path, capsys):
+    """`fsdpzero convert` only reads the checkpoint: with --out it converts from a read-only mount; without, whose
+    default output is beside the checkpoint, it says so and names --out (it used to fail deep in the save with a
+    raw EROFS)."""
+    import subprocess
+    from fsdpzero.cli.main import main
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(ro)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        shutil.copytree(ASSETS / "z3_fp32", ro, dirs_exist_ok=True)
+        assert subprocess.run(["mount", "-o", "remount,ro", str(ro)], capture_output=True).returncode == 0
+        for to in ("dcp", "safetensors"):
+            assert main(["convert", str(ro), "--from", "deepspeed", "--to", to]) == 2
+            err = capsys.readouterr().err
+            assert _one_line_error(2, err) and "read-only" in err and "--out" in err, err
+            assert main(["convert", str(ro), "--from", "deepspeed", "--to", to, "--out", str(tmp_path / to)]) == 0
+    finally:
+        subprocess.run(["umount", str(ro)], capture_output=True)
