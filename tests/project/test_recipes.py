@@ -56,43 +56,106 @@ def test_readme_train_command_loss_falls(tmp_path):
 
 # -- stage parity through the recipe -------------------------------------------------------------------------------
 
-def _recipe_curve(rank, world, overrides):
+def _recipe_curve(rank, world, overrides, library="fsdpzero"):
     cfg = recipe_utils.compose("config", overrides)
+    if library == "deepspeed":
+        _run_recipe_on_deepspeed()
     recipe = train_lm.TrainLMRecipe(cfg)
     try:
         recipe.setup()
     except recipe_utils.RecipeError as e:
         return {"error": str(e)}
+    norms = _record_grad_norms(recipe.engine, library)
     recipe.train()
     recipe.cleanup()
-    return {"train": recipe.curves["train"]}
+    return {"train": recipe.curves["train"], "norms": norms}
 
 
-def _run_stage(tmp_path, zero, precision):
+def _record_grad_norms(engine, library) -> list[float]:
+    """The pre-clip global grad norm of each optimizer step: fsdpzero's reported one; for DeepSpeed at stage 0
+    (which reports none in fp32), torch's norm of its grads, all-reduced by its boundary backward."""
+    norms, step = [], engine.step
+
+    def recording_step():
+        boundary = engine.is_gradient_accumulation_boundary()
+        if boundary and library == "deepspeed":
+            grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+            norms.append(float(torch.nn.utils.get_total_norm(grads, 2.0)))
+        step()
+        if boundary and library == "fsdpzero":
+            norms.append(engine.get_global_grad_norm())
+
+    engine.step = recording_step
+    return norms
+
+
+def _run_recipe_on_deepspeed():
+    """In a rank: the recipe's `fsdpzero.initialize(model=, config=, tuning=)` becomes `deepspeed.initialize` over
+    the same model and ds_config (DeepSpeed's torch AdamW: its FusedAdam needs a GPU build), and the rest of the
+    recipe (loop, eval, checkpoint) runs unchanged on DeepSpeed's engine."""
+    import copy
+    import types
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import deepspeed.comm.torch
+    deepspeed.comm.torch.build_shm_op = lambda: None   # the inference all-reduce op (~40 s build), unused here
+
+    def initialize(model, config, tuning=None):
+        config = copy.deepcopy(config)
+        config["optimizer"]["params"]["torch_adam"] = True
+        engine, optimizer, _, scheduler = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                               config=config)
+        if not hasattr(engine.monitor, "close"):
+            engine.monitor.close = lambda: None
+        return engine, optimizer, None, scheduler
+
+    train_lm.fsdpzero = types.SimpleNamespace(initialize=initialize)
+
+
+def _run_stage(tmp_path, zero, precision, library="fsdpzero"):
     over = SMOKE + [f"zero={zero}", f"precision={precision}", "trainer.max_steps=8", "trainer.log_every=1",
-                    "optim.grad_clip=1.0", f"run_dir={tmp_path}/{zero}_{precision}"]
-    res = run_distributed(_recipe_curve, 2, over, timeout=240, init_pg=False)
+                    "optim.grad_clip=1.0", f"run_dir={tmp_path}/{library}_{zero}_{precision}"]
+    # DeepSpeed's CPU accelerator would bring up its own (ccl) backend: it gets the harness's gloo group instead
+    res = run_distributed(_recipe_curve, 2, over, library, timeout=240, init_pg=library == "deepspeed")
     if "error" in res[0]:
         raise AssertionError(res[0]["error"])
-    return [v for _, v in res[0]["train"]]
+    assert res[0]["norms"] == res[1]["norms"] and len(res[0]["norms"]) == 8
+    return [v for _, v in res[0]["train"]], res[0]["norms"]
 
 
-_REFERENCE: dict[str, list[float]] = {}
+_REFERENCE: dict[str, tuple[list[float], list[float]]] = {}
+
+# fp32: every stage, stage 0 included, against DeepSpeed's own engine running the same recipe (deepspeed.initialize
+# in place of fsdpzero.initialize): the loss curve and each step's pre-clip grad norm (Adam hides a gradient-scale
+# bug in the loss; the norm shows it). bf16: stages 1-3 against fsdpzero's stage 0, a consistency check only
+# (DeepSpeed's own CPU bf16 run of this recipe ends 0.045 away in loss: not a reference at 2e-2).
+STAGE_CASES = [(z, "fp32", 1e-5) for z in ("stage0", "stage1", "stage2", "stage3")] + \
+              [(z, "bf16", 2e-2) for z in ("stage1", "stage2", "stage3")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision,tol", [("fp32", 1e-5), ("bf16", 2e-2)])
-@pytest.mark.parametrize("zero", ["stage1", "stage2", "stage3"])
-def test_stages_match_stage0_through_recipe(tmp_path, zero, precision, tol):
-    """Same seed, same data: every ZeRO stage follows the replicated (stage 0) loss curve within the engine's
-    tolerances (fp32 1e-5, bf16 2e-2)."""
-    if precision not in _REFERENCE:                 # the stage-0 curve is computed once per precision
-        _REFERENCE[precision] = _run_stage(tmp_path, "stage0", precision)
-    ref = _REFERENCE[precision]
-    got = _run_stage(tmp_path, zero, precision)
+@pytest.mark.oracle
+@pytest.mark.parametrize("zero,precision,tol", STAGE_CASES, ids=[f"{z}-{p}" for z, p, _ in STAGE_CASES])
+def test_stages_match_the_reference_through_recipe(tmp_path, zero, precision, tol):
+    """Same seed, same data, the recipe as users run it: loss curves within the engine's tolerances (fp32 1e-5,
+    bf16 2e-2); fp32 grad norms within 2e-4 relative, every step."""
+    if precision not in _REFERENCE:                 # the reference curve is computed once per precision
+        if precision == "fp32":
+            pytest.importorskip("deepspeed", reason="the [oracle] extra (DeepSpeed) is not installed")
+        _REFERENCE[precision] = _run_stage(tmp_path, "stage0", precision,
+                                           "deepspeed" if precision == "fp32" else "fsdpzero")
+    ref, ref_norms = _REFERENCE[precision]
+    got, norms = _run_stage(tmp_path, zero, precision)
     assert len(got) == len(ref) == 8
     assert max(abs(a - b) for a, b in zip(got, ref)) <= tol, (got, ref)
     assert got[-1] < got[0]
+    if precision == "fp32":
+        # measured: stages 0/2/3 <= 3.3e-7; stage 1 1.1e-5 at step 1, 7.2e-5 by step 5 (its norm is one CPU
+        # vector_norm over each whole flat fp32 shard, ~2e-5 off at 5e5 elements). A summed or un-averaged
+        # gradient is off by >= 1.0.
+        rel = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
+        assert rel <= 2e-4, (rel, norms, ref_norms)
 
 
 @pytest.mark.slow
