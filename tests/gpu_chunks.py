@@ -7,13 +7,22 @@ splits the files whose cases need 4 GPUs (ids and names with `4gpu`) from those 
     python tests/gpu_chunks.py --all --lanes 2 --out out/gpu   # every chunk; 1-2 GPU chunks in lanes of 2 GPUs
     python tests/gpu_chunks.py --check                         # CPU: every `-m gpu` test is in exactly one chunk
 
+The whole suite on a 4-GPU host in three device calls (S11 wall times, 4x H200; BENCHMARKS.md "GPU test runs"):
+
+    bash bench/gpu_suite.sh -- engine4 ranks4 hf4                                           # ~8.4 min
+    bash bench/gpu_suite.sh --deepspeed -- --lanes 2 optim checkpoint engine fp16 agreement hf golden offload   # ~7
+    bash bench/gpu_suite.sh --deepspeed -- parity                                           # ~9.3 min (one H100)
+
+On a 2-GPU host, the 4-GPU chunks skip; the others in two calls (optim checkpoint engine / fp16 agreement hf golden
+offload) and parity alone.
+
 Chunks run in the order given. With `--lanes 2` on a 4-GPU host, consecutive 1- and 2-GPU chunks run two at a time
-on GPUs 0,1 and 2,3 (CUDA_VISIBLE_DEVICES); a 4-GPU chunk runs alone on all four. Per chunk, `<out>/<chunk>.log` (pytest -v
-with --durations), `<out>/<chunk>.xml` (JUnit), and at the end `<out>/summary.json` and a table: passed, failed,
-skipped, errors, wall seconds (`<out>/summary.jsonl` grows as chunks end). A chunk that outruns --chunk-timeout is
-killed and counted as timed out; the others go on. With --deadline, no chunk starts later than that many seconds
-after the start, and none runs past it (fit a device call's limit; what did not run is listed). Exit status 0 only
-when every chunk ran and none failed, errored or timed out.
+on GPUs 0,1 and 2,3 (CUDA_VISIBLE_DEVICES; a 1-GPU chunk sees one); a 4-GPU chunk runs alone on all four. Per
+chunk, `<out>/<chunk>.log` (pytest -v with --durations) and `<out>/<chunk>.xml` (JUnit); `<out>/summary.jsonl` grows
+as chunks end; at the end `<out>/summary.json` and a table: passed, failed, skipped, errors, wall seconds. A chunk
+that outruns --chunk-timeout is killed and counted as timed out; the others go on. With --deadline, no chunk starts
+later than that many seconds after the start, and none runs past it (fit a device call's limit; what did not run is
+listed). Exit status 0 only when every chunk ran and none failed, errored or timed out.
 """
 from __future__ import annotations
 
@@ -39,7 +48,7 @@ class Chunk:
     paths: tuple[str, ...]
     k: str | None = None      # pytest -k expression
     needs: str = ""           # what it needs beyond the GPU image's packages
-    minutes: float = 0.0      # wall time measured on the GPU host (see BENCHMARKS.md "GPU test runs"); 0: not yet
+    minutes: float = 0.0      # wall minutes measured (BENCHMARKS.md "GPU test runs", S11: 4x H200; parity: S10, H100)
 
     def selection(self) -> list[str]:
         return [*self.paths, *(["-k", self.k] if self.k else [])]
@@ -51,21 +60,22 @@ class Chunk:
 
 FOUR = "4gpu"
 CHUNKS = [
-    Chunk("engine", 2, ("tests/engine/test_gpu_engine.py",), f"not {FOUR}"),
-    Chunk("fp16", 2, ("tests/engine/test_gpu_fp16.py",), f"not {FOUR}"),
-    Chunk("agreement", 2, ("tests/engine/test_rank_agreement_gpu.py",), f"not {FOUR}"),
-    Chunk("golden", 2, ("tests/engine/test_gpu_golden.py",)),
+    Chunk("engine", 2, ("tests/engine/test_gpu_engine.py",), f"not {FOUR}", minutes=2.0),
+    Chunk("fp16", 2, ("tests/engine/test_gpu_fp16.py",), f"not {FOUR}", minutes=1.9),
+    Chunk("agreement", 2, ("tests/engine/test_rank_agreement_gpu.py",), f"not {FOUR}", minutes=1.2),
+    Chunk("golden", 2, ("tests/engine/test_gpu_golden.py",), minutes=0.8),
     Chunk("checkpoint", 2, ("tests/checkpoint/test_checkpoint_gpu.py", "tests/checkpoint/test_checkpoint_stream.py"),
-          f"not {FOUR}"),
+          f"not {FOUR}", minutes=2.6),
     Chunk("optim", 2, ("tests/optim/test_stage1.py", "tests/optim/test_lamb.py", "tests/ops/test_aio.py",
-                       "tests/cli/test_estimate.py"), needs="DeepSpeed (FusedLamb oracle, estimate's DeepSpeed rows)"),
-    Chunk("offload", 1, ("tests/offload", "tests/hf/test_trainer_gpu.py")),
-    Chunk("hf", 2, ("tests/hf/test_launch_gpu.py",), f"not {FOUR}"),
-    Chunk("parity", 1, ("tests/engine/test_gpu_loss_parity.py",), needs="DeepSpeed; ~9.5 min on one H100 (S10)"),
-    Chunk("engine4", 4, ("tests/engine/test_gpu_engine.py", "tests/engine/test_gpu_fp16.py"), FOUR),
+                       "tests/cli/test_estimate.py"), needs="DeepSpeed (FusedLamb oracle, estimate's DeepSpeed rows)",
+          minutes=2.6),
+    Chunk("offload", 1, ("tests/offload", "tests/hf/test_trainer_gpu.py"), minutes=0.6),
+    Chunk("hf", 2, ("tests/hf/test_launch_gpu.py",), f"not {FOUR}", minutes=1.5),
+    Chunk("parity", 1, ("tests/engine/test_gpu_loss_parity.py",), needs="DeepSpeed; alone in a call", minutes=9.3),
+    Chunk("engine4", 4, ("tests/engine/test_gpu_engine.py", "tests/engine/test_gpu_fp16.py"), FOUR, minutes=3.0),
     Chunk("ranks4", 4, ("tests/engine/test_rank_agreement_gpu.py", "tests/optim/test_stage1_gpu.py",
-                        "tests/checkpoint/test_checkpoint_gpu.py"), FOUR),
-    Chunk("hf4", 4, ("tests/hf/test_launch_gpu.py",), FOUR),
+                        "tests/checkpoint/test_checkpoint_gpu.py"), FOUR, minutes=3.7),
+    Chunk("hf4", 4, ("tests/hf/test_launch_gpu.py",), FOUR, minutes=1.5),
 ]
 BY_NAME = {c.name: c for c in CHUNKS}
 
