@@ -19,6 +19,7 @@ whoever can rewrite a file can rewrite the manifest too. Trust comes from the re
 from __future__ import annotations
 
 import collections
+import io
 import json
 import pathlib
 import pickle
@@ -146,8 +147,9 @@ def read_dcp_metadata(path: str | Path, name: str = METADATA_FILE) -> Metadata:
     <path>. Raises UnsafeCheckpointError (one line, naming the file) otherwise."""
     source = Path(path) / name
     try:
-        with open(source, "rb") as f:
-            md = _MetadataUnpickler(f, source).load()
+        with open(source, "rb") as f:   # read whole: a file object's read(n) allocates the n a length opcode
+            data = f.read()              # claims (a 20-byte index asked for 3 GiB); BytesIO returns what is there
+        md = _MetadataUnpickler(io.BytesIO(data), source).load()
     except UnsafeCheckpointError:
         raise
     except FileNotFoundError:

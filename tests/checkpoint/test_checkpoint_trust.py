@@ -463,3 +463,24 @@ def test_convert_does_not_allocate_what_a_tiny_index_claims(tmp_path):
     assert child.returncode == 2 and len(lines) == 1, child.stderr[-2000:]
     assert "state/train/model/w" in lines[0] and "(65536, 32768)" in lines[0], lines
     assert "can't allocate" not in lines[0], lines
+
+
+def test_a_length_opcode_cannot_make_the_reader_allocate(tmp_path):
+    """A 20-byte index whose BINUNICODE8 claims 3 GiB: read through the file object, the unpickler's read(n) asked
+    for the 3 GiB before finding 3 bytes (MemoryError under a cap). The index is read whole (it is the file's
+    size) and unpickled from memory, where a read returns only what is there. Child capped at +1 GiB."""
+    import subprocess
+    import sys
+    (tmp_path / ".metadata").write_bytes(b"\x80\x04" + pickle.BINUNICODE8 + (3 << 30).to_bytes(8, "little") + b"abc"
+                                         + pickle.STOP)
+    code = ("import resource\n"
+            "import torch\n"
+            "from fsdpzero.checkpoint.trust import read_dcp_metadata\n"
+            "vm = int([l for l in open('/proc/self/status') if l.startswith('VmSize:')][0].split()[1]) << 10\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), vm + (1 << 30)))\n"
+            f"try:\n    read_dcp_metadata({str(tmp_path)!r})\n"
+            "except Exception as e:\n    print(type(e).__name__, e)\n")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           cwd=str(Path(__file__).resolve().parents[2]), env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert child.stdout.startswith("UnsafeCheckpointError") and ".metadata" in child.stdout, child
+    assert "MemoryError" not in child.stdout, child.stdout
