@@ -31,7 +31,7 @@ parser.add_argument("--zero3_init_flag", action="store_true")
 parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--save_at", type=int, default=None, help="save_state after this many optimizer steps")
 parser.add_argument("--resume_from", default=None)
-parser.add_argument("--scheduler", choices=["lambda", "config"], default="lambda")
+parser.add_argument("--teacher_config", default=None, help="a second DeepSpeedPlugin: a frozen teacher (distillation)")
 parser.add_argument("--local_rank", type=int, default=-1)   # the DeepSpeed-style launchers pass it
 args = parser.parse_args()
 
@@ -44,6 +44,8 @@ else:
                              gradient_clipping=0.5, offload_optimizer_device=args.offload_optimizer_device,
                              offload_param_device=args.offload_param_device, zero3_init_flag=args.zero3_init_flag,
                              zero3_save_16bit_model=True)
+if args.teacher_config is not None:      # accelerate's several-plugins usage: one config per model
+    plugin = {"student": plugin, "teacher": DeepSpeedPlugin(hf_ds_config=args.teacher_config)}
 accelerator = Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=args.gradient_accumulation_steps)
 set_seed(0)
 
@@ -71,6 +73,13 @@ else:
 prepared = accelerator.prepare(model, optimizer, loader, *([scheduler] if scheduler is not None else []))
 model, optimizer, loader = prepared[:3]
 scheduler = prepared[3] if scheduler is not None else None
+teacher = None
+if args.teacher_config is not None:
+    accelerator.state.select_deepspeed_plugin("teacher")
+    teacher = AutoModelForCausalLM.from_pretrained(args.model)
+    teacher = accelerator.prepare(teacher)
+    teacher.eval()
+    accelerator.state.select_deepspeed_plugin("student")
 
 done = 0
 if args.resume_from:
@@ -87,7 +96,12 @@ for _ in range(done * args.gradient_accumulation_steps):   # the batches the sav
 while done < args.steps:
     (batch,) = next(batches)
     with accelerator.accumulate(model):
-        loss = model(input_ids=batch, labels=batch).loss
+        out = model(input_ids=batch, labels=batch)
+        loss = out.loss
+        if teacher is not None:
+            with torch.no_grad():
+                target = torch.softmax(teacher(input_ids=batch).logits, dim=-1)
+            loss = loss + 0.5 * torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten(0, 1))
         accelerator.backward(loss)
         step_losses.append(accelerator.gather(loss.detach()).mean().item())
         if accelerator.sync_gradients:

@@ -4,7 +4,8 @@ model/optimizer/dataloader/scheduler, accumulate, backward, clip_grad_norm_, gat
 unwrap_model, save_model) on 2 ranks, fp32, run once by DeepSpeed and once through fsdpzero's per-rank launch entry
 (fsdpzero.compat.bootstrap, what `fsdpzero launch` runs): per-step losses, grad norms and learning rates, and the
 final weights within 1e-5, at stages 1/2/3, with CPU offload, with the config's optimizer/scheduler sections
-(DummyOptim/DummyScheduler) and with a DeepSpeedPlugin built without a file. A run resumed from its own save_state
+(DummyOptim/DummyScheduler), with a DeepSpeedPlugin built without a file, and with two plugins (a ZeRO-3 inference
+teacher prepared after the student, accelerate's several-models usage). A run resumed from its own save_state
 equals the uninterrupted run bit for bit."""
 from __future__ import annotations
 
@@ -48,15 +49,23 @@ CASES = {   # name -> (ds_config or None, script flags)
     "stage3_cpu_offload": (_file({"stage": 3, **OFFLOAD_OPT, **OFFLOAD_PARAM}), []),
     "stage2_config_sections": (_file({"stage": 2}, SECTIONS), []),
     "plugin_stage3_init": (None, ["--zero_stage", "3", "--zero3_init_flag"]),
+    "stage3_with_teacher": (_file({"stage": 3}), ["--teacher_config", "TEACHER"]),
 }
+# the teacher's plugin (accelerate's several-plugins usage): ZeRO-3 inference, no optimizer
+TEACHER = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
 RESUMED = ("stage1", "stage2", "stage3", "stage3_cpu_offload")
 
 
 def _argv(case: str, model: str, out: str, extra: list[str]) -> list[str]:
     ds, flags = CASES[case]
+    os.makedirs(out, exist_ok=True)
+    if "TEACHER" in flags:
+        teacher = os.path.join(out, "teacher.json")
+        with open(teacher, "w") as f:
+            json.dump(TEACHER, f)
+        flags = [teacher if f == "TEACHER" else f for f in flags]
     argv = [SCRIPT, model, out, *flags, *extra]
     if ds is not None:
-        os.makedirs(out, exist_ok=True)
         path = os.path.join(out, "ds_config.json")
         with open(path, "w") as f:
             json.dump(ds, f)
