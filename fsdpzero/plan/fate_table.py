@@ -60,7 +60,8 @@ FATES: dict[str, tuple[str, str]] = {
     "fp16": (M, "fp16 mixed precision section"),
     "fp16.enabled": (M, "MixedPrecisionPolicy(param_dtype=float16) + fp32 sharded master + DeepSpeed-semantics "
                         "dynamic loss scaler (fsdpzero.precision)"),
-    "fp16.auto_cast": (M, "MixedPrecisionPolicy(cast_forward_inputs=True), FSDP2's default"),
+    "fp16.auto_cast": (M, "floating inputs cast to the compute dtype at every stage (FSDP2's cast_forward_inputs; "
+                          "stage 1: fsdpzero's forward pre-hook), keyword inputs too; DeepSpeed casts positional only"),
     "fp16.loss_scale": (M, "LossScalePlan.loss_scale: 0 dynamic, > 0 static"),
     "fp16.initial_scale_power": (M, "LossScalePlan.initial_scale_power: first scale 2**p"),
     "fp16.loss_scale_window": (M, "LossScalePlan.loss_scale_window: clean steps before x2"),
