@@ -101,7 +101,7 @@ def offload_policy(plan: Plan, device_type: str) -> OffloadPolicy:
     if plan.offload.param_device in ("cpu", "nvme"):   # nvme: CPU shards, swapped to disk by offload/param_swapper.py
         # pinning needs an accelerator (pin_memory() raises on CPU-only machines); nvme shards stay pageable, as
         # the swapper needs them (pinned blocks never leave torch's cache: see
-        # offload/fsdp_state.own_resizable_storages)
+        # fsdp2_internals.own_resizable_storages)
         pin = plan.offload.pin_memory and device_type == "cuda" and plan.offload.param_device == "cpu"
         return CPUOffloadPolicy(pin_memory=pin)
     return OffloadPolicy()

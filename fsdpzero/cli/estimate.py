@@ -212,7 +212,7 @@ def fsdpzero_bytes(c: ModelCounts, stage: int, option: str, n: int, gpus: int, c
         gpu = max(shards, cb * P + cb * B) if stage == 2 else shards + working3
         host = 16 * P // n * gpus
         if ratio < 1.0:   # partial offload: fp32 master + moments (12 B/param) of the rest on the GPU; at stage 2
-            # the units holding them also keep their compute-dtype shards (fsdp_state.DroppableShards drops only
+            # the units holding them also keep their compute-dtype shards (fsdp2_internals.DroppableShards drops only
             # units stepped wholly on the CPU)
             extra = 12 + (cb if stage == 2 else 0)
             gpu, host = gpu + int(extra * P * (1 - ratio) / n), int(16 * P * ratio / n * gpus)

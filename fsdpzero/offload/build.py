@@ -141,7 +141,7 @@ def device_stepped(units: list[list[tuple[str, int]]], chunk_size: int, ratio: f
 
 
 def drop_shards_default(plan: Plan, override: bool | None = None) -> bool:
-    """Free the device shards of stage-2 units between forward and the step (fsdp_state.DroppableShards): on
+    """Free the device shards of stage-2 units between forward and the step (fsdp2_internals.DroppableShards): on
     with CUDA and no gradient accumulation (each extra micro-batch would copy them back H2D for its all-gather).
     `override` (knob offload_drop_shards, None = auto): False turns it off, True forces it on (also on CPU)."""
     if override is not None:
@@ -153,7 +153,7 @@ def _param_swapper(model: nn.Module, plan: Plan, entries: list[Entry]):
     """offload_param nvme: the CPU shards go to disk (fsdpzero.offload.param_swapper). A stand-in NVMeAdam steps becomes
     a view of its shard's storage, so it is swapped with the shard instead of being a second copy in memory."""
     from fsdpzero.offload.param_swapper import param_swapper_from_plan
-    from fsdpzero.offload.fsdp_state import fsdp_units, lazy_init, own_resizable_storages
+    from fsdpzero.fsdp2_internals import fsdp_units, lazy_init, own_resizable_storages
     lazy_init(model)                           # FSDP2 re-pads (replaces) the shards at lazy init: do it first
     own_resizable_storages(fsdp_units(model))  # resize_(0) evicts; FSDP2's pinned shards refuse it
     with torch.no_grad():

@@ -10,7 +10,8 @@ import time
 import torch
 from torch import nn
 
-from fsdpzero.offload import device_step, fsdp_state
+from fsdpzero import fsdp2_internals
+from fsdpzero.offload import device_step
 from fsdpzero.offload.access import guard_reads
 from fsdpzero.offload.chunks import (Chunk, Entry, on_stream, chunk_layout, load_offload_state_dict,
                                      offload_state_dict)
@@ -86,7 +87,7 @@ class OffloadGradPath(GradPath):
         self._sync = True
         self._rec = None                    # the timeline record of the step being stepped (profiling only)
         self._early: set[int] = set()       # chunks whose D2H was issued during this backward
-        self._dropped: dict[int, fsdp_state.DroppableShards] = {}
+        self._dropped: dict[int, fsdp2_internals.DroppableShards] = {}
         model.register_state_dict_pre_hook(lambda *_: self.wait())   # saving reads the updated weights
         index = {id(m): i for i, (m, _) in enumerate(units)}
         aheads: dict[int, list[int]] = {}
@@ -95,16 +96,16 @@ class OffloadGradPath(GradPath):
                 continue
             # explicit forward prefetch (set_modules_to_forward_prefetch) unshards later units from this
             # unit's pre-forward: their chunks must be ready (and their shards present) too
-            ahead = [index[id(m)] for m in fsdp_state.forward_prefetch_modules(module) if id(m) in index]
+            ahead = [index[id(m)] for m in fsdp2_internals.forward_prefetch_modules(module) if id(m) in index]
             aheads[i] = ahead
             mine = [c for c in unit_chunks[i] if not c.entries[0].on_device]
             if self.staged and mine and early_d2h:   # D2H as soon as the unit's reduce-scatter is done
-                fsdp_state.after_reduce(module, lambda event, cs=mine: self._d2h_unit(cs, event))
+                fsdp2_internals.after_reduce(module, lambda event, cs=mine: self._d2h_unit(cs, event))
             if self.norm_cache is not None:
-                fsdp_state.after_reduce(module, lambda event, m=module: self._sum_unit(m))
-            if drop_shards and self.staged and fsdp_state.keeps_unsharded(module) and \
+                fsdp2_internals.after_reduce(module, lambda event, m=module: self._sum_unit(m))
+            if drop_shards and self.staged and fsdp2_internals.keeps_unsharded(module) and \
                     all(e.out_buf is not None for e in entries):
-                self._dropped[i] = fsdp_state.DroppableShards(module)
+                self._dropped[i] = fsdp2_internals.DroppableShards(module)
                 module.register_forward_hook(lambda mod, *_, i=i: self._drop(i, mod))
             if self.overlap:
                 waits = [c for j in [i, *ahead] for c in unit_chunks[j]]
@@ -119,7 +120,7 @@ class OffloadGradPath(GradPath):
         # overlap: between step() and the next forward the worker writes the weights; every other read waits
         self.reads = guard_reads(model, self.pending, self.wait, optimizer) if self.overlap else None
 
-    # -- device shards of stage-2 units: dropped after forward, back for the step (fsdp_state.DroppableShards) -----
+    # -- device shards of stage-2 units: dropped after forward, back for the step (fsdp2_internals.DroppableShards) --
     def _drop(self, unit: int, module: nn.Module) -> None:
         if torch.is_grad_enabled() and module.training:   # a training forward: backward and a step follow
             self._dropped[unit].drop()
@@ -133,9 +134,9 @@ class OffloadGradPath(GradPath):
             return
         for u in todo:
             self._dropped[u].allocate()
-        done = fsdp_state.restore_from([e for u in todo for e in self._unit_entries[u]], self.h2d)
+        done = fsdp2_internals.restore_from([e for u in todo for e in self._unit_entries[u]], self.h2d)
         if done is not None:
-            for s in fsdp_state.consumer_streams(module):
+            for s in fsdp2_internals.consumer_streams(module):
                 s.wait_event(done)
 
     def _restore_all(self) -> None:
@@ -163,7 +164,7 @@ class OffloadGradPath(GradPath):
 
     def _sum_unit(self, module: nn.Module) -> None:
         if self.norm_cache is not None:   # tests turn it off on a built path
-            self.norm_cache.submit(fsdp_state.offloaded_grads(module))
+            self.norm_cache.submit(fsdp2_internals.offloaded_grads(module))
 
     def _d2h_chunk(self, chunk: Chunk, rec) -> None:
         """(On the D2H stream) copy the chunk's sharded grads into their pinned buffers; record d2h_done."""
@@ -189,7 +190,7 @@ class OffloadGradPath(GradPath):
             if self._error is not None:
                 raise RuntimeError("fsdpzero offload: the CPU optimizer step failed") from self._error
             if self.h2d is not None:   # FSDP2's all-gather copy-in reads the shards on its own streams
-                streams = fsdp_state.consumer_streams(module)
+                streams = fsdp2_internals.consumer_streams(module)
                 before = torch.cuda.Event(enable_timing=True) if self.tl is not None else None
                 if before is not None:
                     before.record()
@@ -315,7 +316,7 @@ class OffloadGradPath(GradPath):
                 self._dropped[u].allocate()
             stale = [e for u in back for e in self._unit_entries[u] if e.param.grad is None]
             if stale:       # no grad, no step: the current value comes back from the out buffer
-                fsdp_state.restore_from(stale, self.h2d)
+                fsdp2_internals.restore_from(stale, self.h2d)
             elif back and self.h2d is not None:
                 self.h2d.wait_stream(torch.cuda.current_stream())   # allocated on the compute stream
         # and the hyperparameters: the engine steps the LR scheduler right after step() returns

@@ -25,8 +25,8 @@ def _plan(opt_device, param_device, nvme_path, dtype, **param_knobs):
 
 def _resident(model):
     """Elements of CPU shard storage actually allocated, per FSDP unit (module order)."""
-    from fsdpzero.offload.fsdp_state import fsdp_units
-    from fsdpzero.offload.fsdp_state import param_groups
+    from fsdpzero.fsdp2_internals import fsdp_units
+    from fsdpzero.fsdp2_internals import param_groups
     out = []
     for m in fsdp_units(model):
         fps = [fp for g in param_groups(m) for fp in g.fsdp_params]
@@ -212,7 +212,7 @@ def test_hpz_with_param_nvme_equals_param_cpu(tmp_path):
 
 def _swapper_errors(rank, world, nvme_path):
     from fsdpzero.offload.param_swapper import ParamSwapper
-    from fsdpzero.offload.fsdp_state import fsdp_units
+    from fsdpzero.fsdp2_internals import fsdp_units
     from tests.offload.test_offload import _model
     model = _model(cpu_offload=True)                 # per rank: the root ~160 elements, 3 blocks ~1776 each
     errors = []
@@ -328,7 +328,8 @@ def _rss_bytes() -> int:
 def _evict_rss_run(rank, world, nvme_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-    from fsdpzero.offload import fsdp_state as offload_fsdp, param_swapper as nvme_params
+    from fsdpzero import fsdp2_internals as offload_fsdp
+    from fsdpzero.offload import param_swapper as nvme_params
     from tests.offload.test_offload import Net
     torch.manual_seed(0)
     model = Net(d=1024, n=6)                  # blocks of 24 MiB (fp32): heap-sized pieces of 12 MiB

@@ -3,7 +3,7 @@
 - the import graph of fsdpzero has no cycle (imports inside functions count: they are arrows too);
 - fsdpzero.ops never imports the rest of the library, and the library never imports its CLI;
 - no private name (`_x`) is imported from another module: a name that crosses modules is public in its wing;
-- FSDP2's private state is touched in one module only (fsdpzero/offload/fsdp_state.py).
+- FSDP2's private state is touched in one module only (fsdpzero/fsdp2_internals.py).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "fsdpzero"
-FSDP_STATE = PKG / "offload" / "fsdp_state.py"
+FSDP_STATE = PKG / "fsdp2_internals.py"
 # torch's private _fully_shard state, as attribute or getattr name
 FSDP_PRIVATE = re.compile(r"\b(_get_fsdp_state|_fsdp_param_groups?|_sharded_param_data|_local_tensor|_lazy_init|"
                           r"_states_to_(forward|backward)_prefetch|_post_reduce_event|_comm_ctx|_fully_shard|"
@@ -182,9 +182,9 @@ def test_no_module_reaches_into_anothers_private_attributes():
 
 
 def test_fsdp2_private_state_in_one_module():
-    assert len(_fsdp_private_uses(FSDP_STATE)) >= 10, "the pattern no longer matches what fsdp_state.py touches"
+    assert len(_fsdp_private_uses(FSDP_STATE)) >= 10, "the pattern no longer matches what fsdp2_internals.py touches"
     bad = [use for path in MODULES.values() if path != FSDP_STATE for use in _fsdp_private_uses(path)]
-    assert not bad, "FSDP2 private state outside fsdpzero/offload/fsdp_state.py:\n" + "\n".join(bad)
+    assert not bad, "FSDP2 private state outside fsdpzero/fsdp2_internals.py:\n" + "\n".join(bad)
 
 
 def test_every_module_is_in_a_package():

@@ -1,6 +1,8 @@
 """The one module of fsdpzero that touches FSDP2's private state (torch's _fully_shard internals: `_get_fsdp_state`,
 `_fsdp_param_group`, `_sharded_param_data`, `_local_tensor`, ...). Everything else reads public API and calls these;
-tests/project/test_layout.py fails if a private name appears anywhere else. What is reached for, and why:
+tests/project/test_layout.py fails if a private name appears anywhere else. It sits at the top of the package, not
+in a wing, because the whole library shares it (today the offload wing and the parameter swapper call it; a tensor-
+or sequence-parallel path would too). What is reached for, and why:
 
 - after_reduce(module, fn): fn(event) after the unit's post-backward has issued its reduce-scatter; `event` (None
   on CPU or when nothing was reduced) completes when the sharded grads hold their values. The offload path starts
@@ -72,7 +74,12 @@ def after_reduce(module: nn.Module, fn: Callable[[object], None]) -> bool:
         if group.reduce_grads and (event is not None or not on_cuda):   # no event: nothing was reduced
             fn(event)
         return out
-    group.post_backward = post_backward   # FSDP2 calls it through the instance (autograd node, final callback)
+    # The one instance override of fsdpzero. It stands in for a post-reduce hook FSDP2 does not offer: the public
+    # FSDPModule API (torch.distributed.fsdp.FSDPModule: set_post_optim_event, set_reduce_scatter_divide_factor,
+    # register_fsdp_forward_method, ...) has no callback after a unit's reduce-scatter; the nearest public hook,
+    # Tensor.register_post_accumulate_grad_hook, fires before FSDP2 reduces. FSDP2 calls FSDPParamGroup.post_backward
+    # through the instance (autograd node, final callback), so wrapping it there is seen by every call.
+    group.post_backward = post_backward
     return True
 
 
