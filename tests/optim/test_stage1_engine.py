@@ -106,16 +106,31 @@ def test_stage1_matches_reference(kind, kw):
     _check_against_reference(kind, kw, runs)
 
 
-def test_stage1_fp16_loss_scaling_matches_stage0():
-    """fp16 params with fp32 masters and DeepSpeed's dynamic loss scaler (the first steps overflow at 2^16 and are
-    skipped on both stages alike)."""
+def test_stage1_fp16_loss_scaling_matches_reference():
+    """fp16 params with fp32 masters and DeepSpeed's dynamic loss scaler (window 2: the scale doubles every 2 clean
+    steps until 2^19 overflows at step 8, which is skipped) against the unsharded fp32 torch run of the 7 applied
+    steps: per-step losses and norms closely (measured 3.5e-5, 2.7e-4 relative), the masters' update within 0.1 of
+    the reference's (measured 0.016; a step that never happens is off by 1) and AdamW's moments within 0.15 of
+    torch's (measured 0.011; grads left multiplied by the loss scale are off by ~6e4)."""
     kw = dict(gas=2, dtype="float16", reduce_dtype="float32",
               fp16=LossScalePlan(initial_scale_power=16, loss_scale_window=2, hysteresis=1))
-    s1 = _run("gpt2", dict(stage=1, **kw), steps=4)
-    s0 = _run("gpt2", dict(stage=0, **kw), steps=4)
-    assert s1[0]["dtype"] == "torch.float16" and s1[0]["skipped"] == s0[0]["skipped"]
-    assert max(abs(a - b) for a, b in zip(s1[0]["losses"], s0[0]["losses"])) <= 2e-2
-    assert _max_diff(s1[0]["params"], s0[0]["params"]) <= 2e-2
+    runs = _run("gpt2", dict(stage=1, **kw), steps=8)
+    got = runs[0]
+    assert got["dtype"] == "torch.float16" and got["skipped"] == 1 and got["norms"][7] == float("inf")
+    for r in runs:
+        assert _max_diff(r["params"], got["params"]) == 0.0
+    ref = reference_trace("gpt2", batches(8, 2, 4)[:7], clip=1.0)
+    assert max(abs(a - b) for a, b in zip(got["losses"][:7], ref["losses"])) <= 5e-4
+    assert max(abs(a - b) / b for a, b in zip(got["norms"][:7], ref["norms"])) <= 2e-3
+    init = build_model("gpt2").state_dict()
+    names = sorted(got["state"])
+    delta_ref = torch.cat([(ref["params"][n] - init[n]).reshape(-1) for n in names])
+    delta_got = torch.cat([got["state"][n]["master"] - init[n].reshape(-1) for n in names])
+    err = ((delta_got - delta_ref).norm() / delta_ref.norm()).item()
+    assert err <= 0.1, f"the masters' update differs from the reference's by {err:.3g} of its size"
+    moments = state_diffs(got["state"], {n: ref["state"][n] for n in got["state"]})   # scale-sensitive, unlike Adam
+    name, worst = max(moments.items(), key=lambda kv: kv[1])
+    assert worst <= 0.15, f"AdamW state {name} differs by {worst:.3g} of its size from torch's"
 
 
 @pytest.mark.parametrize("save_world,load_world", [(2, 1), (1, 2)])
