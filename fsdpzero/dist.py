@@ -72,6 +72,14 @@ def init_distributed(device_type: str | None = None, timeout_s: float = 600.0) -
     return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=device)
 
 
+def join_before_accelerate(timeout_s: float) -> None:
+    """Under a launcher (RANK set), create our default group before accelerate's PartialState does: it reuses an
+    existing group, and on GPUs would otherwise create NCCL alone, where offload's CPU shards (their grad-norm
+    all-reduce) find no backend ("No backend type associated with device type cpu", seen on 2 and 4 H200s)."""
+    if "RANK" in os.environ and not dist.is_initialized():
+        init_distributed(timeout_s=timeout_s)
+
+
 @torch.no_grad()
 def broadcast_module(module: torch.nn.Module, src: int = 0) -> None:
     """Make every rank start from rank `src`'s weights and buffers, as DeepSpeed and DDP do at wrap time
@@ -85,6 +93,18 @@ def broadcast_module(module: torch.nn.Module, src: int = 0) -> None:
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: a DTensor's local shard, any other tensor as it is."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+# The name parts torch's module wrappers insert in parameter names: activation checkpointing's checkpoint_wrapper,
+# torch.compile's OptimizedModule, FSDP1. Declared once; the checkpoint, zero.Init and HF loading code strip them.
+WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def clean_fqn(name: str) -> str:
+    """Parameter name as the unwrapped model has it (WRAPPER_PARTS removed)."""
+    for wrapper in WRAPPER_PARTS:
+        name = name.replace(wrapper, "")
+    return name
 
 
 # -- errors and facts agreed across ranks ----------------------------------------------------------------------------

@@ -166,6 +166,9 @@ def divert_training_arguments(module: types.ModuleType) -> None:
         elif not self.deepspeed and getattr(self, "fsdpzero_config", None) is None \
                 and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
             self.fsdpzero_config = accelerate_env_config(self)
+        if getattr(self, "fsdpzero_config", None) is not None:
+            from fsdpzero.dist import join_before_accelerate
+            join_before_accelerate(float(self.ddp_timeout))
         import torch
         if not torch.cuda.is_available() and not self.use_cpu:
             self.use_cpu = True

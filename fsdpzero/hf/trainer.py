@@ -30,11 +30,10 @@ import torch.distributed as dist
 import transformers
 from torch import nn
 
+from fsdpzero.dist import clean_fqn
 from fsdpzero.hf.lora import is_peft_model, save_adapters, save_merged_model
 
 # -- sharded loading -----------------------------------------------------------------------------------------------
-
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
 def _weight_map(path: Path) -> dict[str, Path]:
@@ -73,9 +72,7 @@ def load_sharded_safetensors(model: nn.Module, path: str | Path) -> None:
     tensors.update({n: b for n, b in model.named_buffers() if n in persistent})
     missing, keyed = [], {}
     for name, t in tensors.items():
-        key = name
-        for part in _WRAPPER_PARTS:
-            key = key.replace(part, "")
+        key = clean_fqn(name)
         if key not in where:
             missing.append(key)
             continue
@@ -166,6 +163,9 @@ class TrainingArguments(transformers.TrainingArguments):
     def __post_init__(self):
         self.fsdpzero_config = self.deepspeed
         self.deepspeed = None            # keep transformers from importing and configuring DeepSpeed
+        if self.fsdpzero_config is not None:
+            from fsdpzero.dist import join_before_accelerate
+            join_before_accelerate(float(self.ddp_timeout))
         super().__post_init__()
 
 
