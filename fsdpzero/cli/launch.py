@@ -290,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
     if config is not None:
         from fsdpzero.compat.accelerate_config import format_rows
         plan.env.update(config.env)
-        print(f"fsdpzero launch: accelerate config {args.config_file}\n{format_rows(config.rows)}", file=sys.stderr)
+        print(f"fsdpzero launch: {format_rows(config.rows, args.config_file)}", file=sys.stderr)
     print(f"fsdpzero launch: {plan.summary}", file=sys.stderr, flush=True)
     if args.dry_run:
         env = " ".join(f"{k}={v}" for k, v in plan.env.items())

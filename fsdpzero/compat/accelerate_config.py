@@ -29,7 +29,7 @@ TOP = {
     "deepspeed_config": ("mapped", "see its keys"),
     "debug": ("mapped", "ACCELERATE_DEBUG_MODE: accelerate's collective shape checks"),
     "enable_cpu_affinity": ("mapped", "ACCELERATE_CPU_AFFINITY: accelerate pins each rank to its NUMA node"),
-    "use_cpu": ("noop", "a machine without GPUs runs gloo CPU ranks anyway; on GPUs DeepSpeed needs them"),
+    "use_cpu": ("noop", "the ranks follow the machine: gloo CPU ranks where there is no GPU, one per GPU otherwise"),
     "rdzv_backend": ("noop", "fsdpzero launch meets at torchrun's c10d rendezvous (static and c10d both work)"),
     "same_network": ("noop", "the rendezvous needs only main_process_ip reachable"),
     "main_training_function": ("noop", "notebook_launcher only"),
@@ -217,12 +217,15 @@ def translate(data: dict, path: str = "<config>") -> AccelerateLaunch:
     return out
 
 
-def format_rows(rows: list[tuple[str, Any, str, str]]) -> str:
-    """A compact fate table (key, value, fate, how), as `fsdpzero migrate` prints ds_config keys."""
-    if not rows:
-        return ""
-    cells = [(k, str(v), f, h) for k, v, f, h in rows]
+def format_rows(rows: list[tuple[str, Any, str, str]], path: str = "") -> str:
+    """The startup block: one line of counts, then a table (key, value, fate, how) of the keys that are not simply
+    mapped, as fsdpzero's ds_config startup block lists only what does not run as written."""
+    counts = {fate: sum(1 for r in rows if r[2] == fate) for fate in ("mapped", "noop")}
+    head = f"accelerate config {path}: {len(rows)} keys: {counts['mapped']} mapped, {counts['noop']} noop"
+    cells = [(k, str(v), f, h) for k, v, f, h in rows if f != "mapped"]
+    if not cells:
+        return head
     w = [max(len(c[i]) for c in cells + [("key", "value", "fate", "how")]) for i in range(3)]
-    lines = [f"{'key':<{w[0]}}  {'value':<{w[1]}}  {'fate':<{w[2]}}  how"]
+    lines = [head, f"{'key':<{w[0]}}  {'value':<{w[1]}}  {'fate':<{w[2]}}  how"]
     lines += [f"{k:<{w[0]}}  {v:<{w[1]}}  {f:<{w[2]}}  {h}" for k, v, f, h in cells]
     return "\n".join(lines)
