@@ -20,12 +20,13 @@ from fsdpzero.dist import broadcast_module, check_same_on_all_ranks, detect_devi
 from fsdpzero.dist import init_distributed as init_distributed_env
 from fsdpzero.engine import Engine
 from fsdpzero.log import log_startup, setup_logging
+from fsdpzero.optim.muon import tag_muon_params
 from fsdpzero.optim import FSDPGradPath, GradPath, OptimizerFactory, check_optimizer, make_optimizer_factory
 from fsdpzero.optim.grad_path import ForwardOnlyPath
 from fsdpzero.plan import Env, Plan
 from fsdpzero.plan.translate import build_plan
 from fsdpzero.precision import make_scaler, mp_policy, upcast_to_master
-from fsdpzero.sharding import build_mesh, find_blocks, is_meta, materialize, shard_home, shard_model
+from fsdpzero.sharding import build_mesh, find_blocks, is_meta, materialize, shard_home
 from fsdpzero.zero import take_deferred
 
 
@@ -92,9 +93,12 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
         model.to(info.device)
         broadcast_module(model)
     original = [p for p in model.parameters() if p.requires_grad]
+    if plan.optimizer.type == "muon" and optimizer is None:
+        tag_muon_params(model)   # DeepSpeed's split is by name and layer shape: taken before sharding changes both
     groups = _param_groups(model_parameters)
     all_blocks = find_blocks(model, block_classes, block_predicate)
-    model, blocks = shard_model(model, plan, mesh, mp_policy(plan), device_type=info.device_type, blocks=all_blocks)
+    model, blocks = grad_path_type(plan).lay_out(model, plan, mesh, mp_policy(plan), device_type=info.device_type,
+                                                 blocks=all_blocks)
     if meta:
         materialize(model, info.device, full_state_dict, param_device=shard_home(plan, info.device),
                     filled_later=fill is not None)
@@ -158,10 +162,23 @@ def grad_path_name(plan: Plan) -> str:
     return "fsdp"
 
 
+def grad_path_type(plan: Plan) -> type[GradPath]:
+    """The one place the gradient path is chosen (see fsdpzero.optim.grad_path for the contract): its class lays
+    the model out (GradPath.lay_out), and build_grad_path builds it. Each branch imports its wing only when taken: a
+    plain FSDP run never loads the offload or stage-1 code."""
+    name = grad_path_name(plan)
+    if name == "stage1":
+        from fsdpzero.optim.stage1 import Stage1GradPath
+        return Stage1GradPath
+    if name == "offload":
+        from fsdpzero.offload.path import OffloadGradPath   # NVMeGradPath is one; both lay out like FSDP
+        return OffloadGradPath
+    return FSDPGradPath
+
+
 def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFactory, mesh=None,
                     tuning: tuning_knobs.Tuning | None = None) -> GradPath:
-    """The one place the gradient path is chosen (see fsdpzero.optim.grad_path for the contract). Each branch
-    imports its wing only when taken: a plain FSDP run never loads the offload or stage-1 code."""
+    """The path grad_path_type chose (after its lay_out ran), built from the plan by its wing's builder."""
     name = grad_path_name(plan)
     if name == "stage1":
         from fsdpzero.optim.stage1 import build_stage1_path

@@ -11,7 +11,8 @@ Stage 0 is FSDP2 on a (world, 1) mesh, i.e. replicate across ranks and shard ove
 same `fully_shard` code then carries every stage, so bf16/fp16 `MixedPrecisionPolicy` with fp32 masters,
 `set_requires_gradient_sync` accumulation and the DTensor global grad norm work identically at stage 0; the
 all-reduce still overlaps backward per block, which is what DDP's buckets do. Stage 1 is left unwrapped: the
-stage-1 gradient path (fsdpzero.optim.stage1) reduces gradients and shards the optimizer itself.
+stage-1 gradient path (fsdpzero.optim.stage1.Stage1GradPath.lay_out) runs only checkpoint_activations, and reduces
+gradients and shards the optimizer itself.
 """
 from __future__ import annotations
 
@@ -107,18 +108,21 @@ def offload_policy(plan: Plan, device_type: str) -> OffloadPolicy:
     return OffloadPolicy()
 
 
-def shard_model(model: nn.Module, plan: Plan, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, *,
-                device_type: str = "cpu", block_classes=None, block_predicate: BlockPredicate | None = None,
-                blocks: list[nn.Module] | None = None) -> tuple[nn.Module, list[nn.Module]]:
-    """Apply the plan's stage to `model` in place. Returns (model, the blocks sharded one by one). `blocks`: the
-    transformer blocks found already (find_blocks), else found here."""
-    if blocks is None:
-        blocks = find_blocks(model, block_classes, block_predicate)
+def checkpoint_activations(model: nn.Module, plan: Plan, blocks: list[nn.Module]) -> None:
+    """The plan's activation checkpointing on each block, before any fully_shard (FSDP2's hooks stay outside)."""
     if plan.activation_checkpointing.enabled:
         how = apply_checkpointing(model, blocks, cpu_offload=plan.activation_checkpointing.cpu_checkpointing)
         log.info("activation checkpointing on %s (%s)", type(model).__name__, how)
-    if plan.shard.stage == 1:
-        return model, []
+
+
+def shard_model(model: nn.Module, plan: Plan, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, *,
+                device_type: str = "cpu", block_classes=None, block_predicate: BlockPredicate | None = None,
+                blocks: list[nn.Module] | None = None) -> tuple[nn.Module, list[nn.Module]]:
+    """Apply the plan's FSDP2 layout (stages 0, 2, 3 and offload) to `model` in place. Returns (model, the blocks
+    sharded one by one). `blocks`: the transformer blocks found already (find_blocks), else found here."""
+    if blocks is None:
+        blocks = find_blocks(model, block_classes, block_predicate)
+    checkpoint_activations(model, plan, blocks)
     shard_size = mesh.size(mesh.ndim - 1)
     raf = reshard_policy(plan, shard_size)
     offload = offload_policy(plan, device_type)

@@ -11,11 +11,18 @@ consumes them". The engine never touches gradients itself; per optimizer step it
 `path.optimizer` is what LR schedulers drive (its `param_groups` carry lr and betas); `state_dict()` /
 `load_state_dict()` give the optimizer state in a form DCP can save (DTensors or plain local tensors).
 
-Implementations, chosen by one explicit dispatch in `fsdpzero.api.build_grad_path`: `FSDPGradPath` here (ZeRO 0/2/3
-on FSDP2: reduction happens inside backward), `fsdpzero.optim.stage1.Stage1GradPath` (stage 1 over
-fsdpzero.ops.stage1) and the CPU/NVMe offload paths of `fsdpzero.offload`. How the model is laid out for each path
-is decided by `fsdpzero.sharding.shard_model`: stage 1 leaves the module unwrapped (replicated plain tensors; the
-stage-1 path reduces gradients in `finish_gradients`), the others get `fully_shard`.
+Each path also owns, so that nothing outside it names a path:
+- how the model's parameters are laid out for it (`lay_out`, a classmethod run before the path is built, and for a
+  forward-only engine of the same plan): FSDP2 per block by default; stage 1 leaves the module unwrapped
+  (replicated plain tensors; its path reduces gradients in `finish_gradients`);
+- what it saves and restores: `state_dict` / `load_state_dict`; a path that keeps its own fp32 masters stores them
+  in each parameter's state under MASTER, and `keep_masters_on_load` keeps the masters a checkpoint load just read
+  from being refreshed from the 16-bit weights loaded after them.
+
+Implementations, chosen by one explicit dispatch from the plan (`fsdpzero.api.grad_path_type`, which
+`build_grad_path` follows): `FSDPGradPath` here (ZeRO 0/2/3 on FSDP2: reduction happens inside backward),
+`fsdpzero.optim.stage1.Stage1GradPath` (stage 1 over fsdpzero.ops.stage1) and the CPU/NVMe offload paths of
+`fsdpzero.offload`.
 """
 from __future__ import annotations
 
@@ -26,6 +33,11 @@ import torch
 from torch import nn
 
 from fsdpzero.dist import local_tensor
+from fsdpzero.sharding import shard_model
+
+# The per-parameter optimizer-state entry where a path that keeps its own fp32 masters (stage 1, offload) saves them;
+# a checkpoint without it (stage 0/2/3, converted DeepSpeed) has its fp32 model weights as the masters.
+MASTER = "master"
 
 
 class GradPath:
@@ -35,6 +47,14 @@ class GradPath:
     optimizer: torch.optim.Optimizer   # schedulers set lr/betas on optimizer.param_groups
     param_swapper = None               # offload_param nvme: the ParamSwapper that export and checkpoints read through
     streams_checkpoints = False        # state_dict(streaming=True) gives on-disk states for DCP to stream
+
+    @classmethod
+    def lay_out(cls, model: nn.Module, plan, mesh, mp_policy, *, device_type: str = "cpu",
+                blocks: list[nn.Module] | None = None) -> tuple[nn.Module, list[nn.Module]]:
+        """Lay the model's parameters out for this path, in place, before the path is built. Returns (model, the
+        blocks sharded one by one). The default: activation checkpointing, then fully_shard per block and root
+        (fsdpzero.sharding.shard_model)."""
+        return shard_model(model, plan, mesh, mp_policy, device_type=device_type, blocks=blocks)
 
     def set_sync(self, sync: bool) -> None:
         """Before each micro-step's backward: False on off-boundary micro-steps (accumulate locally, no comm)."""
@@ -81,6 +101,12 @@ class GradPath:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Inverse of state_dict."""
         raise NotImplementedError
+
+    def keep_masters_on_load(self) -> contextlib.AbstractContextManager:
+        """Around the model-weight load of a checkpoint whose optimizer state has MASTER entries: a path that
+        refreshes its masters from loaded weights holds that off (the masters DCP just read are exact; the weights
+        may be 16-bit). The default does nothing (the fp32 weights are the masters)."""
+        return contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from torch import nn
 from fsdpzero.ops.stage1 import Stage1Optimizer
 from fsdpzero.optim.grad_path import GradPath, skips_on_device
 from fsdpzero.precision import DTYPES, cast_forward_inputs
+from fsdpzero.sharding import checkpoint_activations, find_blocks
 from fsdpzero.tuning import Tuning, current, env_name
 
 
@@ -43,6 +44,14 @@ class Stage1GradPath(GradPath):
     def __init__(self, stage1: Stage1Optimizer):
         self.stage1, self.optimizer = stage1, stage1.optimizer
         self.refresh_on_load = True   # off while a checkpoint with masters loads (keep_masters_on_load)
+
+    @classmethod
+    def lay_out(cls, model: nn.Module, plan, mesh, mp_policy, *, device_type: str = "cpu",
+                blocks: list[nn.Module] | None = None) -> tuple[nn.Module, list[nn.Module]]:
+        """Stage 1 leaves the module unwrapped (replicated plain tensors): only activation checkpointing is
+        applied; Stage1Optimizer reduces the gradients and shards the optimizer state itself."""
+        checkpoint_activations(model, plan, blocks if blocks is not None else find_blocks(model))
+        return model, []
 
     def refresh_masters(self) -> None:
         """The model's load_state_dict post-hook: weights loaded without the optimizer become the masters."""

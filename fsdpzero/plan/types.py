@@ -197,7 +197,7 @@ class Plan:
 # imports each consumer and checks that it reads the field. A field no runtime code reads has no entry, and a fate
 # naming it fails that test.
 CONSUMERS: dict[str, tuple[str, ...]] = {
-    "ActivationCheckpointPlan.cpu_checkpointing": ("fsdpzero.sharding:shard_model",),
+    "ActivationCheckpointPlan.cpu_checkpointing": ("fsdpzero.sharding:checkpoint_activations",),
     **{f"AioPlan.{f}": ("fsdpzero.ops.aio:AioConfig",) for f in (
         "block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events", "use_gds")},
     "BatchPlan.train_batch_size": ("fsdpzero.engine:Engine.train_batch_size",),
