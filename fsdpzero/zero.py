@@ -31,11 +31,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdpzero.dist import local_tensor
+from fsdpzero.dist import clean_fqn, local_tensor
 
 HELD = "fsdpzero_held"                  # attribute of a parameter built under Init: its Held rows
 DEFERRED = "fsdpzero_deferred_weights"  # attribute of a model whose weights come after sharding: prepare(model)
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
 @dataclass
@@ -283,12 +282,6 @@ def take_deferred(model: nn.Module) -> Callable[[nn.Module], None] | None:
     return None
 
 
-def _key(name: str) -> str:
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name
-
-
 def _prepare_held(model: nn.Module) -> Callable[[nn.Module], None]:
     """Held rows and every other real tensor by name; the parameters become meta (ties kept: one new parameter per
     old one), so wrap shards the model as a meta-device build."""
@@ -296,10 +289,10 @@ def _prepare_held(model: nn.Module) -> Callable[[nn.Module], None]:
     kept: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         if is_held(p):
-            held[_key(name)] = getattr(p, HELD)
+            held[clean_fqn(name)] = getattr(p, HELD)
         elif not p.is_meta:
-            kept[_key(name)] = p.detach()
-    buffers = {_key(n): b.detach() for n, b in model.named_buffers() if not b.is_meta}
+            kept[clean_fqn(name)] = p.detach()
+    buffers = {clean_fqn(n): b.detach() for n, b in model.named_buffers() if not b.is_meta}
     memo: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
@@ -313,7 +306,7 @@ def _prepare_held(model: nn.Module) -> Callable[[nn.Module], None]:
     @torch.no_grad()
     def fill(sharded: nn.Module) -> None:
         for name, p in sharded.named_parameters():
-            key = _key(name)
+            key = clean_fqn(name)
             if key in held:
                 write_full(p, held=held[key])
             elif key in kept:
@@ -322,8 +315,8 @@ def _prepare_held(model: nn.Module) -> Callable[[nn.Module], None]:
                 raise KeyError(f"zero.Init: parameter {key!r} appeared after the model was built; build it inside "
                                "the context too")
         for name, b in sharded.named_buffers():
-            if _key(name) in buffers:
-                b.copy_(buffers[_key(name)])
+            if clean_fqn(name) in buffers:
+                b.copy_(buffers[clean_fqn(name)])
 
     return fill
 

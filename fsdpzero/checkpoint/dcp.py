@@ -87,13 +87,6 @@ def tensor_shapes(model_sd: dict) -> dict[str, tuple]:
     return {k: tuple(v.shape) for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
 
 
-def clean_fqn(name: str) -> str:
-    """Parameter name as the unwrapped model has it (activation-checkpoint and torch.compile wrappers removed)."""
-    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
-        name = name.replace(wrapper, "")
-    return name
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 

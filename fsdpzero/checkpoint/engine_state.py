@@ -19,13 +19,14 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from fsdpzero.checkpoint.agree import agree, check_tag_across_ranks, describe, resolve_on_rank0
-from fsdpzero.checkpoint.dcp import (MANIFEST, PendingSave, checkpoint_problems, clean_fqn, client_state_json,
+from fsdpzero.checkpoint.dcp import (MANIFEST, PendingSave, checkpoint_problems, client_state_json,
                                      load_verified, read_saved_json, save_checkpoint, tensor_shapes,
                                      verify_checkpoint, wait_for_pending_save)
 from fsdpzero.checkpoint.files import LATEST_UNIVERSAL, check_tag, write_atomic
 from fsdpzero.checkpoint.stream import streamed_state
 from fsdpzero.checkpoint.trust import read_dcp_metadata
-from fsdpzero.dist import agreed_errors, local_tensor
+from fsdpzero.dist import agreed_errors, clean_fqn, local_tensor
+from fsdpzero.optim.grad_path import MASTER
 from fsdpzero.tuning import current as current_tuning
 
 log = logging.getLogger(__name__)
@@ -71,19 +72,19 @@ class EngineState(Stateful):
             sd["optim"] = optim = path.state_dict(streaming=True) if stream else path.state_dict()
         self._live_groups, self._crossed = optim.get("param_groups", []), None
         state = optim.get("state", {})
-        live_masters = any("master" in entry for entry in state.values())
+        live_masters = any(MASTER in entry for entry in state.values())
         if self.saved_masters and slots:   # a load: each shard is written once, from its master
             _drop_mastered(sd["model"], slots, state)
         if self.saved_masters is None or live_masters == self.saved_masters:
             return sd
         if live_masters:     # fill the live masters from the saved fp32 model weights
             for name, entry in state.items():
-                sd["model"][clean_fqn(name)] = entry.pop("master")
+                sd["model"][clean_fqn(name)] = entry.pop(MASTER)
             self._crossed = "to_masters"
         else:                # fill the live fp32 model weights from the saved masters
             for name, entry in state.items():
-                entry["master"] = sd["model"].pop(clean_fqn(name))
-            moved = {_data_ptr(entry["master"]) for entry in state.values()}
+                entry[MASTER] = sd["model"].pop(clean_fqn(name))
+            moved = {_data_ptr(entry[MASTER]) for entry in state.values()}
             for key in [k for k, v in sd["model"].items() if _data_ptr(v) in moved]:
                 del sd["model"][key]   # a tied alias (lm_head of wte) would load the saved 16-bit copy over it
             self._crossed = "to_weights"
@@ -98,10 +99,10 @@ class EngineState(Stateful):
             optim = sd["optim"]
             if self._crossed == "to_masters":   # copies: loading the weights may refresh masters from them (offload)
                 for name, entry in optim["state"].items():
-                    entry["master"] = model.pop(clean_fqn(name)).detach().clone()
+                    entry[MASTER] = model.pop(clean_fqn(name)).detach().clone()
             elif self._crossed == "to_weights":
                 for name, entry in optim["state"].items():
-                    model[clean_fqn(name)] = entry.pop("master")
+                    model[clean_fqn(name)] = entry.pop(MASTER)
             for saved, live in zip(optim.get("param_groups", []), self._live_groups):
                 for key in ("params", "param_names"):   # torch groups list "params", stage 1's "param_names"
                     if key in live:
@@ -114,10 +115,9 @@ class EngineState(Stateful):
                 with keeping_impl_flags(self.engine.grad_path.optimizer):
                     self.engine.grad_path.load_state_dict(optim)
             return
-        keep = getattr(self.engine.grad_path, "keep_masters_on_load", None)   # offload: see its docstring
         masters = self.with_optimizer and bool(optim.get("state")) and all(
-            isinstance(entry, dict) and "master" in entry for entry in optim["state"].values())
-        with keep() if keep is not None and masters else contextlib.nullcontext():
+            isinstance(entry, dict) and MASTER in entry for entry in optim["state"].values())
+        with self.engine.grad_path.keep_masters_on_load() if masters else contextlib.nullcontext():
             set_model_state_dict(self.engine.module, model, options=StateDictOptions(strict=strict))
         if self.with_optimizer:
             with keeping_impl_flags(self.engine.grad_path.optimizer):
@@ -139,7 +139,7 @@ def _drop_mastered(model_sd: dict, slots: dict, optim_state: dict) -> None:
     shard itself when it is its own fp32 master) need not be written from the saved weights too (aliases of a
     tied weight included): the in-memory path's optimizer load overwrites them from the masters as well."""
     mastered = {slots[clean_fqn(name)] for name, entry in optim_state.items()
-                if streamed_state(entry.get("master")) is not None and clean_fqn(name) in slots}
+                if streamed_state(entry.get(MASTER)) is not None and clean_fqn(name) in slots}
     for key in [k for k, slot in slots.items() if slot in mastered]:
         del model_sd[key]
 
@@ -166,7 +166,7 @@ def _has_optimizer_masters(path: Path) -> bool:
     """Offload (and stage-1) checkpoints store each param's fp32 "master" with its optimizer state; a plain FSDP
     checkpoint does not (its sharded fp32 model weights are the masters)."""
     keys = read_dcp_metadata(path).state_dict_metadata   # the allowlisted reader, never pickle.load
-    return any("/optim/state/" in k and k.endswith("/master") for k in keys)
+    return any("/optim/state/" in k and k.endswith("/" + MASTER) for k in keys)
 
 
 def save_engine(engine, save_dir, tag=None, client_state=None, save_latest=True, **options) -> Path | PendingSave:
