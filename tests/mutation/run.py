@@ -139,7 +139,7 @@ sys.exit(pytest.main(sys.argv[2:]))
 def run_tests(copy: Path | None, tests: tuple[str, ...], log: Path,
               extensions: Path | None = None) -> tuple[int, str | None, float]:
     """pytest -x over `tests` with the package at `copy` (None: the repo's own); the ops build under `extensions`
-    (a cache shared with the repo's own runs would be rebuilt for the copy's source paths, then again for the repo's)."""
+    (a cache shared with the repo's own runs would be rebuilt for the copy's source paths, then for the repo's)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     if extensions is not None:
         env["TORCH_EXTENSIONS_DIR"] = str(extensions)
@@ -198,10 +198,10 @@ def main() -> int:
             if not caught:
                 print((tmp / f"{m.name}.log").read_text()[-4000:], flush=True)
     total = sum(r["seconds"] for r in rows)
-    print(f"\n| mutation | file | caught by | time (s) |\n|---|---|---|---|")
+    print("\n| mutation | file | caught by | time (s) |\n|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mutation']} | {r['file']} | {r['caught_by'] if r['caught'] else 'MISSED (rc %d)' % r['pytest_rc']}"
-              f" | {r['seconds']} |")
+        caught_by = r["caught_by"] if r["caught"] else f"MISSED (rc {r['pytest_rc']})"
+        print(f"| {r['mutation']} | {r['file']} | {caught_by} | {r['seconds']} |")
     summary = dict(mutations=rows, caught=sum(r["caught"] for r in rows), total=len(rows), seconds=round(total, 1))
     print(json.dumps(summary, indent=1))
     if args.json:
