@@ -347,8 +347,32 @@ class Trainer(transformers.Trainer):
         def _prepare_model(model, device_placement=None, evaluation_mode=False):
             if model is sharded:
                 return prepare_model(model, device_placement=False, evaluation_mode=True)
+            if evaluation_mode and self._shard_for_inference(model):
+                return self._inference_engines[-1].module
             return prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         self.accelerator.prepare_model = _prepare_model
+        self._inference_engines: list = []
+
+    def _shard_for_inference(self, model: nn.Module) -> bool:
+        """A second model the trainer only runs forward (TRL's DPO/KTO/GRPO reference model, which TRL prepares
+        through deepspeed.initialize with an inference config under DeepSpeed): at ZeRO-3 it is sharded as the
+        trained model is, on a forward-only engine (no optimizer, no gradient path), instead of kept whole on every
+        rank. Returns whether it did (below stage 3, with NVMe parameters, or already sharded: as accelerate has it)."""
+        import dataclasses
+
+        from torch.distributed.tensor import DTensor
+
+        import fsdpzero
+        plan = self.engine.plan
+        if plan.shard.stage != 3 or plan.offload.param_device == "nvme" or not isinstance(model, nn.Module) \
+                or any(isinstance(p, DTensor) for p in model.parameters()):
+            return False
+        inference = dataclasses.replace(plan, optimizer=type(plan.optimizer)(), scheduler=type(plan.scheduler)(),
+                                        offload=dataclasses.replace(plan.offload, optimizer_device="none"))
+        engine = fsdpzero.wrap(model, inference, allow_no_optimizer=True)
+        engine.module.eval()
+        self._inference_engines.append(engine)     # alive as long as the trainer: the model is its module
+        return True
 
     def _sync_replicated_trainable_parameters(self, model: nn.Module) -> None:
         """Nothing: transformers adds a broadcast and a per-parameter all-reduce hook for trainable parameters that

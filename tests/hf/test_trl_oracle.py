@@ -2,8 +2,8 @@
 (DS_ACCELERATOR=cpu, gloo), 2 ranks, fp32, `deepspeed=` in the TRL config, the same model folder, data and seed: per
 step loss, grad norm and learning rate within 1e-5, and the final weights within 1e-5. fsdpzero's ranks run TRL as
 `fsdpzero launch` does (the shim installed before TRL is imported); DeepSpeed's run TRL as it is. DPO's reference
-model is the model folder loaded again (TRL prepares it with deepspeed.initialize and an inference config under
-DeepSpeed at ZeRO-3; whole on each rank under fsdpzero)."""
+model is the model folder loaded again; at ZeRO-3 both shard it on a forward-only engine (TRL prepares it with
+deepspeed.initialize and an inference config under DeepSpeed; fsdpzero.hf.Trainer's prepare_model under fsdpzero)."""
 from __future__ import annotations
 
 import importlib.util
@@ -82,6 +82,8 @@ def _ours(rank, world, case, model, out):
     trainer = _trainer(case, model, out)
     import fsdpzero.hf
     assert isinstance(trainer, fsdpzero.hf.Trainer)
+    if CASES[case][0] == "dpo":   # the reference model is sharded like the trained one, as DeepSpeed's is
+        assert all(isinstance(p, DTensor) for p in trainer.ref_model.parameters())
     trainer.train()
     weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().clone()
                for n, p in trainer.engine.module.named_parameters()}
