@@ -161,6 +161,7 @@ def main() -> int:
     ap.add_argument("names", nargs="*", help="run only these mutations")
     ap.add_argument("--list", action="store_true", help="list the mutations and their tests")
     ap.add_argument("--baseline", action="store_true", help="first run each mutation's tests unmutated")
+    ap.add_argument("--anchors", action="store_true", help="only check that every anchor occurs exactly once")
     ap.add_argument("--json", type=Path, help="also write the JSON summary here")
     args = ap.parse_args()
     known = {m.name: m for m in MUTATIONS}
@@ -172,6 +173,11 @@ def main() -> int:
         for m in todo:
             print(f"{m.name:32s} fsdpzero/{m.file:28s} {m.what}\n{'':33s}tests: {' '.join(m.tests)}")
         return 0
+    if args.anchors:
+        for m in todo:
+            n = (ROOT / "fsdpzero" / m.file).read_text().count(m.old)
+            print(f"{'ok' if n == 1 else 'BAD':4s} {m.name:32s} anchor found {n} time(s) in fsdpzero/{m.file}")
+        return 0 if all((ROOT / "fsdpzero" / m.file).read_text().count(m.old) == 1 for m in todo) else 1
     rows = []
     # One fixed place for the copy: the C++ ops JIT-build from the copy's sources, and a build keyed on the same
     # paths is reused (by later mutations and later runs) instead of redone (minutes on 2 cores) for each.
