@@ -16,7 +16,7 @@ OptimizerFactory = Callable[[Any], torch.optim.Optimizer]   # params (or param-g
 
 # DeepSpeed runs these under ZeRO without `zero_allow_untested_optimizer` (torch Adam/AdamW/Adagrad and its own
 # fused/CPU Adam, Adagrad, Lion); every other optimizer needs the flag at stage >= 1.
-_ZERO_TESTED = ("adam", "adamw", "adagrad", "lion")
+_ZERO_TESTED = ("adam", "adamw", "adagrad", "lion", "muon")
 _DS_ONLY_KEYS = ("torch_adam", "adam_w_mode", "adamw_mode", "bias_correction", "legacy_fusion", "set_grad_none")
 
 
@@ -47,10 +47,33 @@ def check_optimizer(plan: Plan, client: Any = None) -> None:
         raise ValueError(f"config key '{key}: {prec.master_dtype} master weights would keep the optimizer's moments "
                          f"in {prec.master_dtype} on the device, which DeepSpeed refuses without optimizer offload; "
                          f"{fix}")
-    if opt.type is not None and opt.type not in ("adam", "adamw", "lamb", "sgd", "adagrad") \
+    if opt.type == "muon" and client is None:
+        _check_muon(plan)
+    if opt.type is not None and opt.type not in ("adam", "adamw", "lamb", "sgd", "adagrad", "muon") \
             and not hasattr(torch.optim, opt.type):
         raise ValueError(f"config key 'optimizer.type' = {opt.type!r} is neither a DeepSpeed optimizer nor a "
                          "torch.optim class; use e.g. \"AdamW\", \"Lamb\", \"SGD\", or a torch.optim class name")
+
+
+def _check_muon(plan: Plan) -> None:
+    """What fsdpzero's Muon (fsdpzero/optim/muon.py) does not carry, refused with the fix."""
+    from fsdpzero.optim.muon import check_muon
+    check_muon(plan.optimizer.params)
+    if plan.shard.stage == 1:
+        raise ValueError("config key 'zero_optimization.stage' = 1 with optimizer.type \"Muon\": fsdpzero's stage 1 "
+                         "hands the optimizer flat shards, where Newton-Schulz has no matrices; use stage 2 (the same "
+                         "optimizer-state partitioning, plus gradient partitioning)")
+    if plan.offload.optimizer_device != "none":
+        raise ValueError(f"config key 'zero_optimization.offload_optimizer.device' = "
+                         f"{plan.offload.optimizer_device!r} with optimizer.type \"Muon\" is not implemented in "
+                         "fsdpzero (DeepSpeed runs it); remove offload_optimizer")
+    if plan.batch.gradient_clipping > 0:
+        raise ValueError(f"config key 'gradient_clipping' = {plan.batch.gradient_clipping} (1.0 when absent) with "
+                         "optimizer.type \"Muon\": DeepSpeed clips Muon's orthogonalized update, not the gradient, "
+                         "and fsdpzero does not reproduce that; set \"gradient_clipping\": 0")
+    if plan.precision.loss_scale is not None:
+        raise ValueError("config key 'fp16.enabled' = true with optimizer.type \"Muon\": DeepSpeed keeps Muon's "
+                         "momentum in loss-scaled units and fsdpzero does not reproduce that; use bf16 or fp32")
 
 
 def _client_name(client: Any) -> str:
@@ -105,6 +128,18 @@ def make_optimizer_factory(plan: Plan, client: Any = None, *, device_type: str =
             return lambda params: AdamNoBiasCorrection(remap(params), adamw=adamw, **kwargs)
         cls = torch.optim.AdamW if adamw else torch.optim.Adam
         return lambda params: cls(remap(params), **_fast_impl(kwargs, device_type, fused_ok=True))
+    if name == "muon":   # DeepSpeed's MuonWithAuxAdam: tag_muon_params tagged the originals before sharding
+        from fsdpzero.optim.muon import MuonWithAuxAdam, muon_param_groups
+        flags = [bool(getattr(p, "use_muon", p.ndim >= 2)) for p in original_params or []]
+
+        def muon(params):
+            params = list(params)
+            for i, p in enumerate(params):
+                p.use_muon = flags[i] if flags else bool(getattr(p, "use_muon", p.ndim >= 2))
+            groups = remap(params)
+            groups = groups if groups and isinstance(groups[0], dict) else [{"params": groups}]
+            return MuonWithAuxAdam(muon_param_groups(groups, opt.params), adam_w_mode=opt.adam_w_mode)
+        return muon
     if name == "lamb":
         from fsdpzero.optim.lamb import Lamb
         lamb_kwargs = {k: v for k, v in opt.params.items() if k == "bias_correction" or k not in _DS_ONLY_KEYS}

@@ -1,0 +1,272 @@
+"""DeepSpeed's `optimizer.type: "Muon"` (DeepSpeed 0.19.8's MuonWithAuxAdam) over FSDP2 shards.
+
+DeepSpeed's split (deepspeed.set_optimizer_flags): a parameter whose layer shape has >= 2 dims and whose name has
+neither "embed" nor "lm_head" gets Muon; every other one (embeddings, the head, biases, norms) the auxiliary AdamW.
+Config keys: `lr` for both halves, `muon_lr` / `adam_lr` for one; Muon takes `momentum` (0.95), `weight_decay` (0),
+`ns_method` ("gram"); AdamW takes `betas` ((0.9, 0.95)), `eps` (1e-10), `weight_decay` (0). Defaults as DeepSpeed's.
+
+Muon's update, per matrix (DeepSpeed's muon_update: nesterov, 5 Newton-Schulz steps):
+    m = lerp(m, g, 1 - momentum);  u = lerp(g, m, momentum);  u = NS(u) * sqrt(max(1, rows / cols))
+    p *= 1 - lr * weight_decay;  p -= lr * u
+The momentum is elementwise and stays sharded like the parameter. Newton-Schulz needs the whole matrix: matrix i's
+nesterov blend is gathered to one owner rank (i mod the shard group's size), which alone runs Newton-Schulz, and the
+result is scattered back so each rank gets the rows of its shard.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from fsdpzero.dist import local_tensor
+
+MUON_KEYS = ("lr", "momentum", "weight_decay", "ns_method")   # what a Muon half's group takes from the config
+ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")            # and the AdamW half's
+NS_METHODS = ("gram", "standard")
+NS_STEPS = 5
+_NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+ns_calls = 0   # Newton-Schulz runs in this process (tests check each matrix runs once, on one rank)
+
+
+def is_muon_param(name: str, p: torch.Tensor) -> bool:
+    """DeepSpeed's rule: matrices (>= 2 dims), except embeddings and the output head."""
+    return p.ndim >= 2 and not any(word in name.lower() for word in ("embed", "lm_head"))
+
+
+def tag_muon_params(model: torch.nn.Module) -> None:
+    """Set `use_muon` on every parameter, as deepspeed.initialize does, before sharding changes names and shapes."""
+    for name, p in model.named_parameters():
+        p.use_muon = is_muon_param(name, p)
+
+
+def check_muon(params: dict[str, Any]) -> None:
+    """DeepSpeed's checks on a Muon config, before any process group exists."""
+    method = params.get("ns_method", "gram")
+    if method not in NS_METHODS:
+        raise ValueError(f"config key 'optimizer.params.ns_method' = {method!r}: use one of {list(NS_METHODS)}")
+    if params.get("per_head_muon"):
+        raise ValueError("config key 'optimizer.params.per_head_muon' = true is not implemented in fsdpzero (per-head "
+                         "Newton-Schulz of attention projections); remove it to orthogonalize whole matrices")
+
+
+def muon_param_groups(groups: list[dict], params: dict[str, Any]) -> list[dict]:
+    """DeepSpeed's DeepSpeedEngine._muon_param_groups: each incoming group splits into its Muon and AdamW halves;
+    settings resolve config value, then muon_lr / adam_lr, then the group's own. Every param has `use_muon`."""
+    halves = []
+    for use_muon, keys, lr_key in ((True, MUON_KEYS, "muon_lr"), (False, ADAM_KEYS, "adam_lr")):
+        defaults = {k: params[k] for k in keys if k in params}
+        if lr_key in params:
+            defaults["lr"] = params[lr_key]
+        halves.append((use_muon, "muon" if use_muon else "adam", keys, defaults))
+    out = []
+    for index, group in enumerate(groups):
+        overrides = {k: v for k, v in group.items() if k != "params"}
+        trainable = [p for p in group["params"] if p.requires_grad]
+        for use_muon, label, keys, defaults in halves:
+            half = [p for p in trainable if bool(p.use_muon) is use_muon]
+            if not half:
+                continue
+            settings = {**defaults, **{k: v for k, v in overrides.items() if k in keys}}
+            prefix = overrides.get("name") or (f"group{index}" if len(groups) > 1 else None)
+            out.append(dict(params=half, use_muon=use_muon, name=f"{prefix}-{label}-params" if prefix
+                            else f"{label}-params", **settings))
+    return out
+
+
+# -- Newton-Schulz, as DeepSpeed 0.19.8's original_muon.py (itself Keller Jordan's, MIT) ------------------------------
+
+def ns_compute_dtype(method: str, device: torch.device) -> torch.dtype:
+    """DeepSpeed's ns_compute_dtype: "gram" in fp16 where the accelerator has it (CUDA; a CPU with mkldnn fp16),
+    "standard" in bf16; else fp32."""
+    if method == "gram":
+        if device.type == "cuda":
+            return torch.float16
+        try:
+            return torch.float16 if torch.ops.mkldnn._is_mkldnn_fp16_supported() else torch.float32
+        except Exception:   # no mkldnn: DeepSpeed's CPU accelerator says fp16 is unsupported
+            return torch.float32
+    return torch.bfloat16
+
+
+def _newton_schulz5(G: torch.Tensor, steps: int) -> torch.Tensor:
+    a, b, c = _NS_COEFFS
+    X = G.to(ns_compute_dtype("standard", G.device))
+    if G.size(-2) > G.size(-1):
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(steps):
+        A = X @ X.mT
+        B = b * A + c * A @ A
+        X = a * X + B @ X
+    if G.size(-2) > G.size(-1):
+        X = X.mT
+    return X
+
+
+def _gram_newton_schulz(G: torch.Tensor, steps: int) -> torch.Tensor:
+    """Newton-Schulz on the small Gram matrix X X^T, restarted at iteration 2 (fp16 stability)."""
+    a, b, c = _NS_COEFFS
+    compute_dtype = ns_compute_dtype("gram", G.device)
+    X = G.to(torch.float32 if G.dtype == torch.float16 else G.dtype)
+    if G.size(-2) > G.size(-1):
+        X = X.mT
+    n, m = X.size(-2), X.size(-1)
+    X = (X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)).to(compute_dtype)
+    if m <= n:   # square: no saving, the standard iteration
+        for _ in range(steps):
+            A = X @ X.mT
+            B = b * A + c * A @ A
+            X = a * X + B @ X
+        return X.mT if G.size(-2) > G.size(-1) else X
+    R = X @ X.mT
+    Q = None
+    restart_at = 2
+    for i in range(steps):
+        if i == restart_at and i != 0:
+            X = Q @ X
+            R = X @ X.mT
+            Q = None
+        Z = b * R + c * R @ R
+        if Q is None:
+            Q = Z.clone()
+            Q.diagonal(dim1=-2, dim2=-1).add_(a)
+        else:
+            Q = a * Q + Z @ Q
+        if i < steps - 1 and (i + 1) != restart_at:
+            RZ = a * R + Z @ R
+            R = a * RZ + Z @ RZ
+    return X.mT @ Q.mT if G.size(-2) > G.size(-1) else Q @ X
+
+
+def orthogonalize(update: torch.Tensor, ns_method: str = "gram", steps: int = NS_STEPS) -> torch.Tensor:
+    """The whole-matrix part of DeepSpeed's muon_update: Newton-Schulz, times sqrt(max(1, rows / cols)), in the
+    update's dtype."""
+    global ns_calls
+    ns_calls += 1
+    rows, cols = update.size(-2), update.size(-1)
+    out = _gram_newton_schulz(update, steps) if ns_method == "gram" else _newton_schulz5(update, steps)
+    return (out * (math.sqrt(rows / cols) if rows > cols else 1.0)).to(update.dtype)
+
+
+# -- whole matrices from shards ----------------------------------------------------------------------------------------
+
+def _shard_layout(p: torch.Tensor):
+    """(process group, shard rows per rank) of a parameter sharded on dim 0 (FSDP2's Shard(0), optionally with
+    replicated mesh dims: HSDP), or (None, None) for a whole tensor (replicated: DTensor Replicate or a plain one)."""
+    from torch.distributed.tensor import DTensor
+    if not isinstance(p, DTensor):
+        return None, None
+    shard_dims = [i for i, pl in enumerate(p.placements) if pl.is_shard()]
+    if not shard_dims:
+        return None, None
+    if len(shard_dims) > 1 or not p.placements[shard_dims[0]].is_shard(0):
+        raise NotImplementedError(f"Muon over a parameter with placements {p.placements}: fsdpzero gathers whole "
+                                  "matrices from dim-0 shards on one mesh dimension only")
+    group = p.device_mesh.get_group(shard_dims[0])
+    return group, -(-p.shape[0] // dist.get_world_size(group))
+
+
+class _Orthogonalizer:
+    """Newton-Schulz of each matrix on one rank. Sharded matrices: gather to the owner, scatter the rows back.
+    Whole (replicated) matrices: the owner computes and broadcasts (every rank holds the same update)."""
+
+    def __init__(self):
+        self.count = 0   # matrices seen this step: the owner is count mod the group's size
+
+    def __call__(self, u_local: torch.Tensor, p: torch.Tensor, ns_method: str) -> torch.Tensor:
+        index, self.count = self.count, self.count + 1
+        group, chunk = _shard_layout(p)
+        if group is None:
+            if not dist.is_initialized() or dist.get_world_size() == 1:
+                return orthogonalize(u_local, ns_method)
+            owner = index % dist.get_world_size()
+            out = orthogonalize(u_local, ns_method) if dist.get_rank() == owner else torch.empty_like(u_local)
+            dist.broadcast(out, src=owner)
+            return out
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        owner = index % world
+        owner_global = dist.get_global_rank(group, owner)
+        rows = u_local.shape[0]
+        padded = u_local.new_zeros((chunk, *p.shape[1:]))
+        padded[:rows] = u_local
+        pieces = [torch.empty_like(padded) for _ in range(world)] if rank == owner else None
+        dist.gather(padded, pieces, dst=owner_global, group=group)
+        scatter = None
+        if rank == owner:
+            full = orthogonalize(torch.cat(pieces)[:p.shape[0]], ns_method)
+            scatter = list(torch.cat([full, full.new_zeros((chunk * world - p.shape[0], *p.shape[1:]))])
+                           .split(chunk))
+        out = torch.empty_like(padded)
+        dist.scatter(out, scatter, src=owner_global, group=group)
+        return out[:rows]
+
+
+class MuonWithAuxAdam(torch.optim.Optimizer):
+    """DeepSpeed 0.19.8's MuonWithAuxAdam: groups with `use_muon` True take Muon, the others AdamW (DeepSpeed's
+    adam_update: bias-corrected, eps outside the square root, decoupled weight decay). Works on FSDP2 DTensor
+    shards (states are DTensors like the params, so DCP saves them) or whole tensors."""
+
+    def __init__(self, param_groups: Iterable[dict], adam_w_mode: bool = True):
+        param_groups = list(param_groups)
+        self.adam_w_mode = adam_w_mode   # DeepSpeed's adam_w_mode: false is Adam with L2 (decay added to the grad)
+        for group in param_groups:
+            if "use_muon" not in group:
+                raise ValueError("every MuonWithAuxAdam param group needs a use_muon flag")
+            if group["use_muon"]:
+                group["params"] = sorted(group["params"], key=lambda x: x.size(), reverse=True)   # as DeepSpeed
+                shapes = [tuple(p.shape) for p in group["params"] if p.ndim != 2]
+                if shapes:   # DeepSpeed tags them Muon too, and its muon_update then fails on them
+                    raise ValueError(f"Muon parameters with {len(shapes)} non-matrix shapes ({shapes[:3]}): fsdpzero's "
+                                     "Muon orthogonalizes 2-D weights only (DeepSpeed 0.19.8's muon_update fails on "
+                                     "conv filters too); train this model with AdamW")
+                group.setdefault("lr", 0.02)
+                group.setdefault("momentum", 0.95)
+                group.setdefault("weight_decay", 0)
+                group.setdefault("ns_method", "gram")
+                if group["ns_method"] not in NS_METHODS:
+                    raise ValueError(f"ns_method must be one of {list(NS_METHODS)}, got {group['ns_method']!r}")
+            else:
+                group.setdefault("lr", 3e-4)
+                group["betas"] = tuple(group.get("betas", (0.9, 0.95)))
+                group.setdefault("eps", 1e-10)
+                group.setdefault("weight_decay", 0)
+        super().__init__(param_groups, {})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        ortho = _Orthogonalizer()
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                grad = local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p))
+                state, w = self.state[p], local_tensor(p)
+                if group["use_muon"]:
+                    if not state:
+                        state["momentum_buffer"] = torch.zeros_like(p)
+                    m, beta = local_tensor(state["momentum_buffer"]), group["momentum"]
+                    m.lerp_(grad, 1 - beta)
+                    update = ortho(grad.lerp(m, beta), p, group["ns_method"])   # nesterov
+                else:
+                    if not state:
+                        state["step"] = torch.zeros((), dtype=torch.float32)
+                        state["exp_avg"] = torch.zeros_like(p)
+                        state["exp_avg_sq"] = torch.zeros_like(p)
+                    state["step"] += 1
+                    (beta1, beta2), t = group["betas"], float(state["step"])
+                    if not self.adam_w_mode:
+                        grad = grad.add(w, alpha=wd)
+                    m, v = local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
+                    m.lerp_(grad, 1 - beta1)
+                    v.lerp_(grad.square(), 1 - beta2)
+                    update = (m / (1 - beta1 ** t)) / ((v / (1 - beta2 ** t)).sqrt() + group["eps"])
+                if group["use_muon"] or self.adam_w_mode:
+                    w.mul_(1 - lr * wd)
+                w.add_(update, alpha=-lr)
+        return loss
