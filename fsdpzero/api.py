@@ -112,7 +112,7 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
         path = build_grad_path(model, plan, factory, mesh, knobs)
     scheduler = _scheduler(plan, lr_scheduler, path.optimizer)
     engine = Engine(model, plan, path, lr_scheduler=scheduler, scaler=make_scaler(plan), device=info.device,
-                    mesh=mesh, local_rank=info.local_rank, tuning=knobs, blocks=all_blocks)
+                    mesh=mesh, local_rank=info.local_rank, tuning=knobs, blocks=all_blocks, explicit_tuning=tuning)
     if plan.compile.enabled:   # after fully_shard: each block's forward, inside FSDP2's hooks (fsdpzero/compile.py)
         engine.compile(plan.compile.backend, plan.compile.kwargs)
     log_startup(plan, {"world_size": info.world_size, "mesh": str(mesh),

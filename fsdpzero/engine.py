@@ -22,7 +22,7 @@ from fsdpzero.monitor import TIMER_TAGS, Monitor
 from fsdpzero.optim import GradPath, clip_factor
 from fsdpzero.plan import Plan
 from fsdpzero.precision import DTYPES, autocast, checks_overflow
-from fsdpzero.tuning import current as current_tuning
+from fsdpzero.tuning import Tuning, resolve as resolve_tuning
 
 log = logging.getLogger("fsdpzero")
 
@@ -30,7 +30,7 @@ log = logging.getLogger("fsdpzero")
 class Engine(nn.Module):
     def __init__(self, module: nn.Module, plan: Plan, path: GradPath, *, lr_scheduler=None, scaler=None,
                  device: torch.device = torch.device("cpu"), mesh=None, local_rank: int = 0, tuning=None,
-                 blocks: list[nn.Module] | None = None):
+                 blocks: list[nn.Module] | None = None, explicit_tuning=None):
         super().__init__()
         self.module = module
         self.blocks = list(blocks or [])      # the transformer blocks (what compile() compiles one by one)
@@ -44,7 +44,11 @@ class Engine(nn.Module):
         self.device = device
         self.mesh = mesh
         self.local_rank = local_rank
-        self.tuning = tuning if tuning is not None else current_tuning()   # fsdpzero/tuning.py
+        # fsdpzero/tuning.py: this engine's knobs, never the process's. `tuning`: resolved once at wrap (build-time
+        # knobs); `explicit_tuning`: what wrap(tuning=...) was given, over which tuning_now() resolves the
+        # environment again for the knobs read when used (checkpoints)
+        self.explicit_tuning = explicit_tuning
+        self.tuning = tuning if tuning is not None else resolve_tuning(explicit_tuning)
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -311,6 +315,11 @@ class Engine(nn.Module):
         self.grad_path.wait()
 
     # -- state for checkpoints ---------------------------------------------------------------------------------
+    def tuning_now(self) -> Tuning:
+        """The knobs read when used (ckpt_stream, ckpt_writer_threads, ckpt_convert_dir, ckpt_crash_at): the
+        environment as it is now, under this engine's explicit settings; the checkpoint code gets them from here."""
+        return resolve_tuning(self.explicit_tuning)
+
     def client_state(self) -> dict:
         """The engine's own counters plus the scheduler/scaler state (the checkpoint layer saves these)."""
         self._settle()

@@ -9,8 +9,9 @@ once; the wings receive plain typed values. Defaults are the fastest exact setti
 prints the knobs that differ from the defaults and where each came from.
 
 Build-time knobs are read when the engine is built (`engine.tuning`); the checkpoint knobs and the test hook are read
-when used (`current()`: the environment now, under the last engine's explicit settings), so a test can set them
-between steps. fsdpzero/ops never imports the library: `apply_to_ops` hands it the values it needs.
+when used (`engine.tuning_now()`: the environment now, under that engine's explicit settings), so a test can set
+them between steps. Each engine has its own; `current()` (the last engine's) is for what is process-wide only.
+fsdpzero/ops never imports the library: `apply_to_ops` hands it the values it needs (per process).
 """
 from __future__ import annotations
 
@@ -252,8 +253,11 @@ def use(explicit: Mapping[str, Any] | Tuning | None = None, *, announce: bool = 
 
 
 def current() -> Tuning:
-    """The tuning in force now: the environment as it is now, under the last engine's explicit settings. For the
-    knobs read when used (checkpoints, the crash hook); build-time knobs live on `engine.tuning`."""
+    """The process's tuning now: the environment as it is now, under the last engine's explicit settings. Only for
+    what is genuinely process-wide (the `fsdpzero env` report, tests); the library passes an engine's own settings
+    down instead (Engine.tuning for build-time knobs, Engine.tuning_now() for the knobs read when used), so two
+    engines with different knobs in one process each get theirs (tests/project/test_layout.py checks that no module
+    but this one reads it)."""
     return resolve(_explicit)
 
 

@@ -82,14 +82,15 @@ def dcp_to_safetensors(ckpt_dir: str | Path, tag: str | None = None, out: str | 
     return out
 
 
-def conversion_dir(tag_dir: str | Path) -> Path:
+def conversion_dir(tag_dir: str | Path, tuning=None) -> Path:
     """Where engine.load_checkpoint keeps a DeepSpeed tag directory converted to our layout:
     <ckpt_convert_dir>/<tag>-<hash of the source's resolved path>/. Never beside the source: DeepSpeed loads in
     place and writes nothing there, and the source may be on a read-only mount. The same path on every rank (the
     knob comes from the environment all ranks share). Whether a copy there may be reused is decided by its stamp
-    (fsdpzero.checkpoint.engine_state.from_deepspeed), and it is loaded like any checkpoint of ours."""
-    from fsdpzero import tuning
-    root = tuning.current().ckpt_convert_dir or Path(
+    (fsdpzero.checkpoint.engine_state.from_deepspeed), and it is loaded like any checkpoint of ours.
+    tuning: the engine's settings (Engine.tuning_now()); by default the environment now."""
+    from fsdpzero.tuning import resolve
+    root = (tuning if tuning is not None else resolve()).ckpt_convert_dir or Path(
         os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fsdpzero" / "deepspeed"
     source = Path(tag_dir).resolve()
     return Path(root) / f"{source.name}-{hashlib.sha256(str(source).encode()).hexdigest()[:16]}"

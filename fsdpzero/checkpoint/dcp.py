@@ -46,7 +46,7 @@ from fsdpzero.checkpoint.stream import StreamingLoadPlanner, StreamingSavePlanne
 from fsdpzero.checkpoint.trust import (ChecksumWriter, SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError,
                                        checksum_problems, read_dcp_metadata, tensor_entries)
 from fsdpzero.dist import agreed_errors
-from fsdpzero.tuning import current as current_tuning
+from fsdpzero.tuning import Tuning, resolve as resolve_tuning
 
 _SEP = "/"  # joins nested keys; FQNs contain dots, never slashes
 _pending: "PendingSave | None" = None
@@ -164,8 +164,9 @@ def _set_rng_state(st: dict[str, torch.Tensor]) -> None:
 
 # ---- save -----------------------------------------------------------------------------------------------------
 
-def writer_threads() -> int:
-    return current_tuning().ckpt_writer_threads   # the ckpt_writer_threads knob (FSDPZERO_CKPT_WRITER_THREADS)
+def writer_threads(tuning: Tuning | None = None) -> int:
+    """The ckpt_writer_threads knob of `tuning` (an engine's settings; default: the environment now)."""
+    return (tuning if tuning is not None else resolve_tuning()).ckpt_writer_threads
 
 
 class PendingSave:
@@ -209,7 +210,8 @@ def client_state_json(client_state: dict | None) -> str:
 
 def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_state: dict | None = None, *,
                     step: int | None = None, save_latest: bool = True, keep_last: int | None = None,
-                    async_save: bool = False, save_rng: bool = True, no_dist: bool = False) -> Path | PendingSave:
+                    async_save: bool = False, save_rng: bool = True, no_dist: bool = False,
+                    tuning: Tuning | None = None) -> Path | PendingSave:
     """Save `state` ({name: Stateful | tensor | nested dict}) under <save_dir>/<tag>; collective over all ranks.
 
     tag defaults to f"global_step{step}"; it must be a plain directory name (files.check_tag). With async_save the
@@ -219,9 +221,12 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
     CheckpointError on every rank, after removing this save's temp dir; `latest` keeps naming the previous one. So
     does a tag that names something fsdpzero did not write (a file; a directory is written into, its other files left
     alone), and losing to another job that committed the same tag while this save was writing (files.SaveSlot).
+    tuning: the knobs this save reads (ckpt_writer_threads): the engine's (Engine.tuning_now()); by default the
+    environment now. (The ckpt_crash_at test hook is read from the environment at each point: files.crash_point.)
     """
     global _pending
     wait_for_pending_save()
+    knobs = tuning if tuning is not None else resolve_tuning()
     if tag is None:
         if step is None:
             raise ValueError("save_checkpoint: pass tag=... or step=N (the default tag is f'global_step{N}')")
@@ -277,7 +282,7 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
     crash_point("before_data")
     # several writer threads per rank (a file each): one thread left a ~1B-model save disk-latency bound.
     # ChecksumWriter: each data file's CRC-32 as it is written, for the manifest
-    writer = ChecksumWriter(tmp, sync_files=True, thread_count=writer_threads())
+    writer = ChecksumWriter(tmp, sync_files=True, thread_count=knobs.ckpt_writer_threads)
 
     def failed(e: BaseException):
         # DCP raises on every rank alike (a disk-full CheckpointException is a BaseException): clean up, one line
@@ -317,7 +322,7 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
     planner = None
     if streamed:   # the serial loader: one streamed tensor per writer thread at a time (stream.py)
         planner = StreamingSavePlanner(streamed)
-        writer = ChecksumWriter(tmp, sync_files=True, thread_count=writer_threads(), per_thread_copy_ahead=0)
+        writer = ChecksumWriter(tmp, sync_files=True, thread_count=knobs.ckpt_writer_threads, per_thread_copy_ahead=0)
     try:
         dcp.save(tensors, storage_writer=writer, planner=planner, no_dist=not distributed)
     except (Exception, CheckpointException) as e:

@@ -27,7 +27,6 @@ from fsdpzero.checkpoint.stream import streamed_state
 from fsdpzero.checkpoint.trust import read_dcp_metadata
 from fsdpzero.dist import agreed_errors, clean_fqn, local_tensor
 from fsdpzero.optim.grad_path import MASTER
-from fsdpzero.tuning import current as current_tuning
 
 log = logging.getLogger(__name__)
 SOURCE_STAMP = "source.json"   # in a converted copy of a DeepSpeed checkpoint: what it was converted from
@@ -58,7 +57,7 @@ class EngineState(Stateful):
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
         path = self.engine.grad_path   # NVMe states stream through DCP instead of being read into memory here
-        stream = path.streams_checkpoints and current_tuning().ckpt_stream   # knob ckpt_stream
+        stream = path.streams_checkpoints and self.engine.tuning_now().ckpt_stream   # knob ckpt_stream
         # offload_param nvme: the param shards stream too, so no unit is brought back for the checkpoint (with
         # the optimizer only: a module-only load must refresh the masters through load_state_dict's hooks)
         self._swapper = path.param_swapper if stream and self.with_optimizer else None
@@ -183,6 +182,7 @@ def save_engine(engine, save_dir, tag=None, client_state=None, save_latest=True,
     if plan.keep_last is not None:
         options.setdefault("keep_last", plan.keep_last)
     state = {"train": EngineState(engine), "engine": engine.client_state()}
+    options.setdefault("tuning", engine.tuning_now())   # this engine's knobs, not the last engine's
     return save_checkpoint(save_dir, tag, state, client_state, step=engine.global_steps, save_latest=save_latest,
                            **options)
 
@@ -216,7 +216,7 @@ def from_deepspeed(engine, load_dir: Path, tag: str | None) -> tuple[Path, str |
     if (path / MANIFEST).exists() or not any(path.glob("*_model_states.pt")):
         return load_dir, tag
     from fsdpzero.checkpoint.convert import conversion_dir
-    out = conversion_dir(path)   # not beside the source: it may be read-only
+    out = conversion_dir(path, engine.tuning_now())   # not beside the source: it may be read-only
     error = None
     if _rank0():
         try:

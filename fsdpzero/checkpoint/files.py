@@ -66,10 +66,11 @@ def check_tag(tag, what: str = "tag") -> str:
 
 
 def crash_point(name: str) -> None:
-    """Fault injection for the crash-safety tests: the ckpt_crash_at knob (FSDPZERO_CKPT_CRASH_AT=<name>, read now)
-    kills the process here."""
-    from fsdpzero.tuning import current
-    if current().ckpt_crash_at == name:
+    """Fault injection for the crash-safety tests: FSDPZERO_CKPT_CRASH_AT=<name> (the ckpt_crash_at knob, read from
+    the environment when the point is reached: a test hook, set by the test's process) kills the process here.
+    Tests replace this function to pause a save at its points (tests/checkpoint/test_checkpoint_concurrency.py)."""
+    from fsdpzero.tuning import resolve
+    if resolve().ckpt_crash_at == name:
         os._exit(17)
 
 

@@ -48,7 +48,7 @@ from fsdpzero.plan import Plan
 from fsdpzero.dist import local_tensor
 from fsdpzero.log import count
 from fsdpzero.precision import DTYPES
-from fsdpzero.tuning import Tuning, current
+from fsdpzero.tuning import Tuning, resolve
 
 log = logging.getLogger("fsdpzero")
 
@@ -170,9 +170,9 @@ def build_offload_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFa
     """The offload gradient path over an already fully_shard-ed model. `stage` forces (True) or forbids (False)
     staging through CPU buffers; default: stage exactly when the shards live on an accelerator. `overlap`: step
     the CPU side in a worker thread while the next forward runs (default: the offload_overlap knob, on).
-    `tuning`: the knobs (default: fsdpzero.tuning.current(), i.e. the environment)."""
+    `tuning`: the engine's knobs (default: fsdpzero.tuning.resolve(), i.e. the environment)."""
     from fsdpzero.ops import CPUAdam
-    knobs = tuning if tuning is not None else current()
+    knobs = tuning if tuning is not None else resolve()
     if plan.offload.optimizer_device not in ("cpu", "nvme"):
         raise NotImplementedError(f"offload_optimizer.device = {plan.offload.optimizer_device!r}: only \"cpu\" and "
                                   "\"nvme\" are handled here")

@@ -17,7 +17,7 @@ from fsdpzero.ops.stage1 import Stage1Optimizer
 from fsdpzero.optim.grad_path import GradPath, skips_on_device
 from fsdpzero.precision import DTYPES, cast_forward_inputs
 from fsdpzero.sharding import checkpoint_activations, find_blocks
-from fsdpzero.tuning import Tuning, current, env_name
+from fsdpzero.tuning import Tuning, env_name, resolve
 
 
 _ELEMENTWISE = {"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta",
@@ -133,7 +133,7 @@ def build_stage1_path(model: nn.Module, plan, make_optimizer: Callable, mesh=Non
             "per-tensor quantities (LAMB trust ratios, ...) are then taken over that flat shard and results differ "
             "from stage 0", type(optimizer).__name__)
     shard, precision, offload = plan.shard, plan.precision, plan.offload
-    knobs = stage1_knobs(tuning if tuning is not None else current())
+    knobs = stage1_knobs(tuning if tuning is not None else resolve())
     forward_allgather = knobs.pop("forward_allgather")
     stage1 = Stage1Optimizer.wrap(
         optimizer, {id(p): n for n, p in named}, process_group=mesh.get_group() if mesh is not None else None,

@@ -167,3 +167,25 @@ def test_docs_table_is_current():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "tuning.md").read_text()
     assert tuning.table() in doc, ("docs/tuning.md is stale: paste the output of "
                                    "python -c \"import fsdpzero.tuning as t; print(t.table())\"")
+
+
+def _two_engines_job(rank, world, tmp):
+    """Two engines in one process (TRL's policy and reference model), each with its own knobs: every save writes
+    one DCP data file per writer thread and rank, so the files a save leaves show whose ckpt_writer_threads it read."""
+    from pathlib import Path
+
+    from fsdpzero.api import wrap
+    from tests.engine_cases import build_model, make_plan
+    one = wrap(build_model("gpt2", 0), make_plan(2, world=world, micro=1), tuning={"ckpt_writer_threads": 1})
+    three = wrap(build_model("gpt2", 1), make_plan(2, world=world, micro=1), tuning={"ckpt_writer_threads": 3})
+    os.environ["FSDPZERO_CKPT_WRITER_THREADS"] = "2"   # read when used: an engine without its own setting sees it
+    plain = wrap(build_model("gpt2", 2), make_plan(2, world=world, micro=1))
+    for engine, tag in ((one, "one"), (three, "three"), (plain, "plain"), (one, "one_again")):
+        engine.save_checkpoint(tmp, tag=tag)
+    return {tag: len(list((Path(tmp) / tag).glob("*.distcp"))) for tag in ("one", "three", "plain", "one_again")}
+
+
+def test_two_engines_in_one_process_keep_their_own_knobs(tmp_path):
+    from tests.multirank import run_distributed
+    files = run_distributed(_two_engines_job, 1, str(tmp_path), timeout=240)[0]
+    assert files == {"one": 1, "three": 3, "plain": 2, "one_again": 1}, files

@@ -3,7 +3,9 @@
 - the import graph of fsdpzero has no cycle (imports inside functions count: they are arrows too);
 - fsdpzero.ops never imports the rest of the library, and the library never imports its CLI;
 - no private name (`_x`) is imported from another module: a name that crosses modules is public in its wing;
-- FSDP2's private state is touched in one module only (fsdpzero/fsdp2_internals.py).
+- FSDP2's private state is touched in one module only (fsdpzero/fsdp2_internals.py);
+- no module but fsdpzero/tuning.py reads the process-wide knob state (tuning.current(), the last engine's explicit
+  settings): an engine's settings are passed down, so two engines in one process keep theirs.
 """
 from __future__ import annotations
 
@@ -190,3 +192,46 @@ def test_fsdp2_private_state_in_one_module():
 def test_every_module_is_in_a_package():
     loose = [str(p) for p in MODULES.values() if not (p.parent / "__init__.py").is_file()]
     assert not loose, f"not inside a package, so the wheel would miss them: {loose}"
+
+
+# The modules that may read the process's knob state (fsdpzero.tuning.current), each with why it is process-wide.
+# Still process-wide but not a read of that state: the ops' defaults (no_build, cpu_adam_impl, aio_backend), which
+# tuning.use hands to fsdpzero.ops (apply_to_ops) because ops never imports the library; the last wrap's win.
+PROCESS_TUNING_READERS = {
+    "fsdpzero.cli.env": "`fsdpzero env` reports the process's environment; no engine exists there",
+}
+TUNING_STATE = {"current", "_explicit"}
+
+
+def _process_tuning_reads(source: str) -> list[int]:
+    """Lines that take fsdpzero.tuning's process state: `from fsdpzero.tuning import current`, or `current` /
+    `_explicit` reached through the module (`tuning.current()`, `fsdpzero.tuning.current()`)."""
+    tree = ast.parse(source)
+    aliases = {"fsdpzero.tuning"}
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "fsdpzero.tuning":
+            lines += [node.lineno for a in node.names if a.name in TUNING_STATE]
+        elif isinstance(node, ast.ImportFrom) and node.module == "fsdpzero":
+            aliases |= {a.asname or a.name for a in node.names if a.name == "tuning"}
+        elif isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.name == "fsdpzero.tuning" and a.asname}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in TUNING_STATE and ast.unparse(node.value) in aliases:
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_the_finder_sees_each_way_to_read_the_process_tuning():
+    assert _process_tuning_reads("from fsdpzero.tuning import Tuning, current as cur\n") == [1]
+    assert _process_tuning_reads("from fsdpzero import tuning as knobs\nknobs.current()\n") == [2]
+    assert _process_tuning_reads("import fsdpzero.tuning\nx = fsdpzero.tuning._explicit\n") == [2]
+    assert _process_tuning_reads("from fsdpzero.tuning import resolve\nengine.tuning.current\n") == []
+
+
+def test_no_module_reads_process_wide_knob_state():
+    bad = [f"{path.relative_to(ROOT)}:{line}" for name, path in MODULES.items()
+           if name != "fsdpzero.tuning" and name not in PROCESS_TUNING_READERS
+           for line in _process_tuning_reads(path.read_text())]
+    assert not bad, ("process-wide knob state (fsdpzero.tuning.current) read outside fsdpzero/tuning.py; pass the "
+                     "engine's settings (engine.tuning, engine.tuning_now()) instead:\n" + "\n".join(bad))
