@@ -124,6 +124,17 @@ def test_multinode_config_is_a_torchrun_rendezvous(tmp_path):
     assert f"accelerate config {path}: 10 keys: 10 mapped, 0 noop" in p.stderr, p.stderr
 
 
+def test_command_line_flags_win_over_the_config_file(tmp_path):
+    path = tmp_path / "acc.yaml"
+    path.write_text(INLINE)
+    p = subprocess.run([*FSDPZERO, "launch", "--config_file", str(path), "--num_gpus", "1", "--dry_run", "train.py"],
+                       cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    cmd = p.stdout.strip().splitlines()[-1]
+    assert "--nproc-per-node 1" in cmd and "ACCELERATE_DEEPSPEED_ZERO_STAGE=2" in cmd, cmd
+    assert "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE=cpu" in cmd and "ACCELERATE_MIXED_PRECISION=bf16" in cmd
+
+
 BAD = {
     "fsdp": ("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\nnum_processes: 2\n",
              "fsdp_config = '{...}': this is accelerate's FSDP config"),
