@@ -3,7 +3,7 @@
 process (tests/hf/test_accelerate_launch.py's sitecustomize). Both doors: `--deepspeed ds.json` in the trainer's
 arguments, and accelerate's launch config (`--config_file zero3.yaml`, no --deepspeed, as TRL's docs launch them).
 SFT + LoRA at ZeRO-3 through the two doors gives the same adapter bit for bit; DPO (reference model) and GRPO (in-process
-generation, a reward function from the working directory) train and save."""
+generation, a reward function from the working directory) train and save through each door."""
 from __future__ import annotations
 
 import json
@@ -112,10 +112,12 @@ def test_sft_lora_zero3_same_adapter_through_both_doors(work):
     assert any(float(v.abs().max()) > 0 for k, v in a.items() if "lora_B" in k)   # the adapter trained
 
 
-def test_dpo_through_accelerate_yaml(work):
-    out = str(work / "dpo")
-    _launch(work, _doors(work)["yaml"], "dpo", out, "--dataset_name", "pref", "--max_length", "64",
-            "--learning_rate", "1e-2")
+@pytest.mark.parametrize("door", ["deepspeed=", "yaml"])
+def test_dpo_trains_through_either_door(work, door):
+    out = str(work / f"dpo_{door}")
+    extra = ["--deepspeed", "zero3.json"] if door == "deepspeed=" else []
+    _launch(work, _doors(work)[door], "dpo", out, "--dataset_name", "pref", "--max_length", "64",
+            "--learning_rate", "1e-2", *extra)
     from safetensors.torch import load_file
     saved = load_file(os.path.join(out, "model.safetensors"))
     initial = load_file(str(work / "model" / "model.safetensors"))
@@ -124,12 +126,16 @@ def test_dpo_through_accelerate_yaml(work):
     assert len(changed) > len(saved) // 2, changed     # it trained
 
 
-def test_grpo_generates_in_process_at_zero3(work):
-    out = str(work / "grpo")
-    _launch(work, _doors(work)["deepspeed="], "grpo", out, "--dataset_name", "prompts", "--reward_funcs",
-            "rewards.length_reward", "--num_generations", "2", "--max_completion_length", "8", "--deepspeed",
-            "zero3.json")
+@pytest.mark.parametrize("door", ["deepspeed=", "yaml"])
+def test_grpo_generates_in_process_at_zero3(work, door):
+    out = str(work / f"grpo_{door}")
+    extra = ["--deepspeed", "zero3.json"] if door == "deepspeed=" else []
+    _launch(work, _doors(work)[door], "grpo", out, "--dataset_name", "prompts", "--reward_funcs",
+            "rewards.length_reward", "--num_generations", "2", "--max_completion_length", "8",
+            "--learning_rate", "1e-2", *extra)
     from safetensors.torch import load_file
     saved = load_file(os.path.join(out, "model.safetensors"))
     initial = load_file(str(work / "model" / "model.safetensors"))
     assert saved.keys() == initial.keys()
+    changed = [k for k in saved if not torch.equal(saved[k], initial[k].to(saved[k].dtype))]
+    assert changed, "GRPO did not move the weights"
