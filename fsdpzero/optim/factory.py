@@ -59,10 +59,6 @@ def _check_muon(plan: Plan) -> None:
     """What fsdpzero's Muon (fsdpzero/optim/muon.py) does not carry, refused with the fix."""
     from fsdpzero.optim.muon import check_muon
     check_muon(plan.optimizer.params)
-    if plan.shard.stage == 1:
-        raise ValueError("config key 'zero_optimization.stage' = 1 with optimizer.type \"Muon\": fsdpzero's stage 1 "
-                         "hands the optimizer flat shards, where Newton-Schulz has no matrices; use stage 2 (the same "
-                         "optimizer-state partitioning, plus gradient partitioning)")
     if plan.offload.optimizer_device != "none":
         raise ValueError(f"config key 'zero_optimization.offload_optimizer.device' = "
                          f"{plan.offload.optimizer_device!r} with optimizer.type \"Muon\" is not implemented in "

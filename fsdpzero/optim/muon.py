@@ -169,15 +169,38 @@ def _shard_layout(p: torch.Tensor):
     return group, -(-p.shape[0] // dist.get_world_size(group))
 
 
+def _owner_computes(piece: torch.Tensor, group, owner: int, whole, ns_method: str) -> torch.Tensor:
+    """Gather every rank's equal-sized `piece` to `owner`, which alone runs Newton-Schulz on `whole(pieces)` (the
+    matrix) and scatters it back cut like the pieces; returns this rank's piece of the update."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    owner_global = dist.get_global_rank(group, owner)
+    pieces = [torch.empty_like(piece) for _ in range(world)] if rank == owner else None
+    dist.gather(piece, pieces, dst=owner_global, group=group)
+    scatter = None
+    if rank == owner:
+        full = orthogonalize(whole(torch.cat(pieces)), ns_method).reshape(-1, *piece.shape[1:])
+        padded = torch.cat([full, full.new_zeros((piece.shape[0] * world - full.shape[0], *piece.shape[1:]))])
+        scatter = list(padded.split(piece.shape[0]))
+    out = torch.empty_like(piece)
+    dist.scatter(out, scatter, src=owner_global, group=group)
+    return out
+
+
 class _Orthogonalizer:
-    """Newton-Schulz of each matrix on one rank. Sharded matrices: gather to the owner, scatter the rows back.
+    """Newton-Schulz of each matrix on one rank; the owner of the i-th matrix of a step is i mod the group's size.
+    Sharded matrices (FSDP2 rows, or stage 1's flat chunks): gathered to the owner, the update scattered back.
     Whole (replicated) matrices: the owner computes and broadcasts (every rank holds the same update)."""
 
     def __init__(self):
-        self.count = 0   # matrices seen this step: the owner is count mod the group's size
+        self.count = 0
 
-    def __call__(self, u_local: torch.Tensor, p: torch.Tensor, ns_method: str) -> torch.Tensor:
-        index, self.count = self.count, self.count + 1
+    def _next(self) -> int:
+        self.count += 1
+        return self.count - 1
+
+    def rows(self, u_local: torch.Tensor, p: torch.Tensor, ns_method: str) -> torch.Tensor:
+        """u_local: this rank's rows of parameter p (a DTensor sharded on dim 0, or a whole tensor)."""
+        index = self._next()
         group, chunk = _shard_layout(p)
         if group is None:
             if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -186,22 +209,18 @@ class _Orthogonalizer:
             out = orthogonalize(u_local, ns_method) if dist.get_rank() == owner else torch.empty_like(u_local)
             dist.broadcast(out, src=owner)
             return out
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        owner = index % world
-        owner_global = dist.get_global_rank(group, owner)
-        rows = u_local.shape[0]
-        padded = u_local.new_zeros((chunk, *p.shape[1:]))
-        padded[:rows] = u_local
-        pieces = [torch.empty_like(padded) for _ in range(world)] if rank == owner else None
-        dist.gather(padded, pieces, dst=owner_global, group=group)
-        scatter = None
-        if rank == owner:
-            full = orthogonalize(torch.cat(pieces)[:p.shape[0]], ns_method)
-            scatter = list(torch.cat([full, full.new_zeros((chunk * world - p.shape[0], *p.shape[1:]))])
-                           .split(chunk))
-        out = torch.empty_like(padded)
-        dist.scatter(out, scatter, src=owner_global, group=group)
-        return out[:rows]
+        piece = u_local.new_zeros((chunk, *p.shape[1:]))
+        piece[:u_local.shape[0]] = u_local
+        out = _owner_computes(piece, group, index % dist.get_world_size(group), lambda t: t[:p.shape[0]], ns_method)
+        return out[:u_local.shape[0]]
+
+    def flat(self, u_chunk: torch.Tensor, shape: torch.Size, group, ns_method: str) -> torch.Tensor:
+        """u_chunk: this rank's chunk of the flattened matrix (stage 1: padded to chunk * world elements)."""
+        index = self._next()
+        if group is None and (not dist.is_initialized() or dist.get_world_size() == 1):
+            return orthogonalize(u_chunk[:shape.numel()].view(shape), ns_method).reshape(-1)
+        world = dist.get_world_size(group)
+        return _owner_computes(u_chunk, group, index % world, lambda t: t[:shape.numel()].view(shape), ns_method)
 
 
 class MuonWithAuxAdam(torch.optim.Optimizer):
@@ -234,6 +253,16 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 group.setdefault("eps", 1e-10)
                 group.setdefault("weight_decay", 0)
         super().__init__(param_groups, {})
+        self._flat_slots: dict[int, list[tuple[torch.Size, int, int]]] = {}
+        self._flat_group = None
+
+    def bind_flat_shards(self, flat_groups, process_group) -> None:
+        """Stage 1 (fsdpzero.ops.stage1): each param group became flat fp32 master shards, every parameter in them
+        flattened, padded and cut into equal chunks. Records each Muon master's matrices: (shape, offset, chunk)."""
+        self._flat_group = process_group
+        for fg in flat_groups:
+            if self.param_groups[fg.group_index]["use_muon"]:
+                self._flat_slots[id(fg.master)] = [(s.param.shape, s.offset, s.chunk) for s in fg.slots]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -252,7 +281,14 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                         state["momentum_buffer"] = torch.zeros_like(p)
                     m, beta = local_tensor(state["momentum_buffer"]), group["momentum"]
                     m.lerp_(grad, 1 - beta)
-                    update = ortho(grad.lerp(m, beta), p, group["ns_method"])   # nesterov
+                    blend = grad.lerp(m, beta)   # nesterov
+                    if id(p) in self._flat_slots:   # stage 1: a flat shard of several matrices, each Shard(0) of its flat
+                        update = torch.zeros_like(blend)
+                        for shape, offset, chunk in self._flat_slots[id(p)]:
+                            update[offset:offset + chunk] = ortho.flat(blend[offset:offset + chunk], shape,
+                                                                       self._flat_group, group["ns_method"])
+                    else:
+                        update = ortho.rows(blend, p, group["ns_method"])
                 else:
                     if not state:
                         state["step"] = torch.zeros((), dtype=torch.float32)

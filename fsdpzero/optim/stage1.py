@@ -127,7 +127,8 @@ def build_stage1_path(model: nn.Module, plan, make_optimizer: Callable, mesh=Non
         if not p.requires_grad and p.is_floating_point():
             p.data = p.data.to(dtype)
     optimizer = make_optimizer([p for _, p in named])
-    if type(optimizer).__name__ not in _ELEMENTWISE and (not dist.is_initialized() or dist.get_rank() == 0):
+    if type(optimizer).__name__ not in _ELEMENTWISE and not hasattr(optimizer, "bind_flat_shards") \
+            and (not dist.is_initialized() or dist.get_rank() == 0):
         logging.getLogger("fsdpzero").warning(
             "ZeRO stage 1 gives %s one flat tensor per param group and rank, as DeepSpeed's ZeRO 1/2 do; "
             "per-tensor quantities (LAMB trust ratios, ...) are then taken over that flat shard and results differ "
@@ -141,6 +142,8 @@ def build_stage1_path(model: nn.Module, plan, make_optimizer: Callable, mesh=Non
         reduce_bucket_size=shard.reduce_bucket_size, allgather_bucket_size=shard.allgather_bucket_size,
         overlap_comm=bool(shard.overlap_comm), master_device="cpu" if offload.optimizer_device == "cpu" else None,
         **knobs)
+    if hasattr(optimizer, "bind_flat_shards"):   # Muon (fsdpzero.optim.muon): where each matrix lies in the shards
+        optimizer.bind_flat_shards(stage1.flat_groups, stage1.group)
     cast_forward_inputs(model, plan)   # fp32 inputs meet fp16/bf16 weights, as at stages 0/2/3 (fp16.auto_cast)
     if forward_allgather:   # the model's forward pre-hooks wait for their buckets; saving and loading wait for all
         stage1.defer_allgather_to_forward(model)

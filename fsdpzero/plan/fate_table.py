@@ -361,6 +361,7 @@ OFF = When("false (off)", lambda c: not c.on)
 ABSENT = When("absent or off", lambda c: c.value is None or c.value is False or c.value == {})
 SECTION_ENABLED = When("the section is enabled", lambda c: isinstance(c.value, dict) and bool(c.value.get("enabled")))
 OFFLOADED_OPT = device_is("offload_optimizer", "cpu", "nvme")
+MUON = When("Muon", lambda c: (c.value or "").lower() == "muon")
 OPT_IS_MUON = When("optimizer.type Muon", lambda c: c.cfg.optimizer is not None
                    and (c.cfg.optimizer.type or "").lower() == "muon")
 NO_OFFLOADED_OPT = device_is("offload_optimizer", "none")
@@ -448,15 +449,21 @@ CONDITIONAL: tuple[Rule, ...] = (
     # ---- optimizer and scheduler
     Rule("optimizer.type", When("a 1-bit optimizer", lambda c: optimizer_kind(c.value) == "onebit"), U,
          "{value}: compressed-communication optimizers are not implemented"),
-    Rule("optimizer.type", When("Muon", lambda c: (c.value or "").lower() == "muon") & stage_in(0, 2, 3), M,
+    Rule("optimizer.type", MUON & When("gradient_clipping > 0 (1.0 when absent)",
+                                       lambda c: (c.cfg.gradient_clipping or 0) > 0), U,
+         "Muon with gradient_clipping > 0: DeepSpeed clips Muon's orthogonalized update, fsdpzero's engine the "
+         "gradient; set \"gradient_clipping\": 0"),
+    Rule("optimizer.type", MUON & When("fp16 on", lambda c: bool(c.cfg.fp16.enabled)), U,
+         "Muon with fp16: DeepSpeed keeps the momentum in loss-scaled units; use bf16 or fp32"),
+    Rule("optimizer.type", MUON & OFFLOADED_OPT, U, "Muon with offload_optimizer: not implemented (DeepSpeed runs "
+         "it); remove offload_optimizer"),
+    Rule("optimizer.type", MUON, M,
          "fsdpzero.optim.muon.MuonWithAuxAdam, DeepSpeed 0.19.8's: its split (matrices but embeddings and lm_head "
          "take Muon, the rest AdamW), nesterov momentum and 5-step Newton-Schulz (ns_method gram/standard) on each "
-         "whole matrix, run once on one owner rank (gathered from the shards, rows scattered back); the momentum "
-         "stays sharded. Refused with fsdpzero's fix: gradient_clipping > 0 (DeepSpeed clips the orthogonalized "
+         "whole matrix, run once on one owner rank (gathered from the shards, its pieces scattered back); the "
+         "momentum stays sharded. Refused with the fix: gradient_clipping > 0 (DeepSpeed clips the orthogonalized "
          "update), fp16, offload_optimizer, per_head_muon. The reported grad norm is the gradient's (DeepSpeed's: "
          "the update's)"),
-    Rule("optimizer.type", When("Muon", lambda c: (c.value or "").lower() == "muon"), U,
-         "Muon at stage 1: fsdpzero's stage 1 gives the optimizer flat shards (no matrices); use stage 2"),
     Rule("optimizer.type", When("MuAdam, MuAdamW, MuSGD or Lion", lambda c: (c.value or "").lower() in (
         "muadam", "muadamw", "musgd", "lion")), U, "{value}: no fsdpzero implementation"),
     *(Rule("optimizer.type", When(f"{k} (canonical)", lambda c, k=k: c.fields()["canon"] == k), M,
@@ -469,8 +476,10 @@ CONDITIONAL: tuple[Rule, ...] = (
     Rule("optimizer.params.*", leaf_in("muon_lr", "adam_lr", "momentum", "ns_method") & OPT_IS_MUON, M,
          "MuonWithAuxAdam: muon_lr / adam_lr override lr for the Muon / AdamW half; momentum and ns_method are "
          "Muon's"),
-    Rule("optimizer.params.*", leaf_in("per_head_muon") & OPT_IS_MUON, U, "per-head Newton-Schulz is not "
-         "implemented (refused when true)"),
+    Rule("optimizer.params.*", leaf_in("per_head_muon") & OPT_IS_MUON & ON, U, "per-head Newton-Schulz is not "
+         "implemented"),
+    Rule("optimizer.params.*", leaf_in("per_head_muon") & OPT_IS_MUON, N, "false: whole-matrix Newton-Schulz, "
+         "DeepSpeed's default"),
     Rule("optimizer.params.*", ALWAYS, M, "keyword argument of the {opt_type} optimizer"),
     Rule("scheduler.type", When("a DeepSpeed scheduler", lambda c: c.value in SCHEDULERS), M,
          "fsdpzero's {value}: same formula as DeepSpeed, stepped per optimizer step"),
