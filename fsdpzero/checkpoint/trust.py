@@ -1,13 +1,16 @@
 """What fsdpzero trusts in a checkpoint directory, and how it checks the rest.
 
 DCP keeps its index (`.metadata`) as a pickle, and torch's FileSystemReader reads it with plain `pickle.load`: a
-planted file would run code as soon as it is loaded. `SafeFileSystemReader` reads it with an unpickler that rebuilds
+planted file would run code as soon as it is loaded. `SafeFileSystemReader` reads it whole into memory, walks its
+opcodes first without running any (`_prescan`: only the opcodes DCP's metadata needs, every claimed length within
+the bytes that remain, so nothing is allocated from a claim), then reads it with an unpickler that rebuilds
 only what DCP's metadata contains (`METADATA_GLOBALS`: its dataclasses, torch.Size, dtypes, layouts, the
 memory-format enum, paths): each object-making opcode is checked (`_MetadataUnpickler`), so no builtin is reachable
 (nothing larger than the file is made) and no state is set on anything but the instances the index itself made (not
 on a class, an enum member or another shared object: no process poisoning). Anything else is an
 `UnsafeCheckpointError` naming the file and what was refused; the index is then checked before DCP acts on it
-(entries stored in plain files of the same directory). DCP reads tensor data itself with torch.load(weights_only=True);
+(`_check_entries`: sizes, dtypes, chunks inside the tensor covering it exactly once, byte ranges inside plain files
+of the same directory). DCP reads tensor data itself with torch.load(weights_only=True);
 a non-tensor ("bytes") entry DCP would read with torch.load(weights_only=False), so `SafeLoadPlanner` refuses those
 (fsdpzero never writes them: non-tensor state goes to JSON).
 
@@ -21,8 +24,10 @@ from __future__ import annotations
 import collections
 import io
 import json
+import math
 import pathlib
 import pickle
+import pickletools
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,7 +35,8 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                  StorageMeta, TensorProperties, TensorStorageMetadata)
 
 METADATA_FILE = ".metadata"
 CRC_SIDE_PREFIX = ".crc-"     # a rank's data-file checksums, left in the temp dir until the manifest takes them
@@ -55,6 +61,39 @@ METADATA_CALLABLES = {("torch", "Size"), ("torch.serialization", "_get_layout"),
                                                                                 "WindowsPath", "PureWindowsPath"))}
 METADATA_GLOBALS = METADATA_CLASSES | METADATA_CALLABLES
 _PLAIN = (str, int, float, bool, type(None), bytes)
+
+# The opcodes of binary pickles (protocols 2 to 5) that plain values, containers, memo references and the checked
+# object opcodes need: what DCP writes, plus their longer-length twins. Not here: protocol-5 out-of-band buffers and
+# BYTEARRAY8 (DCP never writes them; the pure unpickler allocates a BYTEARRAY8's claimed length before reading it:
+# 12 bytes asked for 512 MiB), persistent ids, the extension registry, INST/OBJ/NEWOBJ_EX, protocol-0 text opcodes.
+METADATA_OPCODES = frozenset({
+    "PROTO", "FRAME", "STOP", "MARK", "POP", "POP_MARK", "DUP",
+    "NONE", "NEWTRUE", "NEWFALSE", "BININT", "BININT1", "BININT2", "LONG1", "LONG4", "BINFLOAT",
+    "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "SHORT_BINBYTES", "BINBYTES", "BINBYTES8",
+    "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_LIST", "LIST", "APPEND", "APPENDS",
+    "EMPTY_DICT", "DICT", "SETITEM", "SETITEMS",
+    "MEMOIZE", "BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET",
+    "GLOBAL", "STACK_GLOBAL", "NEWOBJ", "REDUCE", "BUILD"})
+
+
+def _prescan(data: bytes, source: Path) -> None:
+    """Walk the pickle's opcodes without running any (pickletools.genops over the bytes in memory) before the
+    unpickler sees them: every opcode must be in METADATA_OPCODES, and every length an opcode claims (a string's,
+    a frame's) must fit in the bytes that remain, so that nothing is allocated from a claimed length."""
+    try:
+        for op, arg, pos in pickletools.genops(data):   # a length past the end: ValueError before any allocation
+            if op.name not in METADATA_OPCODES:
+                raise UnsafeCheckpointError(
+                    f"{source}: refused opcode {op.name} at byte {pos}: a DCP checkpoint index holds only DCP "
+                    f"metadata, torch.Size, dtypes and containers; the file is corrupt or was planted, nothing from it "
+                    f"was run")
+            if op.name == "FRAME" and arg > len(data) - pos - 9:
+                raise ValueError(f"a frame of {arg} bytes at byte {pos}, {len(data) - pos - 9} remain")
+    except UnsafeCheckpointError:
+        raise
+    except Exception as e:   # truncated, an unknown opcode, a length larger than the file
+        raise UnsafeCheckpointError(f"{source}: not a readable DCP checkpoint index ({type(e).__name__}: {e}); "
+                                    f"nothing from it was run") from None
 
 
 class _MetadataUnpickler(pickle._Unpickler):
@@ -149,6 +188,7 @@ def read_dcp_metadata(path: str | Path, name: str = METADATA_FILE) -> Metadata:
     try:
         with open(source, "rb") as f:   # read whole: a file object's read(n) allocates the n a length opcode
             data = f.read()              # claims (a 20-byte index asked for 3 GiB); BytesIO returns what is there
+        _prescan(data, source)
         md = _MetadataUnpickler(io.BytesIO(data), source).load()
     except UnsafeCheckpointError:
         raise
@@ -166,7 +206,112 @@ def read_dcp_metadata(path: str | Path, name: str = METADATA_FILE) -> Metadata:
         rel = getattr(info, "relative_path", None)
         if not isinstance(rel, str) or not _plain_file_name(rel):
             raise UnsafeCheckpointError(f"{source}: an entry is stored in {rel!r}, which is not a file of {path}")
+    _check_entries(md, storage, source, Path(path))
     return md
+
+
+MAX_EMPTY_CHUNKS = 1 << 17   # empty shards of one tensor (ranks that hold none of it): one per rank at most
+_OVERLAP_BUDGET = 1 << 21     # chunk pairs compared for a layout that is not a grid, before the index is refused
+
+
+def _check_entries(md: Metadata, storage: dict, source: Path, directory: Path) -> None:
+    """The index's entries as DCP will use them: each tensor a torch.Size of non-negative ints and a dtype, its
+    chunks inside it, not overlapping and covering it exactly (a chunk listed K times made DCP read the tensor K
+    times: 2 bytes of index per extra copy), each non-empty chunk with a storage entry; each storage entry a
+    byte range inside its data file. One error line naming the file and the entry."""
+    def bad(key, what):
+        raise UnsafeCheckpointError(f"{source}: entry {key!r}: {what}; the index is corrupt or was planted")
+
+    def shape(value):
+        return isinstance(value, torch.Size) and all(type(n) is int and n >= 0 for n in value)
+
+    file_sizes: dict[str, int] = {}
+    for index, info in storage.items():
+        fqn, rel = getattr(index, "fqn", index), info.relative_path
+        if type(getattr(info, "offset", None)) is not int or type(getattr(info, "length", None)) is not int \
+                or info.offset < 0 or info.length < 0:
+            bad(fqn, f"storage offset {getattr(info, 'offset', None)!r} and length "
+                     f"{getattr(info, 'length', None)!r} in {rel} are not non-negative integers")
+        if rel not in file_sizes:
+            try:
+                file_sizes[rel] = (directory / rel).stat().st_size
+            except OSError as e:
+                bad(fqn, f"its data file {rel} cannot be read ({e.strerror or e})")
+        if info.offset + info.length > file_sizes[rel]:
+            bad(fqn, f"stored at bytes {info.offset}..{info.offset + info.length} of {rel}, past the end of the "
+                     f"file ({file_sizes[rel]} bytes)")
+    keys_with_storage = {getattr(index, "fqn", None) for index in storage}
+    for key, entry in md.state_dict_metadata.items():
+        if not isinstance(key, str):
+            bad(key, "the key is not a string")
+        if isinstance(entry, BytesStorageMetadata):
+            if key not in keys_with_storage:
+                bad(key, "no storage entry for it")
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            bad(key, f"a {type(entry).__name__}, neither a tensor nor a bytes entry")
+        size = getattr(entry, "size", None)
+        if not shape(size):
+            bad(key, f"size {size!r} is not a torch.Size of non-negative integers")
+        props = getattr(entry, "properties", None)
+        if not isinstance(props, TensorProperties) or not isinstance(getattr(props, "dtype", None), torch.dtype) \
+                or getattr(props, "layout", None) is not torch.strided:
+            bad(key, f"properties {props!r} do not name a dtype and the strided layout")
+        chunks = getattr(entry, "chunks", None)
+        if not isinstance(chunks, list):
+            bad(key, f"chunks {type(chunks).__name__}, not a list")
+        boxes, empty = [], 0
+        for chunk in chunks:
+            offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+            if not isinstance(chunk, ChunkStorageMetadata) or not shape(offsets) or not shape(sizes) \
+                    or len(offsets) != len(size) or len(sizes) != len(size) \
+                    or any(o + n > d for o, n, d in zip(offsets, sizes, size)):
+                bad(key, f"chunk {chunk!r} is not inside the tensor's size {tuple(size)}")
+            if math.prod(sizes) == 0:
+                empty += 1
+                if empty > MAX_EMPTY_CHUNKS:
+                    bad(key, f"more than {MAX_EMPTY_CHUNKS} empty chunks")
+                continue
+            if MetadataIndex(key, offsets) not in storage:
+                bad(key, f"no storage entry for its chunk at offsets {tuple(offsets)}")
+            boxes.append((tuple(offsets), tuple(sizes)))
+        covered = sum(math.prod(n) for _, n in boxes)
+        overlap = _overlap(boxes)
+        if overlap:
+            bad(key, overlap)
+        if covered != math.prod(size):
+            bad(key, f"its chunks hold {covered} elements, the tensor {tuple(size)} has {math.prod(size)}")
+
+
+def _overlap(boxes: list) -> str | None:
+    """What overlaps among the (offsets, sizes) boxes, or None. A sharded tensor's chunks form a grid (each dim cut
+    into intervals that are disjoint or equal): then two overlap only if they are the same box, a set lookup. Any
+    other layout: a sweep along dim 0, comparing only boxes whose dim-0 ranges meet, within a budget."""
+    ndim = len(boxes[0][0]) if boxes else 0
+    grid = True
+    for d in range(ndim):
+        spans = sorted({(o[d], o[d] + n[d]) for o, n in boxes})
+        if any(b[0] < a[1] for a, b in zip(spans, spans[1:])):
+            grid = False
+            break
+    if grid:
+        seen = {}
+        for o, n in boxes:
+            if (o, n) in seen:
+                return f"its chunk at offsets {o} (sizes {n}) is listed more than once"
+            seen[(o, n)] = o
+        return None
+    active, budget = [], _OVERLAP_BUDGET
+    for o, n in sorted(boxes):
+        active = [(a, m) for a, m in active if a[0] + m[0] > o[0]]
+        budget -= len(active)
+        if budget < 0:
+            return f"{len(boxes)} chunks in a layout too irregular to check for overlaps"
+        for a, m in active:
+            if all(a[d] < o[d] + n[d] and o[d] < a[d] + m[d] for d in range(ndim)):
+                return f"its chunks at offsets {a} and {o} overlap"
+        active.append((o, n))
+    return None
 
 
 def _plain_file_name(name: str) -> bool:

@@ -484,3 +484,139 @@ def test_a_length_opcode_cannot_make_the_reader_allocate(tmp_path):
                            cwd=str(Path(__file__).resolve().parents[2]), env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert child.stdout.startswith("UnsafeCheckpointError") and ".metadata" in child.stdout, child
     assert "MemoryError" not in child.stdout, child.stdout
+
+
+# ---- issue 32 item 5, round 2: opcodes the index never needs, entries DCP would act on ------------------------------
+
+def test_a_bytearray8_cannot_make_the_reader_allocate(tmp_path):
+    """12 bytes: PROTO 5, BYTEARRAY8 claiming 768 MiB, STOP. Python's pure unpickler allocates a BYTEARRAY8's claimed
+    length before reading it (peak RSS +512 MiB for a 512 MiB claim). The opcodes are walked first, lengths checked
+    against what remains, and BYTEARRAY8 (never in a DCP index) refused: no allocation. Child capped at +512 MiB."""
+    import subprocess
+    import sys
+    (tmp_path / ".metadata").write_bytes(b"\x80\x05" + pickle.BYTEARRAY8 + (768 << 20).to_bytes(8, "little")
+                                         + pickle.STOP)
+    assert (tmp_path / ".metadata").stat().st_size == 12
+    code = ("import resource\n"
+            "import torch\n"
+            "from fsdpzero.checkpoint.trust import read_dcp_metadata\n"
+            "vm = int([l for l in open('/proc/self/status') if l.startswith('VmSize:')][0].split()[1]) << 10\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (vm + (512 << 20), vm + (512 << 20)))\n"
+            f"try:\n    read_dcp_metadata({str(tmp_path)!r})\n"
+            "except Exception as e:\n    print(type(e).__name__, e)\n")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           cwd=str(Path(__file__).resolve().parents[2]), env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert child.stdout.startswith("UnsafeCheckpointError") and ".metadata" in child.stdout, child
+    assert "MemoryError" not in child.stdout and "bytearray8" in child.stdout, child.stdout
+
+
+@pytest.mark.parametrize("ops,refused", [
+    (pickle.BYTEARRAY8 + (3).to_bytes(8, "little") + b"abc" + pickle.POP, "refused opcode BYTEARRAY8"),
+    (pickle.NEXT_BUFFER + pickle.POP, "refused opcode NEXT_BUFFER"),
+    (pickle.EMPTY_LIST + pickle.READONLY_BUFFER + pickle.POP, "refused opcode READONLY_BUFFER"),
+    (pickle.EMPTY_TUPLE + pickle.BINPERSID + pickle.POP, "refused opcode BINPERSID"),
+    (pickle.EXT1 + b"\x01" + pickle.POP, "refused opcode EXT1"),
+    # a length past the end of the file, found by the walk before the unpickler acts on it
+    (pickle.BINBYTES8 + (1 << 40).to_bytes(8, "little") + b"x", "expected 1099511627776 bytes"),
+], ids=["bytearray8", "next-buffer", "readonly-buffer", "persid", "ext", "length-past-end"])
+def test_opcodes_a_dcp_index_never_holds_are_refused_before_unpickling(tmp_path, ops, refused):
+    tag = _index_with(tmp_path, ops)
+    with pytest.raises(UnsafeCheckpointError, match=refused) as info:
+        read_dcp_metadata(tag)
+    _one_line(info.value, str(tag / ".metadata"), "nothing from it was run")
+
+
+def _rewrite_index(tag: Path, change) -> None:
+    """The index as the test's own objects, changed and written back with plain pickle (allowed opcodes only), the
+    manifest refreshed: what an attacker who can write the directory makes."""
+    md = read_dcp_metadata(tag)
+    change(md)
+    (tag / ".metadata").write_bytes(pickle.dumps(md, protocol=4))
+    _fix_manifest(tag)
+
+
+def test_a_chunk_listed_many_times_is_refused_before_dcp_reads_it(tmp_path):
+    """The same chunk listed K times costs 2 bytes of index per copy and made DCP read the 1 MiB tensor K times (a
+    3.3 KB index took 12 s to load); it is refused naming the entry, before any data is read."""
+    state = {"w": {"x": torch.randn(1024, 256)}}
+    ck.save_checkpoint(tmp_path, "t", state, save_rng=False)
+
+    def repeat(md):
+        entry = md.state_dict_metadata["state/w/x"]
+        entry.chunks = entry.chunks * 64
+    _rewrite_index(tmp_path / "t", repeat)
+    assert (tmp_path / "t" / ".metadata").stat().st_size < 4096
+    into = {"w": {"x": torch.zeros(1024, 256)}}
+    with pytest.raises(UnsafeCheckpointError, match="listed more than once") as info:
+        ck.load_checkpoint(tmp_path, "t", into)
+    _one_line(info.value, str(tmp_path / "t" / ".metadata"), "'state/w/x'")
+    assert not into["w"]["x"].any()
+
+
+def _chunk(offsets, sizes):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    return ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+
+
+def _set(attr, value, key="state/w/a"):
+    def change(md):
+        obj = md.state_dict_metadata[key]
+        for name in attr.split(".")[:-1]:
+            obj = getattr(obj, name)
+        setattr(obj, attr.split(".")[-1], value)
+    return change
+
+
+def _chunks(*boxes, stored=True):
+    """state/w/a (64, 32) listed as these (offsets, sizes) chunks, each with a storage entry (the one the save
+    wrote) unless stored=False."""
+    def change(md):
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+        [info] = [i for k, i in md.storage_data.items() if k.fqn == "state/w/a"]
+        md.state_dict_metadata["state/w/a"].chunks = [_chunk(o, n) for o, n in boxes]
+        if stored:
+            md.storage_data.update({MetadataIndex("state/w/a", torch.Size(o)): info for o, _ in boxes})
+    return change
+
+
+def _storage(field, value):
+    def change(md):
+        for index, info in md.storage_data.items():
+            if index.fqn == "state/w/a":
+                setattr(info, field, value)
+    return change
+
+
+@pytest.mark.parametrize("change,problem", [
+    (_set("size", ("a",)), "size ('a',) is not a torch.Size"),
+    (_set("size", torch.Size([64, -32])), "is not a torch.Size of non-negative integers"),
+    (_set("properties.dtype", "float32"), "do not name a dtype"),
+    (_chunks(((0, 0), (64, 33))), "is not inside the tensor's size (64, 32)"),
+    (_chunks(((0, 0), (32, 32))), "its chunks hold 1024 elements, the tensor (64, 32) has 2048"),
+    (_chunks(((0, 0), (64, 32)), ((0, 0), (64, 32))), "listed more than once"),
+    (_chunks(((0, 0), (40, 32)), ((24, 0), (24, 32))), "its chunks at offsets (0, 0) and (24, 0) overlap"),
+    (_chunks(((0, 0), (64, 20)), ((0, 10), (32, 22)), ((32, 20), (32, 12))),
+     "its chunks at offsets (0, 0) and (0, 10) overlap"),
+    (_chunks(((0, 0), (32, 32)), ((32, 0), (32, 32)), stored=False), "no storage entry for its chunk at offsets"),
+    (_storage("length", 1 << 40), "past the end of the file"),
+    (_storage("offset", -1), "are not non-negative integers"),
+], ids=["size-str", "size-negative", "dtype", "out-of-bounds", "hole", "duplicate", "overlap-grid",
+        "overlap-irregular", "no-storage", "length-past-end", "negative-offset"])
+def test_an_index_entry_dcp_cannot_use_is_one_error_naming_it(tmp_path, change, problem):
+    ck.save_checkpoint(tmp_path, "t", _small_state(), save_rng=False)
+    _rewrite_index(tmp_path / "t", change)
+    with pytest.raises(UnsafeCheckpointError) as info:
+        read_dcp_metadata(tmp_path / "t")
+    assert problem in str(info.value), str(info.value)
+    _one_line(info.value, str(tmp_path / "t" / ".metadata"), "entry 'state/w/a'")
+
+
+def test_convert_of_an_index_with_a_bad_size_is_one_line(tmp_path, capsys):
+    """BUILD setting an entry's size to ("a",) (allowed opcodes only) gave a TypeError traceback in convert."""
+    from fsdpzero.cli import main as cli
+    ck.save_checkpoint(tmp_path / "run", None, {"train": {"model": {"w": torch.ones(3)}}}, step=1, save_rng=False)
+    _rewrite_index(tmp_path / "run" / "global_step1", _set("size", ("a",), key="state/train/model/w"))
+    capsys.readouterr()
+    assert cli(["convert", str(tmp_path / "run"), "--to", "safetensors", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'state/train/model/w'" in err[0] and "('a',)" in err[0], err
