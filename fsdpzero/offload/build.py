@@ -72,9 +72,10 @@ def bind_cores(local_rank: int, local_world_size: int) -> None:
 
 def _hyper_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
     """Adam-family hyperparameters of each group of the configured optimizer, for CPUAdam."""
+    from fsdpzero.ops import CPUAdam   # a client's CPUAdam / CPUAdamW (DeepSpeedCPUAdam under the shim)
     from fsdpzero.optim import AdamNoBiasCorrection
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, AdamNoBiasCorrection)) and \
-            type(optimizer).__name__ not in ("CPUAdam", "CPUAdamW"):
+            not isinstance(optimizer, CPUAdam):
         raise NotImplementedError(
             f"offload_optimizer.device = cpu runs Adam/AdamW on the CPU; the configured optimizer is "
             f"{type(optimizer).__name__}. Use \"type\": \"AdamW\" (or \"Adam\"), or remove offload_optimizer")
@@ -170,19 +171,14 @@ def build_offload_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFa
     """The offload gradient path over an already fully_shard-ed model. `stage` forces (True) or forbids (False)
     staging through CPU buffers; default: stage exactly when the shards live on an accelerator. `overlap`: step
     the CPU side in a worker thread while the next forward runs (default: the offload_overlap knob, on).
-    `tuning`: the engine's knobs (default: fsdpzero.tuning.resolve(), i.e. the environment)."""
-    from fsdpzero.ops import CPUAdam
+    `tuning`: the engine's knobs (default: fsdpzero.tuning.resolve(), i.e. the environment).
+
+    The steps, in order: check the plan; JIT-build the CPU Adam op; set the CPU step's threads; read the configured
+    optimizer's Adam hyper-parameters; order the parameters by FSDP unit and pick the device-stepped ones; take each
+    shard's master and copy buffers; (NVMe) write the masters to disk; cast the device shards to 16 bits; build the
+    CPU optimizer; assemble the path."""
     knobs = tuning if tuning is not None else resolve()
-    if plan.offload.optimizer_device not in ("cpu", "nvme"):
-        raise NotImplementedError(f"offload_optimizer.device = {plan.offload.optimizer_device!r}: only \"cpu\" and "
-                                  "\"nvme\" are handled here")
-    nvme = plan.offload.optimizer_device == "nvme"   # masters and moments on disk: fsdpzero.offload.nvme_adam
-    ratio = float(plan.offload.ratio)
-    if ratio < 1.0 and (nvme or plan.offload.param_device != "none"):
-        raise NotImplementedError(
-            f"zero_optimization.offload_optimizer.ratio = {ratio} is supported with offload_optimizer.device = cpu "
-            f"and the params on the accelerator; got offload_optimizer.device = {plan.offload.optimizer_device!r}, "
-            f"offload_param.device = {plan.offload.param_device!r}. Set ratio to 1.0 or remove offload_param")
+    nvme = _check_plan(plan)   # masters and moments on disk: fsdpzero.offload.nvme_adam
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("offload: the model has no trainable parameters")
@@ -190,15 +186,7 @@ def build_offload_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFa
     cpu_adam.available_impls()   # JIT-build the op now (DeepSpeed builds its ops at initialize), not in step 1
     on_accel = local_tensor(named[0][1]).device.type != "cpu"   # else CPU-only, or offload_param put the shards there
     stage = on_accel if stage is None else stage
-    threads = torch.get_num_threads()
-    # with a GPU always (auto: cores / local ranks); on a CPU-only run only when a knob asks (the user's OMP setting
-    # otherwise stands)
-    if torch.cuda.is_available() or knobs.offload_threads is not None or knobs.offload_bind:
-        local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        if knobs.offload_bind:
-            bind_cores(local_rank, local_world)
-        threads = cpu_threads(local_world, knobs.offload_threads)
-        torch.set_num_threads(threads)
+    threads = _cpu_step_threads(knobs)
     # Only the copy buffers take part in DMA: they are pinned whenever there is an accelerator (pageable H2D was
     # measured 8x slower). Masters and states never leave the CPU and stay pageable, whatever pin_memory says;
     # pin_memory matters for offload_param (FSDP2 CPUOffloadPolicy, see sharding.py).
@@ -209,67 +197,123 @@ def build_offload_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFa
     order = {n: i for i, n in enumerate(n for _, ns in units for n in ns)}
     named.sort(key=lambda np_: order[np_[0]])                        # then step them in forward order
     chunk = max(1, min(int(plan.offload.sub_group_size), CHUNK))
+    on_device = _device_stepped_names(named, units, chunk, float(plan.offload.ratio), hyper)
+    with torch.no_grad():
+        entries, initial, device_states = _take_masters(named, on_device, nvme, stage, on_accel, low, pin)
+        master_of = {id(e.param): e.master for e in entries}
+        for g in hyper:
+            g["params"] = [master_of[id(p)] for p in g["params"]]
+        if nvme:    # written to disk now, while `initial` still holds the fp32 weights
+            from fsdpzero.offload.nvme_adam import nvme_optimizer
+            optimizer = nvme_optimizer(hyper, plan, initial)
+            initial.clear()
+        if low != torch.float32 and (on_accel or not stage):
+            _cast_shards(model, entries, low)
+        if not nvme:
+            for e in entries:           # the out buffer always holds the exact current shard (drop_shards)
+                if e.out_buf is not None:
+                    e.out_buf.copy_(local_tensor(e.param))
+    if not nvme:
+        optimizer = cpu_adam.CPUAdam(hyper)
+        for master, st in device_states.items():   # CPUAdam only holds them (state_dict, schedulers' groups)
+            optimizer.state[master] = st
+    path = _assemble(model, plan, knobs, optimizer, entries, units, chunk, nvme, stage, threads, overlap)
+    spec = "off" if path.spec is None else (f"{len(path.spec.covered)} of {len(path.cpu_chunks)} chunks, "
+                                            f"{path.spec.shadow_used_bytes / 2**30:.2f} GiB of shadows")
+    log.info("offload: %d params, %s elements on this rank, %d chunks, %d CPU threads, staged=%s, pinned "
+             "copy buffers=%s, "
+             "overlap=%s, speculative step: %s, device-stepped chunks=%d (ratio %s)", len(entries),
+             count(sum(e.master.numel() for e in entries)), len(path.chunks), threads, stage, pin, path.overlap,
+             spec, len(path.device_chunks), float(plan.offload.ratio))
+    return path
+
+
+def _check_plan(plan: Plan) -> bool:
+    """Refuse what the offload path cannot run; True for NVMe (masters and moments on disk)."""
+    if plan.offload.optimizer_device not in ("cpu", "nvme"):
+        raise NotImplementedError(f"offload_optimizer.device = {plan.offload.optimizer_device!r}: only \"cpu\" and "
+                                  "\"nvme\" are handled here")
+    nvme = plan.offload.optimizer_device == "nvme"
+    ratio = float(plan.offload.ratio)
+    if ratio < 1.0 and (nvme or plan.offload.param_device != "none"):
+        raise NotImplementedError(
+            f"zero_optimization.offload_optimizer.ratio = {ratio} is supported with offload_optimizer.device = cpu "
+            f"and the params on the accelerator; got offload_optimizer.device = {plan.offload.optimizer_device!r}, "
+            f"offload_param.device = {plan.offload.param_device!r}. Set ratio to 1.0 or remove offload_param")
+    return nvme
+
+
+def _cpu_step_threads(knobs: Tuning) -> int:
+    """The CPU step's threads: with a GPU always set (auto: cores / local ranks); on a CPU-only run only when a knob
+    asks (the user's OMP setting otherwise stands)."""
+    if torch.cuda.is_available() or knobs.offload_threads is not None or knobs.offload_bind:
+        local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if knobs.offload_bind:
+            bind_cores(local_rank, local_world)
+        torch.set_num_threads(cpu_threads(local_world, knobs.offload_threads))
+    return torch.get_num_threads()
+
+
+def _device_stepped_names(named, units, chunk: int, ratio: float, hyper: list[dict]) -> set[str]:
+    """offload_optimizer.ratio < 1: the parameters stepped on the device, with torch's Adam."""
     local_numel = {n: local_tensor(p).numel() for n, p in named}
     on_device = device_stepped([[(n, local_numel[n]) for n in ns] for _, ns in units], chunk, ratio)
     if on_device and any(not g["bias_correction"] for g in hyper):
         raise NotImplementedError("zero_optimization.offload_optimizer.ratio < 1 steps part of the model with "
                                   "torch's Adam, which always applies bias correction; set "
                                   "optimizer.params.bias_correction to true or ratio to 1.0")
-    entries, master_of, initial, device_states = [], {}, {}, {}
-    with torch.no_grad():
-        for name, p in named:
-            local = local_tensor(p)
-            if nvme:   # NVMeAdam steps a CPU tensor with the param's final dtype; its fp32 master goes to disk
-                master, grad_buf, out_buf = _nvme_stand_in(local, stage, on_accel, low, pin)
-                initial[id(master)] = local
-                entries.append(Entry(name, p, master, grad_buf, out_buf))
-                master_of[id(p)] = master
-                continue
-            if name in on_device:   # ratio < 1: an fp32 master and its states next to the param, stepped there
-                master = local.detach().to(torch.float32, copy=True)
-                optimizer_state = {"step": torch.zeros((), dtype=torch.float32, device=master.device
-                                                       if master.device.type == "cuda" else "cpu"),
-                                   "exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master)}
-                device_states[master] = optimizer_state
-                entries.append(Entry(name, p, master, None, None, on_device=True))
-                master_of[id(p)] = master
-                continue
-            if stage or local.dtype != torch.float32:   # a separate fp32 master, taken before any cast below
-                master = local.detach().to("cpu", torch.float32, copy=True)
-            else:
-                master = local                          # fp32 CPU shard: stepped in place
-            grad_buf = out_buf = None
-            if stage:
-                dtype = low if on_accel else local.dtype
-                grad_buf = torch.empty(local.shape, dtype=dtype, pin_memory=pin)
-                out_buf = torch.empty(local.shape, dtype=dtype, pin_memory=pin)
+    return on_device
+
+
+def _take_masters(named, on_device: set[str], nvme: bool, stage: bool, on_accel: bool, low: torch.dtype,
+                  pin: bool) -> tuple[list[Entry], dict, dict]:
+    """Each local shard's Entry: its fp32 master (CPU, or on the device for a device-stepped one) and its pinned
+    grad and out copy buffers when staged. Returns (entries, NVMe: master id -> initial fp32 weights, device-stepped
+    master -> its Adam state). Before any cast: the masters are taken from the fp32 weights."""
+    entries, initial, device_states = [], {}, {}
+    for name, p in named:
+        local = local_tensor(p)
+        if nvme:   # NVMeAdam steps a CPU tensor with the param's final dtype; its fp32 master goes to disk
+            master, grad_buf, out_buf = _nvme_stand_in(local, stage, on_accel, low, pin)
+            initial[id(master)] = local
             entries.append(Entry(name, p, master, grad_buf, out_buf))
-            master_of[id(p)] = master
-        if nvme:    # written to disk now, while `initial` still holds the fp32 weights
-            for g in hyper:
-                g["params"] = [master_of[id(p)] for p in g["params"]]
-            from fsdpzero.offload.nvme_adam import nvme_optimizer
-            optimizer = nvme_optimizer(hyper, plan, initial)
-            initial.clear()
-        if low != torch.float32 and (on_accel or not stage):
-            buffers = [(m, n, b) for m in model.modules() for n, b in m.named_buffers(recurse=False)
-                       if b is not None and b.is_floating_point()]
-            model.to(low)   # device (or CPU-offloaded) shards become low precision; FSDP2 re-registers them
-            for module, name, buffer in buffers:   # only the parameters: rotary inv_freq & co. keep their dtype,
-                setattr(module, name, buffer)      # as with every other path, FSDP2 and DeepSpeed
-            now = dict(model.named_parameters())
-            for e in entries:
-                e.param = now[e.name]   # .to() may replace the Parameter objects
-        if not nvme:
-            for e in entries:           # the out buffer always holds the exact current shard (drop_shards)
-                if e.out_buf is not None:
-                    e.out_buf.copy_(local_tensor(e.param))
-    if not nvme:
-        for g in hyper:
-            g["params"] = [master_of[id(p)] for p in g["params"]]
-        optimizer = CPUAdam(hyper)
-        for master, st in device_states.items():   # CPUAdam only holds them (state_dict, schedulers' groups)
-            optimizer.state[master] = st
+            continue
+        if name in on_device:   # ratio < 1: an fp32 master and its states next to the param, stepped there
+            master = local.detach().to(torch.float32, copy=True)
+            device_states[master] = {"step": torch.zeros((), dtype=torch.float32, device=master.device
+                                                         if master.device.type == "cuda" else "cpu"),
+                                     "exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master)}
+            entries.append(Entry(name, p, master, None, None, on_device=True))
+            continue
+        if stage or local.dtype != torch.float32:   # a separate fp32 master, taken before any cast below
+            master = local.detach().to("cpu", torch.float32, copy=True)
+        else:
+            master = local                          # fp32 CPU shard: stepped in place
+        grad_buf = out_buf = None
+        if stage:
+            dtype = low if on_accel else local.dtype
+            grad_buf = torch.empty(local.shape, dtype=dtype, pin_memory=pin)
+            out_buf = torch.empty(local.shape, dtype=dtype, pin_memory=pin)
+        entries.append(Entry(name, p, master, grad_buf, out_buf))
+    return entries, initial, device_states
+
+
+def _cast_shards(model: nn.Module, entries: list[Entry], low: torch.dtype) -> None:
+    """The device (or CPU-offloaded) shards become low precision; only the parameters: rotary inv_freq & co. keep
+    their dtype, as with every other path, FSDP2 and DeepSpeed."""
+    buffers = [(m, n, b) for m in model.modules() for n, b in m.named_buffers(recurse=False)
+               if b is not None and b.is_floating_point()]
+    model.to(low)   # FSDP2 re-registers the shards
+    for module, name, buffer in buffers:
+        setattr(module, name, buffer)
+    now = dict(model.named_parameters())
+    for e in entries:
+        e.param = now[e.name]   # .to() may replace the Parameter objects
+
+
+def _assemble(model: nn.Module, plan: Plan, knobs: Tuning, optimizer, entries: list[Entry], units, chunk: int,
+              nvme: bool, stage: bool, threads: int, overlap: bool | None) -> OffloadGradPath:
+    """The path object over the entries, grouped by FSDP unit, with the knobs' pipeline settings."""
     by_name = {e.name: e for e in entries}
     path_class = OffloadGradPath
     if nvme:
@@ -288,13 +332,6 @@ def build_offload_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFa
                       profile=knobs.offload_profile, profile_file=knobs.offload_profile_file)
     if swap_params:
         path.param_swapper = _param_swapper(model, plan, entries)
-    spec = "off" if path.spec is None else (f"{len(path.spec.covered)} of {len(path.cpu_chunks)} chunks, "
-                                            f"{path.spec.shadow_used_bytes / 2**30:.2f} GiB of shadows")
-    log.info("offload: %d params, %s elements on this rank, %d chunks, %d CPU threads, staged=%s, pinned "
-             "copy buffers=%s, "
-             "overlap=%s, speculative step: %s, device-stepped chunks=%d (ratio %s)", len(entries),
-             count(sum(e.master.numel() for e in entries)), len(path.chunks), threads, stage, pin, path.overlap,
-             spec, len(path.device_chunks), ratio)
     return path
 
 

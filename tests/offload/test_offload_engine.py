@@ -274,3 +274,26 @@ def test_bf16_resume_keeps_the_fp32_masters(tmp_path, stage, ratio):
     them (the load hook that refreshes masters from weights): the resumed run equals the uninterrupted one."""
     for after, again, same in run_distributed(_bf16_resume, 2, stage, ratio, str(tmp_path / "ck"), timeout=240):
         assert again == after and same, (after, again)
+
+
+def _client_cpu_adam(rank, world):
+    """A client optimizer whose class derives from fsdpzero's CPUAdamW under another name: the offload path reads
+    its hyper-parameters by type (not by class-name string), and runs as the config's AdamW does."""
+    from fsdpzero.ops import CPUAdamW
+    from tests.engine_cases import ADAMW
+
+    class TunedCPUAdamW(CPUAdamW):
+        pass
+
+    plan = dataclasses.replace(make_plan(stage=2, world=world), offload=OffloadPlan(optimizer_device="cpu"))
+    plan = dataclasses.replace(plan, optimizer=dataclasses.replace(plan.optimizer, zero_allow_untested_optimizer=True))
+    data = batches(3, 1, plan.batch.micro_batch_size * world)
+    ref = engine_losses(wrap(build_model("llama"), plan), data, rank, world)
+    model = build_model("llama")
+    got = engine_losses(wrap(model, plan, optimizer=TunedCPUAdamW(model.parameters(), **ADAMW)), data, rank, world)
+    return ref, got
+
+
+def test_engine_offload_takes_a_cpu_adam_subclass_from_the_client():
+    for ref, got in run_distributed(_client_cpu_adam, 1, timeout=240):
+        assert got == ref
