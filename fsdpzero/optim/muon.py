@@ -155,7 +155,8 @@ def orthogonalize(update: torch.Tensor, ns_method: str = "gram", steps: int = NS
 
 def _shard_layout(p: torch.Tensor):
     """(process group, shard rows per rank) of a parameter sharded on dim 0 (FSDP2's Shard(0), optionally with
-    replicated mesh dims: HSDP), or (None, None) for a whole tensor (replicated: DTensor Replicate or a plain one)."""
+    replicated mesh dims: HSDP, where each replica group runs its own owner's Newton-Schulz), or (None, None) for a
+    whole tensor (replicated: a DTensor Replicate, a shard group of one, or a plain tensor)."""
     from torch.distributed.tensor import DTensor
     if not isinstance(p, DTensor):
         return None, None
@@ -166,6 +167,8 @@ def _shard_layout(p: torch.Tensor):
         raise NotImplementedError(f"Muon over a parameter with placements {p.placements}: fsdpzero gathers whole "
                                   "matrices from dim-0 shards on one mesh dimension only")
     group = p.device_mesh.get_group(shard_dims[0])
+    if dist.get_world_size(group) == 1:   # a shard group of one (stage 0's replicate mesh): the local rows are whole
+        return None, None
     return group, -(-p.shape[0] // dist.get_world_size(group))
 
 

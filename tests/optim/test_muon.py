@@ -86,7 +86,7 @@ def _train(rank, world, library, config, ckpt):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_muon_matches_deepspeed(stage, tmp_path):
     _deepspeed()
     config = _config(stage)
