@@ -26,6 +26,10 @@ def check_optimizer(plan: Plan, client: Any = None) -> None:
     if opt.type is None and client is None:
         raise ValueError("config key 'optimizer' is missing and no optimizer was passed: add an \"optimizer\" "
                          "section (e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-4}}) or pass optimizer=...")
+    if _is_onebit_adam(opt.type) and client is None and plan.shard.stage >= 1:
+        raise ValueError(f"config key 'optimizer.type' = {opt.type!r} with zero_optimization.stage "
+                         f"{plan.shard.stage}: DeepSpeed's 1-bit Adam ran without ZeRO only (\"1bit-Adam is not "
+                         "compatible with ZeRO\"); use stage 0, or \"AdamW\" with ZeRO")
     if plan.shard.stage >= 1 and not opt.zero_allow_untested_optimizer:
         name = _client_name(client) if client is not None else opt.type
         if name.lower() not in _ZERO_TESTED and name not in ("Adam", "AdamW", "Adagrad"):
@@ -49,10 +53,19 @@ def check_optimizer(plan: Plan, client: Any = None) -> None:
                          f"{fix}")
     if opt.type == "muon" and client is None:
         _check_muon(plan)
+    if _is_onebit_adam(opt.type) and client is None:
+        if opt.params.get("amsgrad"):
+            raise ValueError("config key 'optimizer.params.amsgrad' = true: 1-bit Adam has no AMSGrad variant; "
+                             "remove it")
+        return
     if opt.type is not None and opt.type not in ("adam", "adamw", "lamb", "sgd", "adagrad", "muon") \
             and not hasattr(torch.optim, opt.type):
         raise ValueError(f"config key 'optimizer.type' = {opt.type!r} is neither a DeepSpeed optimizer nor a "
                          "torch.optim class; use e.g. \"AdamW\", \"Lamb\", \"SGD\", or a torch.optim class name")
+
+
+def _is_onebit_adam(name: str | None) -> bool:
+    return (name or "").lower() == "onebitadam"
 
 
 def _check_muon(plan: Plan) -> None:
@@ -136,6 +149,9 @@ def make_optimizer_factory(plan: Plan, client: Any = None, *, device_type: str =
             groups = groups if groups and isinstance(groups[0], dict) else [{"params": groups}]
             return MuonWithAuxAdam(muon_param_groups(groups, opt.params), adam_w_mode=opt.adam_w_mode)
         return muon
+    if _is_onebit_adam(name):   # approximated: 1-bit Adam's uncompressed warm-up math on every step (fate table)
+        onebit = {k: opt.params[k] for k in ("lr", "betas", "eps", "weight_decay") if k in opt.params}
+        return lambda params: AdamNoBiasCorrection(remap(params), adamw=True, **onebit)
     if name == "lamb":
         from fsdpzero.optim.lamb import Lamb
         lamb_kwargs = {k: v for k, v in opt.params.items() if k == "bias_correction" or k not in _DS_ONLY_KEYS}

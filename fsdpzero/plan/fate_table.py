@@ -362,6 +362,9 @@ ABSENT = When("absent or off", lambda c: c.value is None or c.value is False or 
 SECTION_ENABLED = When("the section is enabled", lambda c: isinstance(c.value, dict) and bool(c.value.get("enabled")))
 OFFLOADED_OPT = device_is("offload_optimizer", "cpu", "nvme")
 MUON = When("Muon", lambda c: (c.value or "").lower() == "muon")
+ONEBIT_ADAM = When("OneBitAdam", lambda c: (c.value or "").lower() == "onebitadam")
+OPT_IS_ONEBIT_ADAM = When("optimizer.type OneBitAdam", lambda c: c.cfg.optimizer is not None
+                          and (c.cfg.optimizer.type or "").lower() == "onebitadam")
 OPT_IS_MUON = When("optimizer.type Muon", lambda c: c.cfg.optimizer is not None
                    and (c.cfg.optimizer.type or "").lower() == "muon")
 NO_OFFLOADED_OPT = device_is("offload_optimizer", "none")
@@ -447,6 +450,13 @@ CONDITIONAL: tuple[Rule, ...] = (
          "default (exact), and its speculative step during backward is on by default on a GPU (knob "
          "offload_speculate; exact: shadow buffers, not rollback); no superchip-specific placement"),
     # ---- optimizer and scheduler
+    Rule("optimizer.type", ONEBIT_ADAM & stage_in(0), A,
+         "{value}: 1-bit Adam's uncompressed warm-up math on every step (Adam without bias correction, decoupled "
+         "weight decay: AdamNoBiasCorrection), with full-precision gradient all-reduce. DeepSpeed (older releases; "
+         "0.19.8 has no 1-bit optimizers) switches at freeze_step to 1-bit compressed momentum with error feedback "
+         "and a frozen variance, and its first step only primes the moments"),
+    Rule("optimizer.type", ONEBIT_ADAM, U, "{value} with ZeRO: DeepSpeed's 1-bit Adam ran without ZeRO only; use "
+         "stage 0, or AdamW"),
     Rule("optimizer.type", When("a 1-bit optimizer", lambda c: optimizer_kind(c.value) == "onebit"), U,
          "{value}: compressed-communication optimizers are not implemented"),
     Rule("optimizer.type", MUON & When("gradient_clipping > 0 (1.0 when absent)",
@@ -473,6 +483,10 @@ CONDITIONAL: tuple[Rule, ...] = (
     Rule("optimizer.params.*", leaf_in("adam_w_mode"), M, "OptimizerPlan.adam_w_mode"),
     Rule("optimizer.params.*", leaf_in("fp32_optimizer_states", "set_grad_none"), N,
          "DeepSpeed kernel option; torch optimizers keep fp32 state for fp32 params"),
+    Rule("optimizer.params.*", leaf_in("freeze_step", "cuda_aware", "comm_backend_name") & OPT_IS_ONEBIT_ADAM, A,
+         "1-bit compression is not implemented: gradients are all-reduced uncompressed on every step"),
+    Rule("optimizer.params.*", leaf_in("bias_correction") & OPT_IS_ONEBIT_ADAM, N,
+         "1-bit Adam never bias-corrects, whatever the value; fsdpzero's run of it neither"),
     Rule("optimizer.params.*", leaf_in("muon_lr", "adam_lr", "momentum", "ns_method") & OPT_IS_MUON, M,
          "MuonWithAuxAdam: muon_lr / adam_lr override lr for the Muon / AdamW half; momentum and ns_method are "
          "Muon's"),
