@@ -21,7 +21,7 @@ def _offload_run(ratio, steps, clip, overlap, stage):
     path = offload.build_offload_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER), stage=stage,
                                    overlap=overlap)
     device_names = {e.name for c in path.device_chunks for e in c.entries}
-    losses, params = _train(model, path, steps=steps, clip=clip)
+    losses, params, _ = _train(model, path, steps=steps, clip=clip)
     state = path.state_dict()["state"]   # the device-stepped states are in the checkpoint too
     steps_seen = {float(s["step"]) for s in state.values()}
     return losses, params, device_names, len(path.cpu_chunks), steps_seen
@@ -34,7 +34,7 @@ def _scenario(rank, world, steps, clip, overlap, stage, step_group=None):
         device_step.STEP_GROUP = step_group
     base_model = _model()
     base = FSDPGradPath(base_model, torch.optim.AdamW(base_model.parameters(), **HYPER, foreach=False))
-    device_ref = _train(base_model, base, steps=steps, clip=clip)
+    device_ref = _train(base_model, base, steps=steps, clip=clip)[:2]
     cpu_ref = _offload_run(1.0, steps, clip, False, stage)
     split = _offload_run(0.5, steps, clip, overlap, stage)
     return device_ref, cpu_ref, split
