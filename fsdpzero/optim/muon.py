@@ -285,7 +285,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                     m, beta = local_tensor(state["momentum_buffer"]), group["momentum"]
                     m.lerp_(grad, 1 - beta)
                     blend = grad.lerp(m, beta)   # nesterov
-                    if id(p) in self._flat_slots:   # stage 1: a flat shard of several matrices, each Shard(0) of its flat
+                    if id(p) in self._flat_slots:   # stage 1: a flat shard of matrices, each chunked like Shard(0)
                         update = torch.zeros_like(blend)
                         for shape, offset, chunk in self._flat_slots[id(p)]:
                             update[offset:offset + chunk] = ortho.flat(blend[offset:offset + chunk], shape,

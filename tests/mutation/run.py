@@ -110,6 +110,13 @@ MUTATIONS = [
     Mutation("ckpt_load_skips_optimizer", "load_checkpoint leaves the optimizer state out", "engine.py",
              "load_engine(self, load_dir, tag, load_optimizer_states,", "load_engine(self, load_dir, tag, False,",
              ("tests/checkpoint/test_engine_checkpoint.py::test_exact_resume_through_engine",)),
+    Mutation("muon_ns_on_shard", "Muon's Newton-Schulz runs on each rank's rows instead of the whole matrix",
+             "optim/muon.py", "        piece = u_local.new_zeros((chunk, *p.shape[1:]))\n",
+             "        return orthogonalize(u_local, ns_method)\n",
+             ("tests/optim/test_muon.py::test_muon_matches_deepspeed[2]",)),
+    Mutation("muon_split_takes_head", "the output head gets Muon (DeepSpeed gives it AdamW)", "optim/muon.py",
+             'for word in ("embed", "lm_head")', 'for word in ("embed",)',
+             ("tests/optim/test_muon.py::test_muon_matches_deepspeed[3]",)),
 ]
 
 

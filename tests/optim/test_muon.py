@@ -1,9 +1,10 @@
 """`optimizer.type: "Muon"` against DeepSpeed 0.19.8's MuonWithAuxAdam: the same ds_config, Llama model, data and
 seed through `deepspeed.initialize` and `fsdpzero.initialize` on 2 forked gloo ranks (fp32, CPU): per-step losses and
-final weights within 1e-5 at ZeRO 2 and 3. In the same fsdpzero ranks: Newton-Schulz runs once per matrix and step,
-on one rank; and a run saved after 2 steps and resumed equals the uninterrupted one (the sharded momentum is in the
-checkpoint). DeepSpeed's `muon_update` is torch.compile'd; its ranks run it eagerly (TORCH_COMPILE_DISABLE), which
-saves an inductor build and computes the same fp32 math.
+final weights within 1e-5 at ZeRO 0 to 3, 2 micro-batches per step (Muon runs once per optimizer step). In the same
+fsdpzero ranks: Newton-Schulz runs once per matrix and step, on one rank; and a run saved after 2 steps and resumed
+equals the uninterrupted one (the sharded momentum is in the checkpoint). DeepSpeed's `muon_update` is
+torch.compile'd; its ranks run it eagerly (TORCH_COMPILE_DISABLE), which saves an inductor build and computes the same
+fp32 math.
 """
 import copy
 import os
@@ -16,39 +17,44 @@ from tests.multirank import run_distributed
 
 pytestmark = [pytest.mark.oracle, pytest.mark.slow]
 
-STEPS, MICRO, SEQ, VOCAB, WORLD, TOL = 4, 2, 16, 128, 2, 1e-5
+STEPS, GA, MICRO, SEQ, VOCAB, WORLD, TOL = 4, 2, 2, 16, 128, 2, 1e-5
 
 
 def _config(stage):
     # lr / weight_decay shared, muon_lr and adam_lr per half; betas/eps for AdamW, momentum for Muon. DeepSpeed
     # clips the orthogonalized update (fsdpzero refuses a clip with Muon), so gradient_clipping is 0.
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
-           "train_batch_size": MICRO * WORLD, "steps_per_print": 10 ** 9, "gradient_clipping": 0.0,
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GA,
+           "train_batch_size": MICRO * GA * WORLD, "steps_per_print": 10 ** 9, "gradient_clipping": 0.0,
            "optimizer": {"type": "Muon", "params": {"lr": 1e-3, "muon_lr": 5e-3, "adam_lr": 2e-3, "momentum": 0.9,
                                                     "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-8,
                                                     "torch_adam": True}},
            "zero_optimization": {"stage": stage}}
     if stage == 3:
-        cfg["zero_optimization"]["reduce_scatter"] = False   # DeepSpeed: "Muon and reduce scatter cannot be used together"
+        # DeepSpeed: "Muon and reduce scatter cannot be used together"
+        cfg["zero_optimization"]["reduce_scatter"] = False
     return cfg
 
 
 def _data(rank):
-    """One fixed batch per rank, every step: the loss falls, so the comparison is between moving models."""
+    """This rank's micro-batches, GA per step; the same global batch every step: the loss falls, so the comparison
+    is between moving models."""
     g = torch.Generator().manual_seed(1234)
-    data = [torch.randint(0, VOCAB, (MICRO, SEQ), generator=g) for _ in range(WORLD)]
-    return [data[rank]] * STEPS
+    data = [torch.randint(0, VOCAB, (MICRO, SEQ), generator=g) for _ in range(WORLD * GA)]
+    return [data[micro * WORLD + rank] for micro in range(GA)] * STEPS
 
 
 def _steps(engine, batches):
+    """Per optimizer step, the loss averaged over its micro-batches and the ranks."""
     losses = []
-    for x in batches:
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().float().clone()
+    for i in range(0, len(batches), GA):
+        total = torch.zeros(())
+        for x in batches[i:i + GA]:
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float()
         torch.distributed.all_reduce(total)
-        losses.append(total.item() / WORLD)
+        losses.append(total.item() / (WORLD * GA))
     return losses
 
 
@@ -76,11 +82,11 @@ def _train(rank, world, library, config, ckpt):
                ns_calls=muon.ns_calls - before)
     # resume: 2 steps, save, a fresh engine loads and takes the last 2 == the uninterrupted 4
     first = oracle_engine("fsdpzero", config)
-    _steps(first, _data(rank)[:2])
+    _steps(first, _data(rank)[:2 * GA])
     first.save_checkpoint(ckpt, tag="half")
     resumed = oracle_engine("fsdpzero", config)
     resumed.load_checkpoint(ckpt, tag="half")
-    out["resumed_losses"] = _steps(resumed, _data(rank)[2:])
+    out["resumed_losses"] = _steps(resumed, _data(rank)[2 * GA:])
     out["resumed_params"] = _params(resumed, library, stage)
     return out
 
