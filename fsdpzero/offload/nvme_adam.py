@@ -82,7 +82,7 @@ class NVMeAdam(torch.optim.Optimizer):
         try:
             self.swap_dir.check_space(self.swap_bytes + ALIGN)
             self._reader, self._writer = AioHandle(aio or AioConfig()), AioHandle(aio or AioConfig())
-            self._file = self._writer.open(self.swap_dir.path / "optimizer_states.swp", write=True, exclusive=True)
+            self._file = self.swap_dir.create_file("optimizer_states.swp")
             size = max((g.numel for g in self._groups), default=0)
             self._buffers = [aligned_empty(size, torch.float32, pin=pin_memory)
                              for _ in range(min(buffer_count, len(self._groups)))]

@@ -132,7 +132,7 @@ class ParamSwapper:
         try:
             self.swap_dir.check_space(offset + ALIGN)
             self._reader, self._writer = AioHandle(aio or AioConfig()), AioHandle(aio or AioConfig())
-            self._file = self._writer.open(self.swap_dir.path / "params.swp", write=True, exclusive=True)
+            self._file = self.swap_dir.create_file("params.swp")
             for u in self.units:                 # everything on disk, then evict down to the budget
                 u.dirty = True
                 self._write_back(u)

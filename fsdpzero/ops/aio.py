@@ -266,16 +266,20 @@ class AioFile:
 _warned_buffered: set[str] = set()
 
 
-def open_file(path, write: bool = False, direct: bool = True, exclusive: bool = False) -> AioFile:
+def open_file(path, write: bool = False, direct: bool = True, exclusive: bool = False,
+              dir_fd: int | None = None) -> AioFile:
     """Open for O_DIRECT reads (or read+write, creating it); buffered, with one warning, where refused.
     Never through a symbolic link (O_NOFOLLOW). exclusive: create the file, failing if the name exists
-    (O_EXCL): swap and scratch files, whose predictable names a planted link must not redirect."""
+    (O_EXCL): swap and scratch files, whose predictable names a planted link must not redirect. dir_fd: open
+    path.name in that open directory (the private directory a swap or scratch file lives in, held open so that
+    renaming or replacing a directory on the way to it cannot redirect the file); `path` names it in messages."""
     path = Path(path)
     flags = (os.O_RDWR | os.O_CREAT) if write else os.O_RDONLY
     flags |= os.O_NOFOLLOW | os.O_CLOEXEC
+    name = path if dir_fd is None else path.name
     try:
         if exclusive:   # created first, O_DIRECT set after: a refused O_DIRECT must not leave the name taken
-            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = _open(name, flags | os.O_CREAT | os.O_EXCL, dir_fd)
             if not direct:
                 return AioFile(path, fd, False)
             try:
@@ -289,12 +293,12 @@ def open_file(path, write: bool = False, direct: bool = True, exclusive: bool = 
                 return AioFile(path, fd, False)
         if direct:
             try:
-                return AioFile(path, os.open(path, flags | os.O_DIRECT, 0o600), True)
+                return AioFile(path, _open(name, flags | os.O_DIRECT, dir_fd), True)
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
                 _warn_buffered(path)
-        return AioFile(path, os.open(path, flags, 0o600), False)
+        return AioFile(path, _open(name, flags, dir_fd), False)
     except FileNotFoundError:
         raise FileNotFoundError(errno.ENOENT, f"fsdpzero aio: cannot open {path}: "
                                 + (f"directory {path.parent} does not exist" if not path.parent.exists()
@@ -311,6 +315,10 @@ def open_file(path, write: bool = False, direct: bool = True, exclusive: bool = 
             raise
         raise OSError(errno.ELOOP, f"fsdpzero aio: {path} is a symbolic link; fsdpzero never opens its I/O files "
                       f"through one", str(path)) from None
+
+
+def _open(name, flags: int, dir_fd: int | None) -> int:
+    return os.open(name, flags, 0o600) if dir_fd is None else os.open(name, flags, 0o600, dir_fd=dir_fd)
 
 
 def _warn_buffered(path: Path) -> None:

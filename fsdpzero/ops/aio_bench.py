@@ -10,13 +10,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
+import stat
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from .aio import ALIGN, BACKENDS, AioConfig, AioHandle, aligned_empty, available_backends
+from .aio import ALIGN, BACKENDS, AioConfig, AioFile, AioHandle, aligned_empty, available_backends, open_file
 
 
 # The bounds the config layer puts on the `aio` section (fsdpzero/config/bounds.py; ops never import the library, a
@@ -90,19 +92,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
-def measure(handle: AioHandle, buf: torch.Tensor, path: Path, repeat: int = 2) -> tuple[float, float]:
-    """(write GB/s, read GB/s), best of `repeat`, for one request of buf's size on the O_DIRECT file `path`."""
+def measure(handle: AioHandle, buf: torch.Tensor, f: AioFile | Path, repeat: int = 2) -> tuple[float, float]:
+    """(write GB/s, read GB/s), best of `repeat`, for one request of buf's size on the open O_DIRECT file `f` (or
+    the file at a path, opened for the measurement: bench/nvme.py)."""
+    if not isinstance(f, AioFile):
+        with handle.open(f, write=True) as opened:
+            return measure(handle, buf, opened, repeat)
     nbytes = buf.numel() * buf.element_size()
-    with handle.open(path, write=True) as f:
-        best_w = best_r = float("inf")
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            handle.pwrite(buf, f).wait()
-            best_w = min(best_w, time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            handle.pread(buf, f).wait()
-            best_r = min(best_r, time.perf_counter() - t0)
+    best_w = best_r = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        handle.pwrite(buf, f).wait()
+        best_w = min(best_w, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        handle.pread(buf, f).wait()
+        best_r = min(best_r, time.perf_counter() - t0)
     return nbytes / best_w / 1e9, nbytes / best_r / 1e9
+
+
+def _private_dir(path: Path) -> tuple[Path, int]:
+    """A fresh 0700 directory under `path` and a descriptor of it, checked through the descriptor: a real directory
+    (O_NOFOLLOW), this user's, open to nobody else. In a shared `path` another user could rename the directory
+    mkdtemp made and put a link or a directory of theirs in its place; everything after this goes through the
+    descriptor, so that cannot redirect the scratch file."""
+    private = Path(tempfile.mkdtemp(prefix=".fsdpzero_nvme_bench.", dir=path))
+    try:
+        fd = os.open(private, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        raise ValueError(f"{private}, made a moment ago, is now a symbolic link or not a directory: another user "
+                         f"of {path} replaced it; pass a directory of your own") from None
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        os.close(fd)
+        raise ValueError(f"{private}, made a moment ago, now belongs to uid {st.st_uid} with mode "
+                         f"{stat.S_IMODE(st.st_mode):o}: another user of {path} replaced it; pass a directory of "
+                         f"your own")
+    return private, fd
 
 
 def sweep(path: Path, size: int, block_sizes, queue_depths, parallelism, submit_modes=((False, True),),
@@ -114,34 +139,48 @@ def sweep(path: Path, size: int, block_sizes, queue_depths, parallelism, submit_
     except OSError as e:
         raise ValueError(f"cannot create {path} ({e.strerror or e}); pass a writable directory on the disk to "
                          "test") from None
-    try:   # a private (0700) directory of its own, and the scratch file created in it exclusively: a name
-        # planted in a shared directory (a symlink to someone's file) is never written through
-        private = Path(tempfile.mkdtemp(prefix=".fsdpzero_nvme_bench.", dir=path))
+    try:   # a private (0700) directory of its own, held open, and the scratch file created in it exclusively and
+        # relative to it: neither a name planted in a shared directory (a symlink to someone's file) nor a directory
+        # swapped in for ours is ever written through
+        private, private_fd = _private_dir(path)
     except OSError as e:
         raise ValueError(f"cannot write a scratch file in {path} ({e.strerror or e}); pass a writable "
                          "directory on the disk to test") from None
-    scratch = private / "scratch.bin"
     buf = aligned_empty(size)
     buf.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
     results = []
     try:
         try:
-            with AioHandle(AioConfig(), backend) as h, h.open(scratch, write=True, exclusive=True) as f:
-                h.pwrite(buf, f).wait()                      # allocate the file's blocks before timing
+            f = open_file(private / "scratch.bin", write=True, exclusive=True, dir_fd=private_fd)
         except OSError as e:          # a read-only mount, no permission, a full disk: say so, not errno alone
             raise ValueError(f"cannot write a scratch file in {path} ({e.strerror or e}); pass a writable "
                              "directory on the disk to test") from None
-        for bs, qd, par, (single, overlap) in itertools.product(block_sizes, queue_depths, parallelism,
-                                                                submit_modes):
-            cfg = AioConfig(block_size=bs, queue_depth=qd, intra_op_parallelism=par, single_submit=single,
-                            overlap_events=overlap)
-            with AioHandle(cfg, backend) as h:
-                w, r = measure(h, buf, scratch, repeat)
-                results.append({"aio": {k: getattr(cfg, k) for k in AioConfig.__dataclass_fields__},
-                                "backend": h.backend, "write_GBps": round(w, 3), "read_GBps": round(r, 3)})
+        with f:   # one file, opened once, for the whole sweep
+            try:
+                with AioHandle(AioConfig(), backend) as h:
+                    h.pwrite(buf, f).wait()                      # allocate the file's blocks before timing
+            except OSError as e:
+                raise ValueError(f"cannot write a scratch file in {path} ({e.strerror or e}); pass a writable "
+                                 "directory on the disk to test") from None
+            for bs, qd, par, (single, overlap) in itertools.product(block_sizes, queue_depths, parallelism,
+                                                                    submit_modes):
+                cfg = AioConfig(block_size=bs, queue_depth=qd, intra_op_parallelism=par, single_submit=single,
+                                overlap_events=overlap)
+                with AioHandle(cfg, backend) as h:
+                    w, r = measure(h, buf, f, repeat)
+                    results.append({"aio": {k: getattr(cfg, k) for k in AioConfig.__dataclass_fields__},
+                                    "backend": h.backend, "write_GBps": round(w, 3), "read_GBps": round(r, 3)})
     finally:
-        scratch.unlink(missing_ok=True)
-        private.rmdir()
+        try:
+            os.unlink("scratch.bin", dir_fd=private_fd)
+        except FileNotFoundError:
+            pass
+        try:   # the directory itself only if it is still the one made (not a replacement put at its name)
+            if os.path.samestat(os.lstat(private), os.fstat(private_fd)):
+                private.rmdir()
+        except OSError:
+            pass
+        os.close(private_fd)
     return results
 
 
