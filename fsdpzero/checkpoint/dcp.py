@@ -41,7 +41,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from fsdpzero.checkpoint.agree import CheckpointError, agree, broadcast_text, describe, resolve_on_rank0
 # MANIFEST, checkpoint_problems and resolve_tag are imported from here too (engine_state, convert, tests)
 from fsdpzero.checkpoint.files import (MANIFEST, LatestNotUpdated, SaveRefused, SaveSlot, check_tag,  # noqa: F401
-                                       checkpoint_problems, crash_point, read_manifest, resolve_tag)
+                                       checkpoint_identity, checkpoint_problems, crash_point, read_manifest,
+                                       resolve_tag)
 from fsdpzero.checkpoint.stream import StreamingLoadPlanner, StreamingSavePlanner, materialize, streamed_state
 from fsdpzero.checkpoint.trust import (ChecksumWriter, SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError,
                                        checksum_problems, read_dcp_metadata, tensor_entries)
@@ -440,21 +441,41 @@ def _copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
         local.copy_(piece)
 
 
+_IDENTITY = "loaded_identity"   # in verify_checkpoint's manifest: which checkpoint was verified (not a file key)
+
+
+def _replaced(path: Path, manifest: dict) -> str | None:
+    """Why what was verified is no longer <path> (another job re-saved the tag: the directory renamed into place or
+    its files and manifest replaced), or None. A load re-checks this after its reads: a file read by path after the
+    swap belongs to the other save."""
+    if checkpoint_identity(path) == manifest.get(_IDENTITY):
+        return None
+    return (f"checkpoint {path} was replaced while it was being loaded (another job re-saved tag {path.name!r} "
+            f"into {path.parent}); what was read mixes two saves, so nothing of it counts: load again once that "
+            f"save is done, or load another tag")
+
+
 def verify_checkpoint(path: Path, distributed: bool | None = None) -> dict:
     """Complete (every file of the manifest, at its size) and intact (each rank re-hashes every world-th file
     against the manifest's CRC-32; checkpoints from before checksums have none to check), agreed across ranks.
-    Returns the manifest. FileNotFoundError / CheckpointError, the same on every rank."""
+    Returns the manifest, with which checkpoint it is (directory and manifest digest: load_verified checks again
+    after reading that it was not replaced meanwhile). FileNotFoundError / CheckpointError, the same on every rank."""
     distributed = dist.is_initialized() if distributed is None else distributed
+    identity = checkpoint_identity(path)
     problems = checkpoint_problems(path)
     agree(f"checkpoint {path} is incomplete:\n  " + "\n  ".join(problems) if problems else None,
           FileNotFoundError, distributed)
     manifest = read_manifest(path)
+    manifest[_IDENTITY] = identity
     rank, world = (_rank(), _world()) if distributed else (0, 1)
     if world > 1:   # the same checkpoint, not one of the same name (a stale copy on another node's storage)
-        digest = hashlib.sha256((path / MANIFEST).read_bytes()).hexdigest()
+        digest = identity[2] if identity is not None else ""
         agree(f"checkpoint {path} on rank {rank} is not the one rank 0 loads (their manifests differ): every rank "
-              f"must see the same checkpoint directory" if broadcast_text(digest) != digest else None)
+              f"must see the same checkpoint directory, and no other job may re-save it while it loads"
+              if broadcast_text(digest) != digest else None)
     bad = checksum_problems(path, manifest.get("checksums", {}), rank, world)
+    # a file that no longer matches because another save replaced it is not a damaged checkpoint
+    agree(_replaced(path, manifest), CheckpointError, distributed)
     agree(f"checkpoint {path} is damaged: {bad[0]}" if bad else None, CheckpointError, distributed)
     return manifest
 
@@ -551,10 +572,19 @@ def load_verified(path: Path, manifest: dict, state: dict | None = None, *, load
     except (Exception, CheckpointException) as e:
         # DCP raises its CheckpointException (a BaseException, which `except Exception` misses) on every rank alike
         logging.getLogger("fsdpzero").debug("checkpoint load failed", exc_info=e)
+        agree(_replaced(path, manifest))   # a file vanished or changed under the read: say so, not "damaged"
         refused = _refusal(e)
         if refused is not None:
             raise refused from None
         raise CheckpointError(f"loading checkpoint {path} failed: {describe(e)}") from None
+    rng, rng_state, problem = path / f"rng_{_rank()}.safetensors", None, None
+    try:   # every read of the checkpoint before it is checked to be the one verified
+        client = read_saved_json(path, "client_state.json")
+        if load_rng and rng.is_file() and manifest["world_size"] == _world():
+            rng_state = load_file(rng)
+    except (CheckpointError, OSError, ValueError) as e:
+        problem = str(e) if isinstance(e, CheckpointError) else f"checkpoint {path}: {rng} unreadable ({describe(e)})"
+    agree(_replaced(path, manifest) or problem)   # on every rank: one rank may have read the other save's files
     if streamed:
         _log_streamed("loaded", planner)
     for key, target in relaid.items():
@@ -572,10 +602,8 @@ def load_verified(path: Path, manifest: dict, state: dict | None = None, *, load
         else:
             raise TypeError(f"load_checkpoint: state[{k!r}] is a {type(target).__name__}; pass a Stateful, a dict "
                             f"or a tensor so it can be loaded in place")
-    rng = path / f"rng_{_rank()}.safetensors"
-    if load_rng and rng.is_file() and manifest["world_size"] == _world():
-        _set_rng_state(load_file(rng))
-    client = read_saved_json(path, "client_state.json")
+    if rng_state is not None:
+        _set_rng_state(rng_state)
     return path, _join(client, {})
 
 

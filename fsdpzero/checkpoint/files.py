@@ -119,6 +119,18 @@ def checkpoint_problems(path: str | Path) -> list[str]:
     return problems
 
 
+def checkpoint_identity(path: Path) -> tuple | None:
+    """Which checkpoint <path> is now: its directory's (st_dev, st_ino) and its manifest's sha256 (each save's
+    manifest is unique). A re-save of the tag either renames a new directory into place or replaces the files
+    in it, manifest last: either changes this. None where there is no directory or manifest to identify."""
+    try:
+        st = os.stat(path)
+        digest = hashlib.sha256((Path(path) / MANIFEST).read_bytes()).hexdigest()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, digest
+
+
 def read_manifest(path: Path) -> dict:
     """The manifest of a complete checkpoint, its shape checked (ValueError naming the file)."""
     try:

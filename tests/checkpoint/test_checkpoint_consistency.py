@@ -220,3 +220,45 @@ def test_a_checkpoint_on_a_read_only_mount_loads_and_is_left_as_it_was(tmp_path)
     finally:
         if mounted:
             subprocess.run(["umount", str(ro)], capture_output=True)
+
+
+def _save_v(save_dir, v: int) -> None:
+    ck.save_checkpoint(save_dir, "T", {"w": {"x": torch.full((64, 32), float(v)), "step": v}}, {"v": v},
+                       no_dist=True)
+
+
+@pytest.mark.parametrize("window", ["after_verify", "during_checksums"])
+@pytest.mark.parametrize("users_file", [False, True], ids=["renamed_into_place", "moved_into_users_dir"])
+def test_a_load_while_another_job_resaves_the_tag_is_refused_as_replaced(tmp_path, monkeypatch, window, users_file):
+    """Another job re-saves tag T while a load of T runs: the load's files are read by path after the swap (a new
+    directory renamed into place, or the files of a directory of the user's replaced one by one), so its tensors,
+    state.json and client_state would come from two saves. It must fail as "replaced", never load a mix, never say
+    the checkpoint is damaged (issue 32 F1)."""
+    if users_file:
+        (tmp_path / "T").mkdir()
+        (tmp_path / "T" / "notes.txt").write_text("mine")
+    _save_v(tmp_path, 1)
+    if window == "after_verify":   # between the checks and DCP's tensor reads
+        real = ck.read_dcp_metadata
+
+        def racing(path, *a, **k):
+            out = real(path, *a, **k)
+            _save_v(tmp_path, 2)
+            return out
+        monkeypatch.setattr(ck, "read_dcp_metadata", racing)
+    else:                          # while verify re-hashes the files the manifest it read lists
+        real = ck.checksum_problems
+
+        def racing(path, *a, **k):
+            _save_v(tmp_path, 2)
+            return real(path, *a, **k)
+        monkeypatch.setattr(ck, "checksum_problems", racing)
+    into = {"w": {"x": torch.zeros(64, 32), "step": 0}}
+    with pytest.raises(CheckpointError, match="was replaced while it was being loaded") as e:
+        ck.load_checkpoint(tmp_path, "T", into)
+    assert "damaged" not in str(e.value) and "corrupt" not in str(e.value)
+    monkeypatch.undo()   # once the other save is done, the tag loads whole: save 2's tensors, state and client
+    _, client = ck.load_checkpoint(tmp_path, "T", into)
+    assert client == {"v": 2} and into["w"]["step"] == 2 and into["w"]["x"].unique().tolist() == [2.0]
+    if users_file:
+        assert (tmp_path / "T" / "notes.txt").read_text() == "mine"
