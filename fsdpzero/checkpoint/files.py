@@ -35,7 +35,7 @@ LATEST_UNIVERSAL = "latest_universal"   # DeepSpeed's pointer to a universal che
 RESERVED_TAGS = (LATEST, LATEST_UNIVERSAL, MANIFEST)
 HIDDEN_PREFIX = "."   # .tmp-<tag>.<token> (a save in progress), .old-<tag> (a re-save), .fsdpzero-<tag> (a converted
 #                       cache), .fsdpzero.lock (the save directory's lock)
-TMP_PREFIX, OLD_PREFIX = ".tmp-", ".old-"
+TMP_PREFIX, OLD_PREFIX, DEL_PREFIX = ".tmp-", ".old-", ".del-"   # .del-<tag>: a checkpoint keep_last is removing
 LOCK_FILE = ".fsdpzero.lock"
 
 
@@ -349,8 +349,8 @@ class SaveSlot:
                 crash_point("before_latest")
                 if save_latest:
                     _write_latest(save_dir, self.tag)
-                if keep_last:
-                    _rotate(save_dir, keep_last, protect={self.tag, read_latest(save_dir)})
+                if keep_last:   # best-effort: the save is committed whatever happens to older checkpoints
+                    _rotate(save_dir, keep_last, protect={self.tag, _latest_or_none(save_dir)})
         finally:
             self.release()
 
@@ -415,18 +415,37 @@ def read_latest(save_dir: Path, name: str = LATEST) -> str | None:
     return check_tag(text, what=f"the tag in {latest}")
 
 
+def _latest_or_none(save_dir: Path) -> str | None:
+    """The tag `latest` names, or None where it is missing or unreadable (rotation protects what it can read)."""
+    try:
+        return read_latest(save_dir)
+    except (ValueError, OSError):
+        return None
+
+
 def _rotate(save_dir: Path, keep_last: int, protect: set) -> None:
+    """keep_last, after a commit: the oldest complete checkpoints beyond keep_last are removed; one that cannot be
+    (a file held open on NFS: EBUSY) is left, with a warning naming it. Never an error: the save went through."""
     done = sorted(_manifests(save_dir), key=lambda pm: _age(pm[1]))
     for p, manifest in done[:max(0, len(done) - keep_last)]:
         if p.name not in protect:
-            remove_checkpoint(p, manifest)
+            try:
+                remove_checkpoint(p, manifest)
+            except OSError as e:
+                logging.getLogger("fsdpzero").warning(
+                    "keep_last: checkpoint %s was not removed (%s: %s); the new save is complete and `latest` was "
+                    "updated; remove it by hand", p, type(e).__name__, e)
 
 
 def remove_checkpoint(path: Path, manifest: dict) -> None:
-    """A checkpoint's own files (its manifest first, so it stops being one); the directory too unless it holds files
-    that are not ours."""
+    """A checkpoint's own files, so that it stops being one before anything else goes: a directory that holds only
+    ours is renamed to .del-<tag> (hidden: never taken as a checkpoint; removed, or by a later save if this one is
+    cut short); in one that holds files of the user's, the manifest is unlinked first, then the files it listed."""
     if not _foreign(path, manifest):
-        shutil.rmtree(path)
+        doomed = path.parent / f"{DEL_PREFIX}{path.name}"
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.rename(path, doomed)
+        shutil.rmtree(doomed)
         return
     (path / MANIFEST).unlink()
     for name in manifest["files"]:

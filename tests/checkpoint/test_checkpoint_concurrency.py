@@ -166,6 +166,38 @@ def test_keep_last_orders_by_step_not_by_the_clock(tmp_path, monkeypatch):
     assert torch.equal(_loaded(tmp_path, None), _weights(5)["w"]["x"])
 
 
+def test_keep_last_that_cannot_remove_an_old_checkpoint_still_reports_the_save(tmp_path, monkeypatch, caplog):
+    """Rotation fails after the commit (NFS: a file of the old checkpoint held open by another process, EBUSY):
+    the new save is committed and reported so, with a warning naming what was not removed; the half-removed
+    checkpoint is never taken as a complete one (issue 32 F2)."""
+    import shutil
+    ck.save_checkpoint(tmp_path, None, _weights(1), step=1, keep_last=1)
+    real = shutil.rmtree
+
+    def busy(p, *a, **k):
+        if "global_step1" in Path(p).name and not k.get("ignore_errors"):
+            (Path(p) / "state.json").unlink()   # rmtree got part of the way
+            raise OSError(errno.EBUSY, "Device or resource busy", str(Path(p) / ".nfs000000000001"))
+        return real(p, *a, **k)
+    monkeypatch.setattr(files.shutil, "rmtree", busy)
+    with caplog.at_level("WARNING", logger="fsdpzero"):
+        ck.save_checkpoint(tmp_path, None, _weights(2), step=2, keep_last=1)   # no error: the save went through
+    assert "global_step1" in caplog.text and "was not removed" in caplog.text
+    assert files.read_latest(tmp_path) == "global_step2" and not ck.checkpoint_problems(tmp_path / "global_step2")
+    assert not (tmp_path / "global_step1").exists()   # no half checkpoint under its tag: set aside, hidden
+    assert torch.equal(_loaded(tmp_path, None), _weights(2)["w"]["x"])
+
+
+def test_keep_last_with_an_unreadable_latest_still_saves(tmp_path):
+    """`latest` that is not a tag (hand-edited) while save_latest=False: rotation protects what it can read; the
+    save is committed and reported so (issue 32 F2)."""
+    ck.save_checkpoint(tmp_path, None, _weights(1), step=1)
+    (tmp_path / "latest").write_text("../elsewhere")
+    ck.save_checkpoint(tmp_path, None, _weights(2), step=2, keep_last=1, save_latest=False)
+    assert not ck.checkpoint_problems(tmp_path / "global_step2") and not (tmp_path / "global_step1").exists()
+    assert torch.equal(_loaded(tmp_path, "global_step2"), _weights(2)["w"]["x"])
+
+
 # ---- a full disk while `latest` is written -------------------------------------------------------------------
 
 def test_no_space_for_latest_reports_the_saved_tag_truthfully(tmp_path, monkeypatch):
