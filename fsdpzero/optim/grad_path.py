@@ -39,6 +39,12 @@ from fsdpzero.sharding import shard_model
 # a checkpoint without it (stage 0/2/3, converted DeepSpeed) has its fp32 model weights as the masters.
 MASTER = "master"
 
+# The optimizer-state entry (True) of a state saved before the optimizer's first step. torch creates a never-stepped
+# optimizer's state only to have something to save, by a zero-gradient step at lr 0 (get_optimizer_state_dict's
+# _init_optim_state; stage 1's ensure_state): AdamW's step count is then 1, SGD's momentum wd * p. The path keeps
+# that state out of training (drop_unstepped_state) and a load of such a state leaves the optimizer fresh again.
+UNSTEPPED = "unstepped"
+
 
 class GradPath:
     """What the engine (and the checkpoint and export code) may call on a gradient path; nothing else is reached
@@ -147,12 +153,18 @@ class FSDPGradPath(GradPath):
 
     def state_dict(self, streaming: bool = False) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        unstepped = not self.optimizer.state   # torch then creates the state by a step at lr 0
+        state = get_optimizer_state_dict(self.model, self.optimizer)
+        return drop_unstepped_state(self.optimizer, state) if unstepped else state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        state = dict(state)
+        unstepped = state.pop(UNSTEPPED, False)
         with keeping_impl_flags(self.optimizer):   # the saver's flags (a converted DeepSpeed state: none) are not ours
             set_optimizer_state_dict(self.model, self.optimizer, state)
+        if unstepped:   # saved before its first step: the optimizer is as new
+            self.optimizer.state.clear()
 
 
 class ForwardOnlyPath(GradPath):
@@ -216,6 +228,19 @@ def keeping_impl_flags(optimizer: torch.optim.Optimizer):
             step = st.get("step")
             if torch.is_tensor(step) and step.device != p.device:
                 st["step"] = step.to(p.device, torch.float32)
+
+
+def drop_unstepped_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """`state`, just read from an optimizer that had not stepped (its state created for it by a zero-gradient step at
+    lr 0), marked UNSTEPPED, with its tensors zeroed (a reader that ignores the mark then sees Adam's fresh zeros
+    and step 0, not step 1); the optimizer itself gets its empty state back, so its first step is a true first step
+    (SGD's momentum buffer starts as the gradient, not wd * p + ...)."""
+    optimizer.state.clear()
+    for entry in state["state"].values():
+        for value in entry.values():
+            if torch.is_tensor(value):
+                value.zero_()   # no longer the optimizer's: state.clear() let go of them
+    return {**state, UNSTEPPED: True}
 
 
 def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None = None) -> None:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdpzero.ops.stage1 import Stage1Optimizer
-from fsdpzero.optim.grad_path import GradPath, skips_on_device
+from fsdpzero.optim.grad_path import UNSTEPPED, GradPath, MASTER, drop_unstepped_state, skips_on_device
 from fsdpzero.precision import DTYPES, cast_forward_inputs
 from fsdpzero.sharding import checkpoint_activations, find_blocks
 from fsdpzero.tuning import Tuning, env_name, resolve
@@ -104,10 +104,24 @@ class Stage1GradPath(GradPath):
         self.stage1.wait_for_params()
 
     def state_dict(self, streaming: bool = False) -> dict[str, Any]:
-        return self.stage1.state_dict()
+        # a never-stepped inner optimizer gets its state from a zero-gradient step at lr 0 (ensure_state), which
+        # must not reach training: see drop_unstepped_state (the masters, views of the live flat shards, stay)
+        unstepped = not any(fg.master in self.optimizer.state for fg in self.stage1.flat_groups)
+        state = self.stage1.state_dict()
+        if not unstepped:
+            return state
+        masters = {name: entry.pop(MASTER) for name, entry in state["state"].items()}
+        state = drop_unstepped_state(self.optimizer, state)
+        for name, entry in state["state"].items():
+            entry[MASTER] = masters[name]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        unstepped = state.pop(UNSTEPPED, False)
         self.stage1.load_state_dict(state)
+        if unstepped:   # saved before its first step: the inner optimizer is as new
+            self.optimizer.state.clear()
 
 
 def build_stage1_path(model: nn.Module, plan, make_optimizer: Callable, mesh=None, *,
