@@ -241,10 +241,14 @@ def _hold(path: Path) -> int | None:
 
 
 def _remove_abandoned_temps(save_dir: Path, tag: str) -> None:
-    """Temp dirs of earlier saves of `tag` whose owner is gone (a killed job): nobody holds their lock."""
-    mine = re.compile(re.escape(f"{TMP_PREFIX}{tag}") + r"(\.[0-9a-f]{16})?")
+    """Under the save directory's lock: the temp dirs of earlier saves of any tag whose owner is gone (a killed job:
+    nobody holds the temp dir's lock; a save in progress holds its own from the moment it makes it, under this same
+    lock), the fixed-name temp dir of `tag` from before tokens, and what a cut-short keep_last removal left
+    (.del-<tag>: removals happen under this lock too)."""
+    abandoned = re.compile(re.escape(TMP_PREFIX) + r".+\.[0-9a-f]{16}|" + re.escape(f"{TMP_PREFIX}{tag}")
+                           + "|" + re.escape(DEL_PREFIX) + r".+")
     for p in save_dir.iterdir():
-        if mine.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
+        if abandoned.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
             fd = _hold(p)
             if fd is not None:
                 try:

@@ -104,6 +104,30 @@ def test_a_job_killed_mid_save_leaves_a_temp_dir_the_next_save_removes(tmp_path)
     assert torch.equal(_loaded(save_dir, "T"), _weights(3)["w"]["x"])
 
 
+def test_a_save_of_any_tag_removes_abandoned_temp_dirs_of_every_tag(tmp_path):
+    """A save killed mid-write (its temp dir left as the killed job above leaves it, nobody holding its lock), then
+    saves of other tags only: the abandoned .tmp-<tag>.<token> and a cut-short keep_last removal's .del-<tag> are
+    removed by the next save whatever its tag; a temp dir whose owner still holds its lock is left alone (liveness
+    from the lock, not the tag) (issue 32 F9)."""
+    save_dir = tmp_path / "ck"
+    ck.save_checkpoint(save_dir, "global_step1", _weights(1))
+    dead = save_dir / ".tmp-global_step1.0123456789abcdef"
+    dead.mkdir()
+    (dead / "__0_0.distcp").write_bytes(b"x" * 100)
+    (save_dir / ".del-global_step0").mkdir()
+    (save_dir / ".del-global_step0" / "__0_0.distcp").write_bytes(b"x")
+    live = save_dir / ".tmp-global_step9.fedcba9876543210"
+    live.mkdir()
+    fd = files._hold(live)   # another save in progress
+    try:
+        ck.save_checkpoint(save_dir, "global_step2", _weights(2))
+        assert sorted(p.name for p in save_dir.iterdir() if p.name.startswith(".") and p.name != files.LOCK_FILE) \
+            == [live.name]
+    finally:
+        os.close(fd)
+    assert torch.equal(_loaded(save_dir, None), _weights(2)["w"]["x"])
+
+
 def _killed_job(rank, world, save_dir):
     os.environ["FSDPZERO_CKPT_CRASH_AT"] = "mid_write"
     ck.save_checkpoint(save_dir, "T", _weights(2))
