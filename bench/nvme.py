@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fsdpzero.ops.aio import AioConfig, AioHandle, aligned_empty  # noqa: E402
-from fsdpzero.ops.aio_bench import _sizes, measure  # noqa: E402
+from fsdpzero.ops.aio_bench import block_sizes, measure, request_size  # noqa: E402
 from fsdpzero.offload.nvme_adam import NVMeAdam  # noqa: E402
 
 
@@ -132,7 +132,7 @@ def main() -> int:
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
-    size, bs = _sizes(args.size)[0], _sizes(args.block_size)[0]
+    size, bs = request_size(args.size), block_sizes(args.block_size)[0]
     size -= size % bs
     path = Path(args.dir) / f".fsdpzero_nvme_bench.{os.getpid()}.bin"
     cfg = AioConfig(block_size=bs, queue_depth=args.queue_depth, intra_op_parallelism=args.parallelism)
