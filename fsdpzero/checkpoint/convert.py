@@ -47,13 +47,16 @@ def dcp_to_safetensors(ckpt_dir: str | Path, tag: str | None = None, out: str | 
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from fsdpzero.checkpoint.dcp import CheckpointError, resolve_tag, verify_checkpoint
+    from torch.distributed.checkpoint import CheckpointException
+
+    from fsdpzero.checkpoint.agree import describe
+    from fsdpzero.checkpoint.dcp import CheckpointError, replaced, resolve_tag, verify_checkpoint
     from fsdpzero.checkpoint.export import write_sharded
     from fsdpzero.checkpoint.trust import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata, tensor_entries
     try:   # the same checks as a training load: tag, completeness, checksums, the allowlisted index reader
         path = (Path(ckpt_dir) if (Path(ckpt_dir) / ".metadata").is_file() and tag is None
                 else resolve_tag(ckpt_dir, tag))
-        verify_checkpoint(path, distributed=False)
+        verified = verify_checkpoint(path, distributed=False)
         meta = read_dcp_metadata(path)
         keys = model_keys(meta)
         tensor_entries(meta, path, keys)
@@ -73,12 +76,24 @@ def dcp_to_safetensors(ckpt_dir: str | Path, tag: str | None = None, out: str | 
     def load(names):   # one dcp.load per output file: a file's tensors are in memory at once
         buf = {by_fqn[n]: torch.empty(meta.state_dict_metadata[by_fqn[n]].size,
                                       dtype=meta.state_dict_metadata[by_fqn[n]].properties.dtype) for n in names}
-        dcp.load(buf, checkpoint_id=path, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
-                 no_dist=True)
+        try:
+            dcp.load(buf, checkpoint_id=path, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
+                     no_dist=True)
+        except (Exception, CheckpointException) as e:   # DCP's CheckpointException is a BaseException
+            inner = e.failures[min(e.failures)] if isinstance(getattr(e, "failures", None), dict) and e.failures \
+                else e
+            inner = inner[0] if isinstance(inner, tuple) else inner
+            if isinstance(inner, ValueError):   # the allowlisted reader's refusal, as itself
+                raise inner from None
+            raise ValueError(replaced(path, verified) or f"reading checkpoint {path} failed: {describe(e)}") \
+                from None
         return [buf[by_fqn[n]].to(out_dtype(meta.state_dict_metadata[by_fqn[n]])) for n in names]
 
     out = Path(out) if out else path.parent / f"{path.name}-safetensors"
     write_sharded(out, specs, load, max_shard_size=max_shard_size)
+    problem = replaced(path, verified)   # every tensor read must come from the checkpoint that was verified
+    if problem:
+        raise ValueError(f"{problem}; {out} is not a consistent export")
     return out
 
 

@@ -444,12 +444,16 @@ def _copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
 _IDENTITY = "loaded_identity"   # in verify_checkpoint's manifest: which checkpoint was verified (not a file key)
 
 
-def _replaced(path: Path, manifest: dict) -> str | None:
+def replaced(path: Path, manifest: dict) -> str | None:
     """Why what was verified is no longer <path> (another job re-saved the tag: the directory renamed into place or
     its files and manifest replaced), or None. A load re-checks this after its reads: a file read by path after the
     swap belongs to the other save."""
-    if checkpoint_identity(path) == manifest.get(_IDENTITY):
+    now = checkpoint_identity(path)
+    if now == manifest.get(_IDENTITY):
         return None
+    if now is None:
+        return (f"checkpoint {path} was removed while it was being loaded (another job's keep_last, or a re-save of "
+                f"tag {path.name!r} in progress); what was read is incomplete, so nothing of it counts")
     return (f"checkpoint {path} was replaced while it was being loaded (another job re-saved tag {path.name!r} "
             f"into {path.parent}); what was read mixes two saves, so nothing of it counts: load again once that "
             f"save is done, or load another tag")
@@ -475,7 +479,7 @@ def verify_checkpoint(path: Path, distributed: bool | None = None) -> dict:
               if broadcast_text(digest) != digest else None)
     bad = checksum_problems(path, manifest.get("checksums", {}), rank, world)
     # a file that no longer matches because another save replaced it is not a damaged checkpoint
-    agree(_replaced(path, manifest), CheckpointError, distributed)
+    agree(replaced(path, manifest), CheckpointError, distributed)
     agree(f"checkpoint {path} is damaged: {bad[0]}" if bad else None, CheckpointError, distributed)
     return manifest
 
@@ -572,7 +576,7 @@ def load_verified(path: Path, manifest: dict, state: dict | None = None, *, load
     except (Exception, CheckpointException) as e:
         # DCP raises its CheckpointException (a BaseException, which `except Exception` misses) on every rank alike
         logging.getLogger("fsdpzero").debug("checkpoint load failed", exc_info=e)
-        agree(_replaced(path, manifest))   # a file vanished or changed under the read: say so, not "damaged"
+        agree(replaced(path, manifest))   # a file vanished or changed under the read: say so, not "damaged"
         refused = _refusal(e)
         if refused is not None:
             raise refused from None
@@ -584,7 +588,7 @@ def load_verified(path: Path, manifest: dict, state: dict | None = None, *, load
             rng_state = load_file(rng)
     except (CheckpointError, OSError, ValueError) as e:
         problem = str(e) if isinstance(e, CheckpointError) else f"checkpoint {path}: {rng} unreadable ({describe(e)})"
-    agree(_replaced(path, manifest) or problem)   # on every rank: one rank may have read the other save's files
+    agree(replaced(path, manifest) or problem)   # on every rank: one rank may have read the other save's files
     if streamed:
         _log_streamed("loaded", planner)
     for key, target in relaid.items():

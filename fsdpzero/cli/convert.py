@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(str(e))
     import torch
+    from torch.distributed.checkpoint import CheckpointException
     dtype = getattr(torch, _DTYPES["fp32" if args.to == "fp32" else args.dtype]) if (
         args.to == "fp32" or args.dtype) else None
     try:
@@ -98,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
     # errors are what an unreadable checkpoint raises: one line, exit 2 (OSError/ValueError: main does the same)
     except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
         return _fail(f"{args.dir}: {e}")
+    except CheckpointException as e:   # torch's, a BaseException: one line all the same
+        from fsdpzero.checkpoint.agree import describe
+        return _fail(f"{args.dir}: reading the checkpoint failed: {describe(e)}")
     if config_text is not None:
         (Path(out) / "config.json").write_text(config_text)
     print(f"wrote {out}")

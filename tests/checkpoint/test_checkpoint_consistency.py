@@ -262,3 +262,32 @@ def test_a_load_while_another_job_resaves_the_tag_is_refused_as_replaced(tmp_pat
     assert client == {"v": 2} and into["w"]["step"] == 2 and into["w"]["x"].unique().tolist() == [2.0]
     if users_file:
         assert (tmp_path / "T" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("then", ["data_files_vanish", "tag_resaved"])
+def test_fsdpzero_convert_of_a_checkpoint_changing_under_it_is_one_line(tmp_path, monkeypatch, capsys, then):
+    """`fsdpzero convert` (dcp_to_safetensors) of one of our checkpoints while another job's keep_last removes its
+    data files, or another job re-saves its tag: one line, exit 2, never torch's CheckpointException (a
+    BaseException) escaping, never a silent export mixing two saves (issue 32 F6)."""
+    from fsdpzero.checkpoint import convert
+    from fsdpzero.cli import main
+
+    def save():
+        ck.save_checkpoint(tmp_path, "M", {"m": ck.ModelOptimizer(torch.nn.Linear(64, 32))}, no_dist=True)
+    save()
+    real = convert._sizes_within_data
+
+    def then_change(path, meta, keys):   # after the checks, before the tensors are read
+        real(path, meta, keys)
+        if then == "data_files_vanish":
+            for f in path.glob("*.distcp"):
+                f.unlink()
+        else:
+            save()
+    monkeypatch.setattr(convert, "_sizes_within_data", then_change)
+    assert main(["convert", str(tmp_path), "--tag", "M", "--to", "safetensors", "--out", str(tmp_path / "o")]) == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if "UserWarning" not in line
+           and "return func(" not in line]   # torch's warnings of the in-process re-save, when not captured
+    assert len(err) == 1 and err[0].startswith("fsdpzero convert: error: "), err
+    if then == "tag_resaved":
+        assert "was replaced while it was being loaded" in err[0], err
