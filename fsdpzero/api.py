@@ -110,6 +110,8 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
         factory = make_optimizer_factory(plan, optimizer, device_type=info.device_type, original_params=original,
                                          param_groups=groups)
         path = build_grad_path(model, plan, factory, mesh, knobs)
+        if isinstance(optimizer, torch.optim.Optimizer) and path.optimizer is not optimizer:
+            share_param_groups(optimizer, path.optimizer)
     scheduler = _scheduler(plan, lr_scheduler, path.optimizer)
     engine = Engine(model, plan, path, lr_scheduler=scheduler, scaler=make_scaler(plan), device=info.device,
                     mesh=mesh, local_rank=info.local_rank, tuning=knobs, blocks=all_blocks, explicit_tuning=tuning)
@@ -199,6 +201,21 @@ def _param_groups(model_parameters) -> list[dict] | None:
     if items and isinstance(items[0], tuple):   # named_parameters()
         items = [p for _, p in items]
     return [{"params": items}]
+
+
+def share_param_groups(client: torch.optim.Optimizer, stepped: torch.optim.Optimizer) -> None:
+    """A client optimizer that the engine steps through another object (the offload paths' CPU/NVMe Adam over fp32
+    masters) lends it its param-group dicts, holding `stepped`'s entries (its params, its hyperparameters) plus the
+    client's own keys (a scheduler's initial_lr): a scheduler built on the client, or anything else setting the
+    client's lr, then sets the learning rate that steps, as with DeepSpeed, whose ZeRO optimizer steps the client's
+    own groups."""
+    if len(client.param_groups) != len(stepped.param_groups):   # the paths build one group per client group
+        raise RuntimeError(f"the client optimizer has {len(client.param_groups)} param groups, the engine's "
+                           f"{len(stepped.param_groups)}: a scheduler on the client optimizer could not drive the "
+                           "engine's learning rate")
+    for i, (mine, theirs) in enumerate(zip(client.param_groups, stepped.param_groups)):
+        mine.update(theirs)
+        stepped.param_groups[i] = mine
 
 
 def _scheduler(plan: Plan, client: Any, optimizer: torch.optim.Optimizer):

@@ -52,30 +52,11 @@ class DeepSpeedEngine(Engine):
 
 
 def initialize(args: Any = None, model: Any = None, optimizer: Any = None, *rest: Any, **kwargs: Any):
-    """`deepspeed.initialize`: fsdpzero.initialize, whose engine is a DeepSpeedEngine (above).
-
-    A client optimizer the engine steps through another object (the offload path's CPU Adam over fp32 masters)
-    lends it its param-group dicts: a scheduler built on the client optimizer, such as accelerate's
-    AcceleratedScheduler over a torch LambdaLR, then sets the learning rate that steps, as with DeepSpeed, whose
-    ZeRO optimizer steps the client's own groups."""
+    """`deepspeed.initialize`: fsdpzero.initialize, whose engine is a DeepSpeedEngine (above). A scheduler built on
+    a client optimizer drives the engine's learning rate on every path (fsdpzero.api.share_param_groups)."""
     engine, engine_optimizer, loader, scheduler = api.initialize(args, model, optimizer, *rest, **kwargs)
     engine.__class__ = DeepSpeedEngine          # methods only: the object and its state are fsdpzero's Engine
-    if isinstance(optimizer, torch.optim.Optimizer) and engine_optimizer is not None \
-            and engine_optimizer is not optimizer:
-        share_param_groups(optimizer, engine_optimizer)
     return engine, engine_optimizer, loader, scheduler
-
-
-def share_param_groups(client: torch.optim.Optimizer, stepped: torch.optim.Optimizer) -> None:
-    """Make `stepped` use `client`'s group dicts, holding `stepped`'s entries (its params, its hyperparameters) plus
-    the client's own keys (a scheduler's initial_lr)."""
-    if len(client.param_groups) != len(stepped.param_groups):
-        raise ValueError(f"deepspeed.initialize: the client optimizer has {len(client.param_groups)} param groups, "
-                         f"the engine's {len(stepped.param_groups)}: a scheduler on the client optimizer could not "
-                         "drive the engine's learning rate")
-    for i, (mine, theirs) in enumerate(zip(client.param_groups, stepped.param_groups)):
-        mine.update(theirs)
-        stepped.param_groups[i] = mine
 
 
 __all__ = ["DeepSpeedEngine", "add_config_arguments", "init_distributed", "initialize"]
