@@ -83,9 +83,10 @@ class Tuning:
     ckpt_stream: bool = _knob(True, "bool", "stream NVMe-resident state through DCP instead of reading it whole")
     ckpt_writer_threads: int = _knob(4, "int", "DCP writer threads per rank", most=MAX_WRITER_THREADS)
     ckpt_convert_dir: str | None = _knob(None, "str", "where engine.load_checkpoint keeps a DeepSpeed checkpoint "
-                                         "converted to ours (default: $XDG_CACHE_HOME or ~/.cache, /fsdpzero/"
-                                         "deepspeed); never beside the source, which may be read-only. Multi-node: a "
-                                         "directory every node sees")
+                                         "converted to ours (default: beside the source, <save_dir>/.fsdpzero-<tag>, "
+                                         "where rank 0 may write; else $XDG_CACHE_HOME or ~/.cache, /fsdpzero/"
+                                         "deepspeed). Multi-node with a read-only source: a directory every node "
+                                         "sees")
     ckpt_crash_at: str | None = _knob(None, "opt_choice", "test hook: kill the process at this point of a save",
                                       CRASH_POINTS)
     # the C++ ops (fsdpzero/ops)

@@ -11,6 +11,7 @@ plus counters and the loss scaler, so an engine (or ModelOptimizer + AdamW) resu
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -97,18 +98,96 @@ def dcp_to_safetensors(ckpt_dir: str | Path, tag: str | None = None, out: str | 
     return out
 
 
+SOURCE_STAMP = "source.json"   # in a converted copy of a DeepSpeed checkpoint: what it was converted from
+CONVERT_LOCK = ".fsdpzero-convert.lock"   # conversions into one directory publish one at a time
+CONVERTED_PREFIX = ".fsdpzero-"           # <save_dir>/.fsdpzero-<tag>: a copy beside the source
+_CONVERT_TMP = ".tmp-convert-"            # <root>/.tmp-convert-<copy>.<token>: a conversion in progress
+KNOB_HINT = ("set FSDPZERO_CKPT_CONVERT_DIR (knob ckpt_convert_dir) to a writable directory, one every node sees "
+             "when several nodes load")
+
+
+def _user_cache(source: Path, tuning) -> Path:
+    root = tuning.ckpt_convert_dir or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") \
+        / "fsdpzero" / "deepspeed"
+    return Path(root) / f"{source.name}-{hashlib.sha256(str(source).encode()).hexdigest()[:16]}"
+
+
+def _writable(directory: Path) -> bool:
+    """Writable by this process and meant to be: a read-only mount fails access(2); a directory whose write bits are
+    all off is read-only by intent even for root, who access(2) would let write."""
+    try:
+        return os.access(directory, os.W_OK) and bool(directory.stat().st_mode & 0o222)
+    except OSError:
+        return False
+
+
 def conversion_dir(tag_dir: str | Path, tuning=None) -> Path:
-    """Where engine.load_checkpoint keeps a DeepSpeed tag directory converted to our layout:
-    <ckpt_convert_dir>/<tag>-<hash of the source's resolved path>/. Never beside the source: DeepSpeed loads in
-    place and writes nothing there, and the source may be on a read-only mount. The same path on every rank (the
-    knob comes from the environment all ranks share). Whether a copy there may be reused is decided by its stamp
-    (fsdpzero.checkpoint.engine_state.from_deepspeed), and it is loaded like any checkpoint of ours.
+    """Where engine.load_checkpoint keeps a DeepSpeed tag directory converted to our layout, as this process sees
+    it (rank 0 decides and broadcasts: fsdpzero.checkpoint.engine_state.from_deepspeed): the ckpt_convert_dir knob's
+    <dir>/<tag>-<hash of the source's resolved path>/ when set; else beside the source, <save_dir>/.fsdpzero-<tag>/,
+    when this process may write there (shared storage: every node sees it); else, a read-only source,
+    <$XDG_CACHE_HOME or ~/.cache>/fsdpzero/deepspeed/<tag>-<hash>/ (node-local unless the home is shared). Whether a
+    copy there may be reused is decided by its stamp, and it is loaded like any checkpoint of ours.
     tuning: the engine's settings (Engine.tuning_now()); by default the environment now."""
     from fsdpzero.tuning import resolve
-    root = (tuning if tuning is not None else resolve()).ckpt_convert_dir or Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fsdpzero" / "deepspeed"
+    tuning = tuning if tuning is not None else resolve()
     source = Path(tag_dir).resolve()
-    return Path(root) / f"{source.name}-{hashlib.sha256(str(source).encode()).hexdigest()[:16]}"
+    if not tuning.ckpt_convert_dir and _writable(source.parent):
+        return source.parent / f"{CONVERTED_PREFIX}{source.name}"
+    return _user_cache(source, tuning)
+
+
+def converted_is_fresh(out: Path, stamp: dict, tag: str) -> bool:
+    """A copy at `out` made from exactly the source files `stamp` describes, and complete."""
+    from fsdpzero.checkpoint.files import checkpoint_problems
+    try:
+        return json.loads((out / SOURCE_STAMP).read_text()) == stamp and not checkpoint_problems(out / tag)
+    except (OSError, ValueError):
+        return False
+
+
+def convert_into(out: Path, stamp: dict, tag: str, build) -> None:
+    """Rank 0: make the converted copy `out` unless a fresh one is there. build(tmp) writes the copy into this
+    conversion's own temp dir beside `out`; it is published by rename under the root's lock (CONVERT_LOCK), so jobs
+    converting one checkpoint at once never write into or delete each other's copy: the first to finish publishes,
+    the others find it fresh and drop theirs. A stale copy is renamed aside before it is removed; the temp dirs of
+    killed conversions (nobody holds their lock) are removed by the next conversion there."""
+    import re
+    import secrets
+    import shutil
+
+    from fsdpzero.checkpoint.files import hold, locked, write_atomic
+    if converted_is_fresh(out, stamp, tag):
+        return
+    root = out.parent
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"{_CONVERT_TMP}{out.name}.{secrets.token_hex(8)}"
+    abandoned = re.compile(re.escape(_CONVERT_TMP) + r".+\.[0-9a-f]{16}")
+    with locked(root, CONVERT_LOCK):
+        for p in root.iterdir():
+            if abandoned.fullmatch(p.name) and p.is_dir() and not p.is_symlink() and (fd := hold(p)) is not None:
+                shutil.rmtree(p, ignore_errors=True)
+                os.close(fd)
+        tmp.mkdir()
+        held = hold(tmp)
+    try:
+        build(tmp)
+        write_atomic(tmp / SOURCE_STAMP, json.dumps(stamp))
+        with locked(root, CONVERT_LOCK):
+            if converted_is_fresh(out, stamp, tag):   # another job published it meanwhile
+                shutil.rmtree(tmp, ignore_errors=True)
+                return
+            if out.exists() or out.is_symlink():       # stale or not ours: aside by rename, then removed
+                aside = root / f"{_CONVERT_TMP}{out.name}.{secrets.token_hex(8)}"
+                os.rename(out, aside)
+                shutil.rmtree(aside, ignore_errors=True)
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if held is not None:
+            os.close(held)
 
 
 def deepspeed_to_ours(ds_dir: str | Path, tag: str | None = None, out: str | Path | None = None, *, to: str = "dcp",

@@ -2,15 +2,13 @@
 
 State keys: "train" = {"model", "optim"} (what `fsdpzero convert --from deepspeed --to dcp` writes too), "engine" =
 the engine's counters, scheduler and loss scaler. A DeepSpeed save_dir given to load is converted once into
-the ckpt_convert_dir cache (fsdpzero.checkpoint.convert.conversion_dir) and loaded from there. Any stage loads any
-other stage's checkpoint (EngineState).
+fsdpzero.checkpoint.convert.conversion_dir (beside it where rank 0 may write, else the ckpt_convert_dir cache) and
+loaded from there. Any stage loads any other stage's checkpoint (EngineState).
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import shutil
 from pathlib import Path
 
 import torch
@@ -18,18 +16,18 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from fsdpzero.checkpoint.agree import agree, check_tag_across_ranks, describe, resolve_on_rank0
-from fsdpzero.checkpoint.dcp import (MANIFEST, PendingSave, checkpoint_problems, client_state_json,
+from fsdpzero.checkpoint.agree import (CheckpointError, agree, broadcast_text, check_tag_across_ranks, describe,
+                                      resolve_on_rank0)
+from fsdpzero.checkpoint.dcp import (MANIFEST, PendingSave, client_state_json,
                                      load_verified, read_saved_json, save_checkpoint, tensor_shapes,
                                      verify_checkpoint, wait_for_pending_save)
-from fsdpzero.checkpoint.files import LATEST_UNIVERSAL, check_tag, write_atomic
+from fsdpzero.checkpoint.files import LATEST_UNIVERSAL, check_tag
 from fsdpzero.checkpoint.stream import streamed_state
 from fsdpzero.checkpoint.trust import read_dcp_metadata
 from fsdpzero.dist import agreed_errors, clean_fqn, local_tensor
 from fsdpzero.optim.grad_path import MASTER
 
 log = logging.getLogger(__name__)
-SOURCE_STAMP = "source.json"   # in a converted copy of a DeepSpeed checkpoint: what it was converted from
 
 
 def _rank0() -> bool:
@@ -195,11 +193,12 @@ def _source_stamp(tag_dir: Path) -> dict:
 
 
 def from_deepspeed(engine, load_dir: Path, tag: str | None) -> tuple[Path, str | None]:
-    """A DeepSpeed checkpoint dir: convert it (rank 0) into convert.conversion_dir (the ckpt_convert_dir knob, never
-    beside the source), then load that.
+    """A DeepSpeed checkpoint dir: convert it (rank 0) into convert.conversion_dir (the ckpt_convert_dir knob; else
+    beside the source, <save_dir>/.fsdpzero-<tag>, where rank 0 may write; else the user cache), then load that.
     The engine knows the trainable parameters in order, which makes stage-0 files exact. The copy is reused only
-    if its stamp (SOURCE_STAMP) matches the DeepSpeed files and it is complete; anything else there (stale, or not
-    made by us) is rebuilt. Reused or not, it is then loaded like any checkpoint: checksums, allowlisted reader.
+    if its stamp (convert.SOURCE_STAMP) matches the DeepSpeed files and it is complete; anything else there (stale,
+    or not made by us) is rebuilt, in its own temp dir, and published by rename (convert.convert_into). Reused or
+    not, it is then loaded like any checkpoint: checksums, allowlisted reader.
     checkpoint.load_universal: with no tag, the universal checkpoint `latest_universal` names (as DeepSpeed);
     a universal checkpoint is recognised by its layout either way (fsdpzero.checkpoint.universal)."""
     if tag is None and engine.plan.checkpoint.load_universal:
@@ -215,25 +214,24 @@ def from_deepspeed(engine, load_dir: Path, tag: str | None) -> tuple[Path, str |
         return load_dir, tag
     if (path / MANIFEST).exists() or not any(path.glob("*_model_states.pt")):
         return load_dir, tag
-    from fsdpzero.checkpoint.convert import conversion_dir
-    out = conversion_dir(path, engine.tuning_now())   # not beside the source: it may be read-only
-    error = None
+    from fsdpzero.checkpoint.convert import KNOB_HINT, conversion_dir, convert_into, deepspeed_to_ours
+    error, out = None, ""
+    if _rank0():   # rank 0 decides where (beside the source if it may write there) and every rank uses that
+        out = str(conversion_dir(path, engine.tuning_now()))
+    out = Path(broadcast_text(out))
     if _rank0():
+        names = [clean_fqn(n) for n, p in engine.module.named_parameters() if p.requires_grad]
         try:
-            want, stamp = _source_stamp(path), out / SOURCE_STAMP
-            try:
-                fresh = json.loads(stamp.read_text()) == want and not checkpoint_problems(out / path.name)
-            except (OSError, ValueError):
-                fresh = False
-            if not fresh:
-                from fsdpzero.checkpoint.convert import deepspeed_to_ours
-                shutil.rmtree(out, ignore_errors=True)
-                names = [clean_fqn(n) for n, p in engine.module.named_parameters() if p.requires_grad]
-                deepspeed_to_ours(path, None, out, to="dcp", trainable_names=names)
-                write_atomic(stamp, json.dumps(want))
+            convert_into(out, _source_stamp(path), path.name,
+                         lambda tmp: deepspeed_to_ours(path, None, tmp, to="dcp", trainable_names=names))
+        except (OSError, CheckpointError) as e:   # could not write there (CheckpointError: the copy's save)
+            error = f"converting DeepSpeed checkpoint {path} into {out} failed: {describe(e)}; {KNOB_HINT}"
         except (Exception, CheckpointException) as e:
             error = f"converting DeepSpeed checkpoint {path} into {out} failed: {describe(e)}"
     agree(error)   # also the barrier: the copy exists for every rank after it
+    seen = (out / path.name).is_dir()
+    agree(None if seen else f"the converted copy {out} of DeepSpeed checkpoint {path} (made by rank 0) is not on "
+          f"this rank's filesystem: {KNOB_HINT}")
     return out, path.name
 
 

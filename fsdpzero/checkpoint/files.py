@@ -208,10 +208,11 @@ def _foreign(final: Path, manifest: dict) -> list[str]:
 
 
 @contextlib.contextmanager
-def _locked(save_dir: Path):
+def locked(save_dir: Path, lock_file: str = LOCK_FILE):
     """The save directory's lock (flock on <save_dir>/.fsdpzero.lock; released by the kernel if the process dies):
-    commits, `latest` and rotation of concurrent jobs happen one at a time."""
-    fd = os.open(save_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    commits, `latest` and rotation of concurrent jobs happen one at a time. (Conversions of DeepSpeed checkpoints
+    take another lock file: fsdpzero.checkpoint.convert.)"""
+    fd = os.open(save_dir / lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -225,7 +226,7 @@ def _locked(save_dir: Path):
         os.close(fd)
 
 
-def _hold(path: Path) -> int | None:
+def hold(path: Path) -> int | None:
     """An exclusive, non-blocking flock on directory `path` (the fd that holds it), or None if another process
     holds it or the filesystem cannot lock directories."""
     try:
@@ -249,7 +250,7 @@ def _remove_abandoned_temps(save_dir: Path, tag: str) -> None:
                            + "|" + re.escape(DEL_PREFIX) + r".+")
     for p in save_dir.iterdir():
         if abandoned.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
-            fd = _hold(p)
+            fd = hold(p)
             if fd is not None:
                 try:
                     shutil.rmtree(p, ignore_errors=True)
@@ -300,11 +301,11 @@ class SaveSlot:
         """Rank 0, before anything is written. SaveRefused (nothing created) if <tag> is not fsdpzero's to write."""
         _tag_dir_state(self.final)   # before the directory or the lock file is made: a refusal leaves no trace
         self.save_dir.mkdir(parents=True, exist_ok=True)
-        with _locked(self.save_dir):
+        with locked(self.save_dir):
             self._expected, _ = _tag_dir_state(self.final)
             _remove_abandoned_temps(self.save_dir, self.tag)
             self.tmp.mkdir()
-            self._fd = _hold(self.tmp)
+            self._fd = hold(self.tmp)
 
     def release(self) -> None:
         if self._fd is not None:
@@ -327,7 +328,7 @@ class SaveSlot:
             if name not in sums:             # the small ones: JSON state, RNG states, DCP's index
                 sums[name] = file_crc(tmp / name)
         try:
-            with _locked(save_dir):
+            with locked(save_dir):
                 identity, old_manifest = _tag_dir_state(final)
                 if identity != self._expected:
                     raise SaveRefused(f"another save wrote {final} while this one was writing (two jobs saving tag "

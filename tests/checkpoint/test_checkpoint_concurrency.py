@@ -118,7 +118,7 @@ def test_a_save_of_any_tag_removes_abandoned_temp_dirs_of_every_tag(tmp_path):
     (save_dir / ".del-global_step0" / "__0_0.distcp").write_bytes(b"x")
     live = save_dir / ".tmp-global_step9.fedcba9876543210"
     live.mkdir()
-    fd = files._hold(live)   # another save in progress
+    fd = files.hold(live)   # another save in progress
     try:
         ck.save_checkpoint(save_dir, "global_step2", _weights(2))
         assert sorted(p.name for p in save_dir.iterdir() if p.name.startswith(".") and p.name != files.LOCK_FILE) \
@@ -292,3 +292,93 @@ def test_a_resave_on_fewer_ranks_into_the_users_directory_removes_only_its_own_o
     assert "__1_0.distcp" not in left and "rng_1.safetensors" not in left and "README.md" in left
     assert left == set(files.read_manifest(tmp_path / "T")["files"]) | {files.MANIFEST, "README.md"}
     assert torch.equal(_loaded(tmp_path, "T"), _weights(5)["w"]["x"])
+
+
+# ---- converting one DeepSpeed checkpoint from several jobs at once (engine.load_checkpoint's conversion) ----------
+
+_DS_ASSETS = Path(__file__).resolve().parents[1] / "assets" / "deepspeed_ckpts"
+
+
+class _LoadingEngine:
+    """What fsdpzero.checkpoint.engine_state.from_deepspeed asks of an engine (no process group: each job one
+    process, as three single-GPU sweep jobs are)."""
+
+    def __init__(self):
+        import types
+
+        from transformers import GPT2Config, GPT2LMHeadModel
+        torch.manual_seed(5)
+        self.module = GPT2LMHeadModel(GPT2Config.from_pretrained(_DS_ASSETS))
+        self.module.transformer.wpe.weight.requires_grad_(False)
+        self.plan = types.SimpleNamespace(checkpoint=types.SimpleNamespace(load_universal=False))
+
+    def tuning_now(self):
+        from fsdpzero.tuning import resolve
+        return resolve()
+
+
+def _converting_job(ds, start, results, i):
+    from fsdpzero.checkpoint import convert
+    from fsdpzero.checkpoint.engine_state import from_deepspeed
+    real = convert.deepspeed_to_ours
+
+    def slow(*a, **k):   # each job's conversion overlaps the others'
+        time.sleep(0.3)
+        out = real(*a, **k)
+        time.sleep(0.3)
+        return out
+    convert.deepspeed_to_ours = slow
+    engine = _LoadingEngine()
+    start.wait()
+    try:
+        out, tag = from_deepspeed(engine, Path(ds), None)
+        ck.verify_checkpoint(out / tag, distributed=False)
+        results.put((i, f"ok {out}"))
+    except BaseException as e:
+        results.put((i, f"{type(e).__name__}: {e}"))
+
+
+def test_jobs_converting_one_deepspeed_checkpoint_at_once_all_load_it(tmp_path, monkeypatch):
+    """Three jobs load one DeepSpeed checkpoint at once (a sweep): each converts into its own temp dir and the
+    first to finish publishes by rename under the root's lock; none deletes or writes into another's copy. With the
+    old code each rmtree'd the shared copy and converted into it (FileNotFoundError, or a commit refused). A
+    writable source gets the copy beside it, as multi-node runs need (issue 32 F7)."""
+    import multiprocessing
+    import shutil
+    ds = tmp_path / "ds"
+    shutil.copytree(_DS_ASSETS / "z2_fp32", ds)
+    monkeypatch.delenv("FSDPZERO_CKPT_CONVERT_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    ctx = multiprocessing.get_context("fork")
+    start, results = ctx.Barrier(3), ctx.Queue()
+    jobs = [ctx.Process(target=_converting_job, args=(str(ds), start, results, i)) for i in range(3)]
+    for j in jobs:
+        j.start()
+    got = dict(results.get(timeout=240) for _ in jobs)
+    for j in jobs:
+        j.join(timeout=60)
+    assert got == {i: f"ok {ds / '.fsdpzero-global_step3'}" for i in range(3)}, got
+    assert sorted(p.name for p in ds.iterdir() if p.name.startswith(".")) == \
+        [".fsdpzero-convert.lock", ".fsdpzero-global_step3"]   # no temp dir left behind
+
+
+def test_an_unwritable_conversion_cache_names_the_knob(tmp_path, monkeypatch):
+    """A read-only DeepSpeed source and a cache root that cannot be made: the error names the ckpt_convert_dir knob
+    (FSDPZERO_CKPT_CONVERT_DIR) as the fix (issue 32 F7)."""
+    import shutil
+
+    from fsdpzero.checkpoint.engine_state import from_deepspeed
+    ds = tmp_path / "ds"
+    shutil.copytree(_DS_ASSETS / "z2_fp32", ds)
+    for p in [*ds.rglob("*"), ds]:
+        p.chmod(0o555 if p.is_dir() else 0o444)
+    (tmp_path / "xdg").write_text("a file, not a directory")
+    monkeypatch.delenv("FSDPZERO_CKPT_CONVERT_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    try:
+        with pytest.raises(CheckpointError, match="FSDPZERO_CKPT_CONVERT_DIR \\(knob ckpt_convert_dir\\)"):
+            from_deepspeed(_LoadingEngine(), ds, None)
+        assert not [p for p in ds.iterdir() if p.name.startswith(".")]   # nothing beside the read-only source
+    finally:
+        for p in [*ds.rglob("*"), ds]:
+            p.chmod(0o755 if p.is_dir() else 0o644)

@@ -193,29 +193,39 @@ def _tree(root: Path) -> dict:
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
 
 
-@pytest.mark.parametrize("variant", ["z3_fp16", "z0_bf16"])
-def test_engine_loads_deepspeed_dir_directly(tmp_path, variant, monkeypatch):
-    """engine.load_checkpoint(<DeepSpeed save_dir>) converts once into the ckpt_convert_dir cache and resumes; it
-    writes nothing beside the source, which here is a read-only mount (a tmpfs remounted read-only where this
-    machine allows mounting, else the files made read-only): the conversion cache used to go there and failed."""
+@pytest.mark.parametrize("variant,source", [("z3_fp16", "read_only"), ("z0_bf16", "read_only"),
+                                            ("z2_fp32", "writable")])
+def test_engine_loads_deepspeed_dir_directly(tmp_path, variant, source, monkeypatch):
+    """engine.load_checkpoint(<DeepSpeed save_dir>) converts once and resumes. A writable source (shared storage,
+    as multi-node runs have) gets the copy beside it, <save_dir>/.fsdpzero-<tag>, at the path rank 0 chose for
+    every rank; a read-only mount (a tmpfs remounted read-only where this machine allows mounting, else the files
+    made read-only) gets nothing written beside it, and the copy goes to the user cache ($XDG_CACHE_HOME here)."""
     import shutil
     import subprocess
     ds = tmp_path / "ds"
     ds.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(ds)],
-                             capture_output=True).returncode == 0
+    mounted = source == "read_only" and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(ds)], capture_output=True).returncode == 0
     try:
         shutil.copytree(ASSETS / variant, ds, dirs_exist_ok=True)
-        if not mounted or subprocess.run(["mount", "-o", "remount,ro", str(ds)], capture_output=True).returncode:
+        if source == "read_only" and (not mounted or subprocess.run(["mount", "-o", "remount,ro", str(ds)],
+                                                                    capture_output=True).returncode):
             for p in [*ds.rglob("*"), ds]:
                 p.chmod(0o555 if p.is_dir() else 0o444)
         before = _tree(ds)
-        monkeypatch.setenv("FSDPZERO_CKPT_CONVERT_DIR", str(tmp_path / "cache"))
+        monkeypatch.delenv("FSDPZERO_CKPT_CONVERT_DIR", raising=False)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
         losses = run_distributed(_resume_from_deepspeed, 2, str(ds), variant, timeout=180)[0][0]
         assert losses[0] == RECORD["variants"][variant]["losses_after_save"][0]
-        assert _tree(ds) == before
-        copies = list((tmp_path / "cache").glob("global_step3-*"))
-        assert len(copies) == 1 and (copies[0] / "latest").is_file()
+        if source == "read_only":
+            assert _tree(ds) == before
+            copies = list((tmp_path / "xdg" / "fsdpzero" / "deepspeed").glob("global_step3-*"))
+        else:
+            assert not (tmp_path / "xdg").exists()
+            copies = [ds / ".fsdpzero-global_step3"]
+            assert sorted(p.name for p in ds.iterdir() if p.name.startswith(".")) == \
+                [".fsdpzero-convert.lock", ".fsdpzero-global_step3"]   # no temp dir left
+        assert len(copies) == 1 and (copies[0] / "latest").is_file() and (copies[0] / "source.json").is_file()
     finally:
         if mounted:
             subprocess.run(["umount", str(ds)], capture_output=True)
