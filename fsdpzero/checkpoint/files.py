@@ -37,6 +37,7 @@ HIDDEN_PREFIX = "."   # .tmp-<tag>.<token> (a save in progress), .old-<tag> (a r
 #                       cache), .fsdpzero.lock (the save directory's lock)
 TMP_PREFIX, OLD_PREFIX, DEL_PREFIX = ".tmp-", ".old-", ".del-"   # .del-<tag>: a checkpoint keep_last is removing
 LOCK_FILE = ".fsdpzero.lock"
+INCOMING = ".fsdpzero-incoming.json"   # in a <tag>/ of the user's while a commit moves files in: their names
 
 
 def check_tag(tag, what: str = "tag") -> str:
@@ -185,7 +186,7 @@ def _tag_dir_state(final: Path) -> tuple[str | None, dict | None]:
             manifest = read_manifest(final)
         except ValueError:
             manifest = None   # its files are not known to be ours: the manifest itself clashes below
-    ours = set(manifest["files"]) | {MANIFEST} if manifest is not None else set()
+    ours = set(manifest["files"]) | {MANIFEST} if manifest is not None else _incoming(final)
     interrupted = manifest is None and _interrupted(final)   # then the checkpoint's names there are ours
     clash = sorted(n for n in os.listdir(final) if n not in ours and _SAVE_NAMES.fullmatch(n) and not interrupted)
     if clash:
@@ -201,9 +202,19 @@ def _interrupted(final: Path) -> bool:
     return old.is_dir() and not old.is_symlink() and not checkpoint_problems(old)
 
 
+def _incoming(final: Path) -> set[str]:
+    """The names a commit into <tag>/ was moving in when it was cut short (its INCOMING record): fsdpzero's, not the
+    user's. Only checkpoint names count, whatever the record says."""
+    try:
+        names = json.loads((final / INCOMING).read_text())["names"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+    return {n for n in names if isinstance(n, str) and _SAVE_NAMES.fullmatch(n)} if isinstance(names, list) else set()
+
+
 def _foreign(final: Path, manifest: dict) -> list[str]:
     """Entries of a checkpoint directory that its manifest does not list (the user's files beside ours)."""
-    ours = set(manifest["files"]) | {MANIFEST}
+    ours = set(manifest["files"]) | {MANIFEST, INCOMING}
     return sorted(n for n in os.listdir(final) if n not in ours)
 
 
@@ -364,7 +375,9 @@ def _commit_into(final: Path, tmp: Path, old_manifest: dict | None, old: Path) -
     """<tag>/ holds files that are not ours (DeepSpeed writes into an existing directory too): move the new files in
     one by one, manifest last, and leave everything else as it is. A previous checkpoint there is first hard-linked
     into .old-<tag> (no data copied), where a load finds it (resolve_tag) until the new manifest is in; its files
-    that the new save does not write are then removed (they were ours)."""
+    that the new save does not write are then removed (they were ours). The names moving in are recorded first
+    (INCOMING), so that a commit cut short into a <tag>/ that held no checkpoint leaves files the next save knows
+    as ours, not the user's."""
     new = [p.name for p in sorted(tmp.iterdir()) if p.name != MANIFEST]
     if old_manifest is not None:
         shutil.rmtree(old, ignore_errors=True)
@@ -380,13 +393,17 @@ def _commit_into(final: Path, tmp: Path, old_manifest: dict | None, old: Path) -
         for name in old_manifest["files"]:
             if name not in new:
                 (final / name).unlink(missing_ok=True)
-    elif _interrupted(final):   # what the cut-short commit left and this one does not replace
-        for name in os.listdir(final):
+    else:   # what a cut-short commit left (its INCOMING record, or .old-<tag>) and this one does not replace
+        left = set(os.listdir(final)) if _interrupted(final) else _incoming(final)
+        for name in sorted(left):
             if _SAVE_NAMES.fullmatch(name) and name not in new:
-                (final / name).unlink()
+                (final / name).unlink(missing_ok=True)
+    # the names about to move in, recorded first: if this is cut short, the next save knows they were ours
+    write_atomic(final / INCOMING, json.dumps({"names": [*new, MANIFEST]}))
     for name in new:
         os.replace(tmp / name, final / name)
     os.replace(tmp / MANIFEST, final / MANIFEST)
+    (final / INCOMING).unlink()
     fsync_path(final)
     shutil.rmtree(tmp)
 

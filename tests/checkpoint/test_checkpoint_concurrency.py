@@ -247,6 +247,34 @@ def test_no_space_for_latest_reports_the_saved_tag_truthfully(tmp_path, monkeypa
     assert torch.equal(_loaded(tmp_path, "two"), _weights(2)["w"]["x"])
 
 
+def test_a_first_save_cut_short_while_moving_into_the_users_directory_does_not_stick_the_tag(tmp_path, monkeypatch):
+    """<tag>/ holds only the user's files and no checkpoint yet; the commit dies after the first file moved in
+    (the process killed: here the move raises, and no cleanup of <tag>/ runs). The next save of the tag must
+    finish, keeping the user's files; the old code refused every later save (".metadata was not written by
+    fsdpzero") (issue 32 F10)."""
+    (tmp_path / "T").mkdir()
+    (tmp_path / "T" / "config.json").write_text("{}")
+    real_replace, moved = os.replace, []
+
+    def replace(src, dst, *args, **kwargs):
+        if Path(dst).parent == tmp_path / "T" and \
+                not Path(src).name.startswith("."):
+            moved.append(Path(dst).name)
+            if len(moved) == 2:
+                raise KeyboardInterrupt("killed")   # not an OSError: nothing tidies T up
+        return real_replace(src, dst, *args, **kwargs)
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(BaseException):
+        ck.save_checkpoint(tmp_path, "T", _weights(1))
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert moved[0] in os.listdir(tmp_path / "T") and not (tmp_path / "T" / files.MANIFEST).exists()
+    ck.save_checkpoint(tmp_path, "T", _weights(2))
+    assert torch.equal(_loaded(tmp_path, "T"), _weights(2)["w"]["x"])
+    assert (tmp_path / "T" / "config.json").read_text() == "{}"
+    assert sorted(os.listdir(tmp_path / "T")) == sorted([*files.read_manifest(tmp_path / "T")["files"],
+                                                          files.MANIFEST, "config.json"])
+
+
 def _killed_while_moving_in(rank, world, save_dir):
     """Re-save tag T, whose directory holds the user's files, and die as the new manifest is moved in (the last
     step of the commit, after every data file has replaced the previous checkpoint's)."""
