@@ -467,7 +467,7 @@ def test_bytes_sent_per_step(world):
     ar = run_distributed(_comm_rank, world, "all_reduce", timeout=120)[0]
     assert rs["silent"] == 0 and ar["silent"] == 0
     frac = (world - 1) / world
-    norm_bytes = 2 * frac * 4                 # the one fp32 scalar all-reduce for the global norm
+    norm_bytes = 2 * frac * 8                 # the one fp64 scalar all-reduce for the global norm
     print(f"\nworld {world}: bytes sent per rank per optimizer step, parameters {rs['param_bytes']} B: "
           f"stage 1 reduce-scatter+all-gather {rs['sent']:.0f} B ({rs['sent'] / rs['param_bytes']:.3f}x), "
           f"all-reduce+all-gather {ar['sent']:.0f} B ({ar['sent'] / ar['param_bytes']:.3f}x)")

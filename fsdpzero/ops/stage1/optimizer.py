@@ -278,14 +278,21 @@ class Stage1Optimizer(torch.optim.Optimizer):
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the reduced gradients: one all-reduce of the squared shard norms, so inf/nan on any
-        rank gives inf/nan on every rank (a shared overflow verdict). No host sync."""
-        sq = torch.zeros((), dtype=torch.float32, device=self.flat_groups[0].master.device)
+        rank gives inf/nan on every rank (a shared overflow verdict). No host sync. Returns a 0-dim fp32 tensor.
+
+        On the CPU the sums are fp64: one fp32 vector_norm over a whole flat shard (its fp32 partial sums over ~5e5
+        elements) was ~2e-5 relative off, against ~4e-7 for torch's per-tensor norms, and that moved the clip factor.
+        An accelerator's tree reduction keeps fp32 at the per-tensor level; only the few totals go to fp64 there.
+        The all-reduce is one fp64 scalar."""
+        device = self.flat_groups[0].master.device
+        acc = torch.float64 if device.type == "cpu" else torch.float32
+        sq = torch.zeros((), dtype=torch.float64, device=device)
         for fg in self.flat_groups:
-            sq = sq + torch.linalg.vector_norm(fg.master.grad).square()
+            sq = sq + torch.linalg.vector_norm(fg.master.grad, dtype=acc).double().square()
         sq = sq.to(self.comm_device)
         if self.world > 1:
             dist.all_reduce(sq, group=self.group)
-        return sq.sqrt()
+        return sq.sqrt().float()
 
     @torch.no_grad()
     def scale_grads_(self, factor: torch.Tensor | float) -> None:
