@@ -4,6 +4,7 @@ names) at every stage, DCP's own load failures as fsdpzero's error, and a damage
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -98,10 +99,47 @@ def _latest_job(rank, world, root):
         f.write_bytes(bytes(blob))
     dist.barrier()
     out["state_json"] = _attempt(lambda: _linear_engine().load_checkpoint(root / "run", tag="s1")[0])
+    dist.barrier()
+    out["resaved"] = _attempt(lambda: _load_while_rank1_sees_a_resave(rank, root / "run", "s2"))
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)
     out["in_step"] = t.item()
     return out
+
+
+def _load_while_rank1_sees_a_resave(rank, run: Path, tag: str):
+    """Another job re-saves `tag` after rank 0 has checked, after its last read, that it still loads the checkpoint
+    it verified, and before rank 1 checks: rank 0 alone would report success (issue 32 F1). The swap is a re-save
+    as a commit makes it: a new directory renamed into place."""
+    import shutil
+    import time
+    engine = _linear_engine()
+    real_replaced, real_json = ck.replaced, ck.read_saved_json
+    checks = [0]
+
+    def rank0_replaced(path, manifest):
+        result = real_replaced(path, manifest)
+        checks[0] += 1
+        (run.parent / f"rank0_checked{checks[0]}").touch()
+        return result
+
+    def rank1_json(path, name):
+        if name == "client_state.json":   # the last read; rank 0 is past its own check
+            deadline = time.monotonic() + 60
+            while not (run.parent / "rank0_checked2").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            shutil.copytree(run / tag, run.parent / "resaved")
+            os.rename(run / tag, run.parent / "previous")
+            os.rename(run.parent / "resaved", run / tag)
+        return real_json(path, name)
+    if rank == 0:
+        ck.replaced = rank0_replaced
+    else:
+        ck.read_saved_json = rank1_json
+    try:
+        return engine.load_checkpoint(run, tag=tag)[0]
+    finally:
+        ck.replaced, ck.read_saved_json = real_replaced, real_json
 
 
 def test_ranks_agree_on_latest_and_refuse_what_only_some_see(tmp_path):
@@ -112,6 +150,8 @@ def test_ranks_agree_on_latest_and_refuse_what_only_some_see(tmp_path):
         assert "\n" not in r0[key]
     assert "s2 (named by" in r0["visible"] and "not on rank 1" in r0["visible"], r0["visible"]
     assert "state.json does not match its checksum" in r0["state_json"], r0["state_json"]
+    assert r0["resaved"] == r1["resaved"] and "was replaced while it was being loaded" in r0["resaved"], \
+        (r0["resaved"], r1["resaved"])
     assert r0["in_step"] == r1["in_step"] == 3.0
 
 
