@@ -7,6 +7,7 @@ optimizer steps on every `gradient_accumulation_steps`-th call.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -332,7 +333,8 @@ class Engine(nn.Module):
         """DeepSpeed's signature; options: keep_last, async_save (see fsdpzero.checkpoint.dcp)."""
         from fsdpzero.checkpoint.engine_state import save_engine
         self.wait_for_params()
-        saved = save_engine(self, save_dir, tag, client_state, save_latest, **options)
+        with self.grad_path.async_save() if options.get("async_save") else contextlib.nullcontext():
+            saved = save_engine(self, save_dir, tag, client_state, save_latest, **options)
         if is_rank0() and isinstance(saved, os.PathLike):   # DeepSpeed users expect a line
             log.info("saved checkpoint %s at global step %d", saved, self.global_steps)
         elif is_rank0():   # async_save: finished (and agreed across ranks) by the next save or load

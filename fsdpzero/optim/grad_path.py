@@ -108,6 +108,12 @@ class GradPath:
         """Inverse of state_dict."""
         raise NotImplementedError
 
+    def async_save(self) -> contextlib.AbstractContextManager:
+        """Around the state_dict() of an async save, whose tensors DCP stages (deep-copies, on the CPU) and writes
+        while training goes on: a path whose state_dict() hands out views that staging cannot copy gives copies.
+        The default does nothing."""
+        return contextlib.nullcontext()
+
     def keep_masters_on_load(self) -> contextlib.AbstractContextManager:
         """Around the model-weight load of a checkpoint whose optimizer state has MASTER entries: a path that
         refreshes its masters from loaded weights holds that off (the masters DCP just read are exact; the weights

@@ -44,6 +44,7 @@ class Stage1GradPath(GradPath):
     def __init__(self, stage1: Stage1Optimizer):
         self.stage1, self.optimizer = stage1, stage1.optimizer
         self.refresh_on_load = True   # off while a checkpoint with masters loads (keep_masters_on_load)
+        self.state_copies = False     # on around an async save's state_dict() (async_save)
 
     @classmethod
     def lay_out(cls, model: nn.Module, plan, mesh, mp_policy, *, device_type: str = "cpu",
@@ -69,6 +70,16 @@ class Stage1GradPath(GradPath):
             yield
         finally:
             self.refresh_on_load = True
+
+    @contextlib.contextmanager
+    def async_save(self):
+        """The state_dict() views of the flat shards become copies: DCP's async staging deep-copies CPU DTensors,
+        which fails on a view at a storage offset (and would copy the whole flat shard per view)."""
+        self.state_copies = True
+        try:
+            yield
+        finally:
+            self.state_copies = False
 
     def set_sync(self, sync: bool) -> None:
         self.stage1.set_gradient_sync(sync)
@@ -107,7 +118,7 @@ class Stage1GradPath(GradPath):
         # a never-stepped inner optimizer gets its state from a zero-gradient step at lr 0 (ensure_state), which
         # must not reach training: see drop_unstepped_state (the masters, views of the live flat shards, stay)
         unstepped = not any(fg.master in self.optimizer.state for fg in self.stage1.flat_groups)
-        state = self.stage1.state_dict()
+        state = self.stage1.state_dict(copies=self.state_copies)
         if not unstepped:
             return state
         masters = {name: entry.pop(MASTER) for name, entry in state["state"].items()}

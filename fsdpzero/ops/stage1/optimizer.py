@@ -393,10 +393,11 @@ class Stage1Optimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ checkpoint (fsdpzero/ops/stage1/state.py)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Per-parameter fp32 master and optimizer state as 1-D DTensors (views of the shard), for DCP: saved from
-        N ranks, loadable into the state_dict() of M ranks. See fsdpzero/ops/stage1/state.py."""
-        return logical_state_dict(self)
+    def state_dict(self, *, copies: bool = False) -> dict[str, Any]:
+        """Per-parameter fp32 master and optimizer state as 1-D DTensors (views of the shard; with `copies`, copies
+        for an async save), for DCP: saved from N ranks, loadable into the state_dict() of M ranks. See
+        fsdpzero/ops/stage1/state.py."""
+        return logical_state_dict(self, copies)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Apply state_dict() output (possibly filled by DCP from another world size); re-gathers the params."""

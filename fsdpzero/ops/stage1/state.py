@@ -26,9 +26,12 @@ def _mesh(opt):
     return opt.logical_mesh
 
 
-def _logical(opt, s, flat: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of one parameter's flat tensor, as a 1-D DTensor (a plain tensor on one rank)."""
+def _logical(opt, s, flat: torch.Tensor, copies: bool = False) -> torch.Tensor:
+    """This rank's piece of one parameter's flat tensor, as a 1-D DTensor (a plain tensor on one rank): a view, or
+    with `copies` a copy of its own (see logical_state_dict)."""
     piece = flat[s.offset: s.offset + s.local]
+    if copies:
+        piece = piece.clone()
     if opt.world == 1:
         return piece
     from torch.distributed.tensor import DTensor, Shard
@@ -90,16 +93,22 @@ def ensure_state(opt) -> None:
                 value.zero_()
 
 
-def logical_state_dict(opt) -> dict[str, Any]:
+def logical_state_dict(opt, copies: bool = False) -> dict[str, Any]:
+    """copies: each tensor a copy of its own instead of a view of the flat shards, for a save that reads them later
+    while training goes on (DCP's async save). Its staging also deep-copies CPU DTensors, which fails on a view at
+    a storage offset ("invalid python storage", torch 2.13) and would copy the whole flat shard for each view."""
     ensure_state(opt)
     state: dict[str, dict[str, Any]] = {}
     for fg in opt.flat_groups:
         inner = opt.optimizer.state[fg.master]
         keys = _elementwise(inner, fg.master)
         for s in fg.slots:
-            entry = {"master": _logical(opt, s, fg.master)}
+            entry = {"master": _logical(opt, s, fg.master, copies)}
             for key, value in inner.items():
-                entry[key] = _logical(opt, s, value) if key in keys else value   # scalars repeat per parameter
+                if key in keys:
+                    entry[key] = _logical(opt, s, value, copies)
+                else:   # scalars repeat per parameter
+                    entry[key] = value.clone() if copies and torch.is_tensor(value) else value
             state[s.name] = entry
     groups = []
     for index, g in enumerate(opt.optimizer.param_groups):
