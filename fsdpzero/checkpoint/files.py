@@ -33,8 +33,8 @@ FORMAT = "fsdpzero-dcp-1"   # "checksums" was added later, as an optional key: o
 LATEST = "latest"
 LATEST_UNIVERSAL = "latest_universal"   # DeepSpeed's pointer to a universal checkpoint (checkpoint.load_universal)
 RESERVED_TAGS = (LATEST, LATEST_UNIVERSAL, MANIFEST)
-HIDDEN_PREFIX = "."   # .tmp-<tag>.<token> (a save in progress), .old-<tag> (a re-save), .fsdpzero-<tag> (a converted
-#                       cache), .fsdpzero.lock (the save directory's lock)
+HIDDEN_PREFIX = "."   # .tmp-<tag>.<token> (a save in progress), .old-<tag> (a re-save), .del-<tag> (a removal),
+#                       .fsdpzero-<tag> (a converted DeepSpeed copy), .fsdpzero.lock (the save directory's lock)
 TMP_PREFIX, OLD_PREFIX, DEL_PREFIX = ".tmp-", ".old-", ".del-"   # .del-<tag>: a checkpoint keep_last is removing
 LOCK_FILE = ".fsdpzero.lock"
 INCOMING = ".fsdpzero-incoming.json"   # in a <tag>/ of the user's while a commit moves files in: their names
