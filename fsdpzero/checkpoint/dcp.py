@@ -67,7 +67,12 @@ class ModelOptimizer(Stateful):
         if self.optimizer is None:
             sd = {"model": get_state_dict(self.model, [])[0]}
         else:
+            unstepped = not self.optimizer.state   # torch then creates the state by a zero-grad step at lr 0
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            if unstepped:   # give the optimizer its empty state back (its first step stays a true first step)
+                from fsdpzero.optim.grad_path import UNSTEPPED, drop_unstepped_state
+                optim_sd = drop_unstepped_state(self.optimizer, optim_sd)
+                del optim_sd[UNSTEPPED]   # zeroed state: Adam's fresh step 0 and moments for a reader
             sd = {"model": model_sd, "optim": optim_sd}
         self.model_keys = list(sd["model"])
         self.param_shapes = tensor_shapes(sd["model"])

@@ -89,6 +89,22 @@ def test_exact_resume_two_ranks_with_dropout(tmp_path):
     assert all(torch.equal(ref_params[k], params[k]) for k in ref_params)
 
 
+def _save_before_first_step_job(rank, world, save_dir, save):
+    model, opt, sched = _build(world, 0, 0.0)
+    if save:   # torch builds the optimizer's state for the save by a zero-grad step at lr 0 (AdamW step -> 1)
+        ck.save_checkpoint(save_dir, None, _state(model, opt, sched, {}), step=0)
+    losses = _train(model, opt, sched, range(3), rank, world)
+    return losses, _full_params(model)
+
+
+def test_a_save_before_the_first_step_leaves_training_unchanged(tmp_path):
+    """The lower-level ModelOptimizer, as the engine's path: the optimizer gets its empty state back after the
+    save (before, AdamW's first update was taken at step 2's bias correction: weights 1e-3 apart after 3 steps)."""
+    ref_losses, ref = run_distributed(_save_before_first_step_job, 1, str(tmp_path), False, timeout=120)[0]
+    losses, got = run_distributed(_save_before_first_step_job, 1, str(tmp_path), True, timeout=120)[0]
+    assert losses == ref_losses and all(torch.equal(ref[k], got[k]) for k in ref)
+
+
 @pytest.mark.parametrize("save_world,load_world", [(2, 1), (1, 2)])
 def test_resharded_resume(tmp_path, save_world, load_world):
     ref_losses, ref_params = run_distributed(_save_job, save_world, str(tmp_path), 0.0, True, timeout=120)[0]

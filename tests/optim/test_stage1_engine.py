@@ -30,8 +30,8 @@ def _train(rank, world, kind, plan_kwargs, steps):
     # SGD is outside DeepSpeed's ZeRO-tested list: the config needs zero_allow_untested_optimizer, as with DeepSpeed
     plan = dataclasses.replace(plan, optimizer=dataclasses.replace(plan.optimizer, zero_allow_untested_optimizer=True))
     data = batches(steps, plan.batch.gradient_accumulation_steps, plan.batch.micro_batch_size * world)
-    # the masters as taken, read from an engine that then trains no further: reading an optimizer's state before its
-    # first step has torch create it with a zero-grad step at lr 0 (SGD's momentum then starts at wd * p)
+    # the masters as taken, read from an engine that then trains no further (reading the state before the first step
+    # leaves training unchanged now, tests/optim/test_state_before_first_step.py; a separate engine keeps this simple)
     start = optimizer_state(wrap(build_model(kind), plan))
     engine = wrap(build_model(kind), plan)
     norms = []
