@@ -292,6 +292,8 @@ class Stage1Optimizer(torch.optim.Optimizer):
         sq = sq.to(self.comm_device)
         if self.world > 1:
             dist.all_reduce(sq, group=self.group)
+        # the overflow verdict as at the other stages (fp32 norms): a sum of squares past fp32's range is inf there
+        sq = torch.where(sq > torch.finfo(torch.float32).max, torch.full_like(sq, float("inf")), sq)
         return sq.sqrt().float()
 
     @torch.no_grad()
