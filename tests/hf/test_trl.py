@@ -53,18 +53,23 @@ COMMON = ["--max_steps", "3", "--per_device_train_batch_size", "2", "--gradient_
           "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no", "--bf16", "true"]
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    """A from_pretrained folder (Llama, ByT5's byte tokenizer), three datasets, a reward function, the configs."""
+def save_byte_llama(where: Path) -> None:
+    """A tiny Llama with ByT5's byte tokenizer (seed 0), saved as a from_pretrained folder: the TRL tests' model."""
     from transformers import AutoModelForCausalLM, ByT5Tokenizer, LlamaConfig
-    root = tmp_path_factory.mktemp("trl")
     torch.manual_seed(0)
     tok = ByT5Tokenizer()
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(where)
+    tok.save_pretrained(where)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    """A from_pretrained folder (Llama, ByT5's byte tokenizer), three datasets, a reward function, the configs."""
+    root = tmp_path_factory.mktemp("trl")
+    save_byte_llama(root / "model")
     rows = {"sft": [{"text": " ".join(WORDS[(i + j) % 8] for j in range(6))} for i in range(64)],
             "pref": [{"prompt": WORDS[i % 8] + " ", "chosen": WORDS[(i + 1) % 8], "rejected": WORDS[(i + 3) % 8]}
                      for i in range(64)],

@@ -92,15 +92,9 @@ def _ours(rank, world, case, model, out):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    from transformers import AutoModelForCausalLM, ByT5Tokenizer, LlamaConfig
+    from tests.hf.test_trl import save_byte_llama
     where = tmp_path_factory.mktemp("trl_model")
-    torch.manual_seed(0)
-    tok = ByT5Tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(where)
-    tok.save_pretrained(where)
+    save_byte_llama(where)
     return str(where)
 
 
