@@ -1,0 +1,8 @@
+"""Model parallelism beside ZeRO, torchtitan-style: the (data..., model...) device mesh (mesh.py) and DeepSpeed's
+AutoTP as DTensor tensor parallelism (tensor_parallel.py: the plan from the model's tp_plan or DeepSpeed's
+preset_model / partition_config, applied with parallelize_module before FSDP2 shards over the data dimensions)."""
+from fsdpzero.parallel.mesh import (MODEL_DIMS, build_parallel_mesh, data_dims, data_mesh, data_rank_and_size,
+                                    mesh_size, model_mesh)
+
+__all__ = ["MODEL_DIMS", "build_parallel_mesh", "data_dims", "data_mesh", "data_rank_and_size", "mesh_size",
+           "model_mesh"]

@@ -1,0 +1,80 @@
+"""The device mesh of a run: data-parallel dimensions (what FSDP2 shards or replicates over), then the model-parallel
+ones, innermost last (tensor parallelism talks every layer: its ranks are neighbours, one node's NVLink).
+
+    (dp,)                        ZeRO 1-3
+    (replicate, shard)           stage 0, MiCS / hybrid sharding
+    (dp, tp) / (replicate, shard, tp)   with tensor_parallel.autotp_size = tp > 1
+
+A model-parallel dimension of size 1 is left out, so a run without it has the mesh it always had. Other wings (sequence
+parallelism) add their dimension here: `build_parallel_mesh` takes every model-parallel size by name.
+"""
+from __future__ import annotations
+
+import math
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+# Model-parallel dimension names, outermost first; every other dimension of a mesh is a data-parallel one.
+MODEL_DIMS = ("sp", "tp")
+
+
+def build_parallel_mesh(device_type: str, data_shape: tuple[int, ...], data_names: tuple[str, ...],
+                        **model_sizes: int) -> DeviceMesh:
+    """init_device_mesh over (data dims..., model dims...). model_sizes: sizes by name in MODEL_DIMS (tp=2, sp=4);
+    a size of 1 (or absent) adds no dimension. Raises ValueError when the sizes do not multiply to the world."""
+    unknown = set(model_sizes) - set(MODEL_DIMS)
+    if unknown:
+        raise ValueError(f"unknown model-parallel dimension(s) {sorted(unknown)}: use {list(MODEL_DIMS)}")
+    clash = set(data_names) & set(MODEL_DIMS)
+    if clash:
+        raise ValueError(f"data-parallel dimension names {sorted(clash)} are reserved for model parallelism")
+    shape, names = list(data_shape), list(data_names)
+    for name in MODEL_DIMS:
+        size = int(model_sizes.get(name, 1))
+        if size > 1:
+            shape.append(size)
+            names.append(name)
+    return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+
+
+def mesh_size(mesh: DeviceMesh) -> int:
+    return math.prod(mesh.shape)
+
+
+def data_dims(mesh: DeviceMesh) -> tuple[str, ...]:
+    return tuple(n for n in (mesh.mesh_dim_names or ()) if n not in MODEL_DIMS)
+
+
+def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The sub-mesh of the data-parallel dimensions: what fully_shard and the ZeRO paths get. The mesh itself when it
+    has no model-parallel dimension (FSDP2 and DTensor then see exactly the mesh they always saw)."""
+    dims = data_dims(mesh)
+    if mesh.mesh_dim_names is None or len(dims) == mesh.ndim:
+        return mesh
+    return mesh[dims]
+
+
+def model_mesh(mesh: DeviceMesh | None, name: str) -> DeviceMesh | None:
+    """The 1-D sub-mesh of model-parallel dimension `name` ("tp", "sp"), or None when the run has none."""
+    if mesh is None or name not in (mesh.mesh_dim_names or ()):
+        return None
+    return mesh[name]
+
+
+def data_rank_and_size(mesh: DeviceMesh | None) -> tuple[int, int]:
+    """This rank's index among the data-parallel replicas and their number: which slice of the global batch it
+    reads. Ranks of one tensor-parallel group read the same samples. (0, 1) without a mesh."""
+    if mesh is None:
+        return 0, 1
+    dims = data_dims(mesh)
+    coord = mesh.get_coordinate()
+    rank, size = 0, 1
+    for i, name in enumerate(mesh.mesh_dim_names or ()):
+        if name in dims:
+            rank = rank * mesh.size(i) + coord[i]
+            size *= mesh.size(i)
+    return rank, size
+
+
+__all__ = ["MODEL_DIMS", "build_parallel_mesh", "data_dims", "data_mesh", "data_rank_and_size", "mesh_size",
+           "model_mesh"]
