@@ -25,6 +25,7 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "ops"))   # fsdpzero_ops, from the checkout
 
 
 def ds_config(micro: int) -> dict:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "ops"))   # fsdpzero_ops, from the checkout
 from fsdpzero.checkpoint import dcp as ck  # noqa: E402
 from fsdpzero.checkpoint.trust import ChecksumWriter  # noqa: E402
 

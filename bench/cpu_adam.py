@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fsdpzero.ops import cpu_adam  # noqa: E402
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "ops"))   # fsdpzero_ops, from the checkout
+from fsdpzero_ops import cpu_adam  # noqa: E402
 
 BYTES_PER_PARAM = 28
 HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)

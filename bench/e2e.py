@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # run from a source checkout without installing
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "ops"))   # fsdpzero_ops, from the checkout
 import fsdpzero  # noqa: E402
 
 from common import BETAS, CLIP, EPS, LR, PRESETS, WD, build_model  # noqa: E402  (bench/ is the script's folder)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
+sys.path[:0] = [str(HERE.parent), str(HERE.parent / "ops"), str(HERE)]
 GIB = 2**30
 
 

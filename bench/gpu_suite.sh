@@ -25,7 +25,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
 fi
-export PYTHONPATH=/tmp/site:$PWD
+export PYTHONPATH=/tmp/site:$PWD:$PWD/ops   # fsdpzero_ops from the checkout too
 LOGS=$(mktemp -d)
 {
   date -u

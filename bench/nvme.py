@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fsdpzero.ops.aio import AioConfig, AioHandle, aligned_empty  # noqa: E402
-from fsdpzero.ops.aio_bench import block_sizes, measure, request_size  # noqa: E402
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "ops"))   # fsdpzero_ops, from the checkout
+from fsdpzero_ops.aio import AioConfig, AioHandle, aligned_empty  # noqa: E402
+from fsdpzero_ops.aio_bench import block_sizes, measure, request_size  # noqa: E402
 from fsdpzero.offload.nvme_adam import NVMeAdam  # noqa: E402
 
 
@@ -53,7 +54,7 @@ def fio(path: Path, size: int, bs: int, depth: int, write: bool) -> float:
 def deepspeed_aio(path: Path, size: int, cfg: AioConfig):
     """DeepSpeed's own aio_handle (libaio, its page-locked buffer) on the same file: -> (write, read) GB/s."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-    from fsdpzero.ops.build import extensions_dir
+    from fsdpzero_ops.build import extensions_dir
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))   # DeepSpeed's build cached in the project
     from deepspeed.ops.op_builder import AsyncIOBuilder    # bench only: the library never imports deepspeed
     h = AsyncIOBuilder().load(verbose=False).aio_handle(cfg.block_size, cfg.queue_depth, cfg.single_submit,

@@ -31,6 +31,7 @@ import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "ops"))   # fsdpzero_ops, from the checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (first: its import time is the launch clock)
 from host_memory import (GIB, cgroup_events, checkpoint_round_trip, disk_bytes, make_cgroup,  # noqa: E402

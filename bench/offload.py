@@ -39,6 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "ops"))   # fsdpzero_ops, from the checkout
 from common import config_main, run_configs  # noqa: E402  (bench/ is the script's folder)
 CONFIGS = ["fsdp_z2", "fsdp_z3", "fsdp_z3_cpuoffload", "ours_z2", "ours_z2_serial", "ours_z2_overlap",
            "ours_z2_overlap_spec", "ours_z2_overlap_noclip", "ours_z2_overlap_noclip_spec", "ours_z3_both",
@@ -175,7 +176,7 @@ def ref_runner(args, name):
         return step, lambda: None
     from fsdpzero.offload.build import cpu_threads
     from fsdpzero.offload.chunks import CHUNK
-    from fsdpzero.ops import CPUAdamW
+    from fsdpzero_ops import CPUAdamW
     with torch.device("meta"):
         total = sum(p.numel() for p in build_model_meta(args).parameters())
     world = int(os.environ["WORLD_SIZE"])

@@ -1,4 +1,4 @@
-"""ZeRO stage 1 on GPUs: fsdpzero's stage 1 (fsdpzero/ops/stage1/optimizer.py through fsdpzero.wrap) against DeepSpeed stage 1 and
+"""ZeRO stage 1 on GPUs: fsdpzero's stage 1 (ops/fsdpzero_ops/stage1/optimizer.py through fsdpzero.wrap) against DeepSpeed stage 1 and
 fsdpzero's stage 2 (FSDP2), with the setup of shared/spec/device_anchors.md: 0.89 B Llama, bf16 compute with fp32
 masters, AdamW lr 1e-4 wd 0.01, clip 1.0, seq 2048 x micro-batch 4 per GPU, 3 warm-up + 10 timed steps;
 communication in bf16, DeepSpeed's default for bf16 (the *_fp32reduce config reduces in fp32).
@@ -31,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "ops"))   # fsdpzero_ops, from the checkout
 from common import config_main, run_configs  # noqa: E402  (bench/ is the script's folder)
 CONFIGS = ["ours_z1", "ours_z1_overlap", "ours_z1_overlap_b1e8", "ours_z1_fp32reduce", "ours_z2", "ds_z1", "ds_z2",
            "ours_z3", "ds_z3", "ours_z1_legacy", "ours_z1_overlap_legacy", "ours_z1_fwdag"]   # z3: the same setup at stage 3, for the stage-3 ratio against DeepSpeed

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "ops"))   # fsdpzero_ops, from the checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (first: its import time is the launch clock)
 import torch  # noqa: E402

@@ -11,7 +11,7 @@ An HF model's loss function (`model.loss_function`: the fp32 upcast of the logit
 compiled too, as torchtitan compiles its loss. An HF model's `config.use_cache` is turned off (the KV cache, which
 training never reads, is indexed by layer and made every block its own graph). A model without transformer blocks is compiled whole (its only FSDP unit is the
 root). Stage 1 leaves the model unwrapped: there each block is compiled in place with `module.compile()`, which the
-stage-1 all-gather recognises (fsdpzero/ops/stage1/gather.py: its per-module waits would otherwise sit inside the
+stage-1 all-gather recognises (ops/fsdpzero_ops/stage1/gather.py: its per-module waits would otherwise sit inside the
 graphs).
 
 Graph breaks and compile time are counted from dynamo's counters around the first optimizer step (compilation is

@@ -11,7 +11,7 @@ prints the knobs that differ from the defaults and where each came from.
 Build-time knobs are read when the engine is built (`engine.tuning`); the checkpoint knobs and the test hook are read
 when used (`engine.tuning_now()`: the environment now, under that engine's explicit settings), so a test can set
 them between steps. Each engine has its own; `current()` (the last engine's) is for what is process-wide only.
-fsdpzero/ops never imports the library: `apply_to_ops` hands it the values it needs (per process).
+fsdpzero_ops (ops/) never imports the library: `apply_to_ops` hands it the values it needs (per process).
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ ENV_PREFIX = "FSDPZERO_"
 HARNESS_ENV = frozenset({"FSDPZERO_BENCH_CPU", "FSDPZERO_BENCH_RATIO", "FSDPZERO_GOLDEN_OUT",
                          "FSDPZERO_REGEN_GOLDENS", "FSDPZERO_TEST_INDUCTOR"})
 CRASH_POINTS = ("before_data", "mid_write", "before_rename", "before_latest")   # fsdpzero.checkpoint's crash_point()
-AIO_BACKENDS = ("auto", "io_uring", "libaio", "threads", "python")              # fsdpzero.ops.aio
-CPU_ADAM_IMPLS = ("auto", "avx512", "avx2", "scalar", "reference")             # fsdpzero.ops.cpu_adam
+AIO_BACKENDS = ("auto", "io_uring", "libaio", "threads", "python")              # fsdpzero_ops.aio
+CPU_ADAM_IMPLS = ("auto", "avx512", "avx2", "scalar", "reference")             # fsdpzero_ops.cpu_adam
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -68,7 +68,7 @@ class Tuning:
     offload_early_d2h: bool = _knob(True, "bool", "copy a unit's grads D2H as soon as its reduce-scatter is done")
     offload_profile: bool = _knob(False, "bool", "per-step timeline of the offload pipeline (rank 0, JSON lines)")
     offload_profile_file: str | None = _knob(None, "str", "where the timeline goes (appended; default stderr)")
-    # ZeRO stage 1 (fsdpzero/ops/stage1, docs/stage1.md)
+    # ZeRO stage 1 (fsdpzero_ops.stage1, docs/stage1.md)
     stage1_ramp_buckets: bool = _knob(True, "bool", "small first/last buckets: short exposed ends")
     stage1_fold_grad_scale: bool = _knob(True, "bool", "clip/unscale factor applied inside the fused step")
     stage1_pipeline_step: bool = _knob(True, "bool", "fused Adam bucket by bucket, under the all-gather")
@@ -89,7 +89,7 @@ class Tuning:
                                          "sees")
     ckpt_crash_at: str | None = _knob(None, "opt_choice", "test hook: kill the process at this point of a save",
                                       CRASH_POINTS)
-    # the C++ ops (fsdpzero/ops)
+    # the C++ ops (fsdpzero_ops)
     aio_backend: str = _knob("auto", "choice", "NVMe I/O engine", AIO_BACKENDS)
     cpu_adam_impl: str = _knob("auto", "choice", "CPU Adam kernel", CPU_ADAM_IMPLS)
     no_build: bool = _knob(False, "bool", "never JIT-build the C++ ops: pure-torch reference paths")
@@ -263,8 +263,8 @@ def current() -> Tuning:
 
 
 def apply_to_ops(tuning: Tuning) -> None:
-    """fsdpzero.ops reads no environment and imports nothing of the library: it gets its values here."""
-    from fsdpzero.ops import aio, build, cpu_adam
+    """fsdpzero_ops reads no environment and imports nothing of the library: it gets its values here."""
+    from fsdpzero_ops import aio, build, cpu_adam
     build.set_no_build(tuning.no_build)
     cpu_adam.set_default_impl(tuning.cpu_adam_impl)
     aio.set_default_backend(tuning.aio_backend)

@@ -58,7 +58,7 @@ def _cpu_flags() -> tuple[str, set[str]]:
 
 
 def op_built(name: str) -> bool:
-    from fsdpzero.ops.build import extensions_dir
+    from fsdpzero_ops.build import extensions_dir
     return (extensions_dir() / name / f"{name}.so").is_file()
 
 
@@ -91,9 +91,9 @@ def report(build: bool = False) -> list[tuple[str, str]]:
     rows.append(("CPU", f"{model}, {cores} usable cores, SIMD {simd}, torch sees "
                         f"{torch.backends.cpu.get_cpu_capability()}"))
     if build:
-        from fsdpzero.ops import cpu_adam
+        from fsdpzero_ops import cpu_adam
         cpu_adam.available_impls()
-        from fsdpzero.ops import aio
+        from fsdpzero_ops import aio
         aio.available_backends()
     built = {name: op_built(name) for name in OPS}
     for name, what in OPS.items():
@@ -103,21 +103,21 @@ def report(build: bool = False) -> list[tuple[str, str]]:
     if knobs.cpu_adam_impl != "auto":
         rows.append(("CPU Adam kernel", f"{knobs.cpu_adam_impl} (the cpu_adam_impl knob)"))
     elif built["fsdpzero_cpu_adam"]:
-        from fsdpzero.ops import cpu_adam
+        from fsdpzero_ops import cpu_adam
         impls = cpu_adam.available_impls()
         rows.append(("CPU Adam kernel", f"{impls[0]} (auto; available: {', '.join(impls)})"))
     else:
         rows.append(("CPU Adam kernel", f"{simd} once built (this CPU); the pure-torch reference path if the build "
                                         "fails"))
     if built["fsdpzero_aio"]:
-        from fsdpzero.ops import aio
+        from fsdpzero_ops import aio
         backends = aio.available_backends()
         rows.append(("aio backend", f"{knobs.aio_backend if knobs.aio_backend != 'auto' else backends[0]} "
                                     f"({'the aio_backend knob' if knobs.aio_backend != 'auto' else 'auto'}; "
                                     f"available: {', '.join(backends)})"))
     else:
         rows.append(("aio backend", "python (threads) until the op is built"))
-    from fsdpzero.ops.build import extensions_dir
+    from fsdpzero_ops.build import extensions_dir
     rows.append(("op build cache", str(extensions_dir())))
     # what `fsdpzero launch` would start here, and the threads each rank's CPU work gets
     ranks = torch.cuda.device_count() if cuda else 0

@@ -183,7 +183,7 @@ def fsdpzero_bytes(c: ModelCounts, stage: int, option: str, n: int, gpus: int, c
     """(gpu bytes, host bytes per node) of model states, as fsdpzero's gradient paths hold them at their peak.
 
     Stage 0 and FSDP2 stages 2/3: fp32 sharded params 4 + grads 4 + Adam 8 bytes/param, sharded as the stage says,
-    plus the unsharded working set in the compute dtype. Stage 1 (fsdpzero/ops/stage1/): whole compute-dtype
+    plus the unsharded working set in the compute dtype. Stage 1 (ops/fsdpzero_ops/stage1/): whole compute-dtype
     params and the whole compute-dtype grads they accumulate, until the boundary's reduce-scatter packs them into the
     fp32 grad shard (allocated first, 4/N), plus the fp32 master and Adam shards (12/N) and the first reduce bucket.
     Optimizer offload keeps only compute-dtype shards (params, grads) on the GPU; the host has the fp32 master and

@@ -28,7 +28,7 @@ def command_module(name: str):
     elif name == "convert":
         from fsdpzero.cli import convert as module
     elif name == "nvme-bench":
-        from fsdpzero.ops import aio_bench as module
+        from fsdpzero_ops import aio_bench as module
     elif name == "launch":
         from fsdpzero.cli import launch as module
     elif name == "env":

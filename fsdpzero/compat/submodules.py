@@ -29,9 +29,9 @@ def clone_tensors_for_torch_save(item: Any, device: torch.device = torch.device(
 def DeepSpeedCPUAdam(model_params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                      amsgrad=False, adamw_mode=True, fp32_optimizer_states=True):
     """deepspeed.ops.adam.DeepSpeedCPUAdam: what accelerate swaps a torch Adam/AdamW for when the optimizer is
-    offloaded. fsdpzero's fused CPU Adam (fsdpzero.ops.CPUAdam) over the same groups; like DeepSpeed's, one
+    offloaded. fsdpzero's fused CPU Adam (fsdpzero_ops.CPUAdam) over the same groups; like DeepSpeed's, one
     `adamw_mode` holds for every group (a torch group's own `decoupled_weight_decay` is overridden)."""
-    from fsdpzero.ops import CPUAdam
+    from fsdpzero_ops import CPUAdam
     if not fp32_optimizer_states:
         raise ValueError("DeepSpeedCPUAdam(fp32_optimizer_states=False): fsdpzero keeps the CPU Adam moments in "
                          "fp32; drop the argument")

@@ -99,7 +99,7 @@ def check(cfg: DSConfig, raw: dict, deferred: list[str]) -> list[Problem]:
     if z.offload_optimizer is not None and z.offload_optimizer.device != "none" and z.offload_optimizer.ratio < 1.0 \
             and z.stage not in (2, 3):
         # DeepSpeed 0.19.8 asserts "Partial offloading only supported for ZeRO Stage 3."; fsdpzero's offload path
-        # is the same for stages 2 and 3, stage 1 offloads through its own optimizer (fsdpzero/ops/stage1)
+        # is the same for stages 2 and 3, stage 1 offloads through its own optimizer (fsdpzero_ops.stage1)
         out.append(Problem("zero_optimization.offload_optimizer.ratio",
                            f"Partial offloading (ratio {z.offload_optimizer.ratio}) needs ZeRO stage 2 or 3 "
                            f"(stage is {z.stage}; DeepSpeed: stage 3 only)",

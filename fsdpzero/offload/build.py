@@ -2,7 +2,7 @@
 
 The gradient path for the engine (contract: fsdpzero.optim.GradPath). The model arrives fully_shard-ed; this module
 keeps, for every local shard, an fp32 master and the Adam states in CPU memory and steps them with the fused
-CPU Adam of fsdpzero/ops/csrc/cpu_adam.cpp, which reads the low-precision gradient and writes the low-precision param in
+CPU Adam of ops/csrc/cpu_adam.cpp, which reads the low-precision gradient and writes the low-precision param in
 the same pass. The device keeps only low-precision shards (`model.to(param_dtype)` after the masters are taken).
 
 One optimizer step, with params on an accelerator:
@@ -72,7 +72,7 @@ def bind_cores(local_rank: int, local_world_size: int) -> None:
 
 def _hyper_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
     """Adam-family hyperparameters of each group of the configured optimizer, for CPUAdam."""
-    from fsdpzero.ops import CPUAdam   # a client's CPUAdam / CPUAdamW (DeepSpeedCPUAdam under the shim)
+    from fsdpzero_ops import CPUAdam   # a client's CPUAdam / CPUAdamW (DeepSpeedCPUAdam under the shim)
     from fsdpzero.optim import AdamNoBiasCorrection
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, AdamNoBiasCorrection)) and \
             not isinstance(optimizer, CPUAdam):
@@ -182,7 +182,7 @@ def build_offload_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFa
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("offload: the model has no trainable parameters")
-    from fsdpzero.ops import cpu_adam
+    from fsdpzero_ops import cpu_adam
     cpu_adam.available_impls()   # JIT-build the op now (DeepSpeed builds its ops at initialize), not in step 1
     on_accel = local_tensor(named[0][1]).device.type != "cpu"   # else CPU-only, or offload_param put the shards there
     stage = on_accel if stage is None else stage

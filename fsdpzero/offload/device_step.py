@@ -39,7 +39,7 @@ def _cpu_norm(grads, cached: dict | None = None) -> torch.Tensor:
     same order either way, so the norm has the same bits."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
-    from fsdpzero.ops import cpu_adam
+    from fsdpzero_ops import cpu_adam
     sums: dict = {}
     cached = cached or {}
     for g in grads:
@@ -130,7 +130,7 @@ class CpuNormPrefetch:
             self._queue.put(item)
 
     def _main(self) -> None:
-        from fsdpzero.ops import cpu_adam
+        from fsdpzero_ops import cpu_adam
         torch.set_num_threads(self.threads)
         while True:
             param, loc, event = self._queue.get()

@@ -11,7 +11,7 @@ The parameters (plain CPU tensors or FSDP2 DTensor shards; fp32, bf16 or fp16) a
 master on disk, and the updated master is rounded into the parameter; an fp32 parameter is its own master (it must
 be in memory anyway, as with CPUAdam), so only its two moments go to disk. A sub-group occupies one contiguous range
 of the swap file (per slice: [master] exp_avg exp_avg_sq, each padded to the O_DIRECT alignment) and moves in one
-read and one write, on separate read and write engines. The update is `fsdpzero.ops.cpu_adam.adam_step_`, the
+read and one write, on separate read and write engines. The update is `fsdpzero_ops.cpu_adam.adam_step_`, the
 kernel CPUAdam runs with its states in memory: the results are bit-identical.
 
 Swap space: one directory per optimizer under nvme_path (fsdpzero.offload.swapdir: checked before anything is written,
@@ -25,8 +25,8 @@ import threading
 import torch
 
 from fsdpzero.offload.swapdir import SwapDir, close_swap_io
-from fsdpzero.ops.aio import ALIGN, AioConfig, AioHandle, aligned_empty
-from fsdpzero.ops.cpu_adam import adam_step_
+from fsdpzero_ops.aio import ALIGN, AioConfig, AioHandle, aligned_empty
+from fsdpzero_ops.cpu_adam import adam_step_
 from fsdpzero.dist import local_tensor
 
 _ELEMS = ALIGN // 4                       # fp32 elements per alignment unit

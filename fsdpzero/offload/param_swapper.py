@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten
 from fsdpzero.fsdp2_internals import (fsdp_params, fsdp_prefetch_depth, fsdp_units, lazy_init,
                                          own_resizable_storages, shard_data, shard_local)
 from fsdpzero.offload.swapdir import SwapDir, close_swap_io
-from fsdpzero.ops.aio import ALIGN, AioConfig, AioHandle, padded_nbytes
+from fsdpzero_ops.aio import ALIGN, AioConfig, AioHandle, padded_nbytes
 from fsdpzero.dist import local_tensor
 
 log = logging.getLogger("fsdpzero")

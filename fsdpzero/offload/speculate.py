@@ -230,7 +230,7 @@ class Speculator:
 
     @torch.no_grad()   # grad mode is per thread
     def _main(self) -> None:
-        from fsdpzero.ops import cpu_adam
+        from fsdpzero_ops import cpu_adam
         try:
             if self.device is not None:
                 torch.cuda.set_device(self.device)

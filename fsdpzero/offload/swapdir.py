@@ -6,7 +6,7 @@ The disk is often shared (a 1777 /local_nvme), and every name here is predictabl
 - each swap directory is made by this process with mode 0700 (an exclusive mkdir: a name someone planted, a link
   included, is never used), opened with O_DIRECTORY | O_NOFOLLOW and checked (owner, mode), and held open: its marker
   and swap files are created relative to that descriptor (dir_fd) with O_CREAT | O_EXCL | O_NOFOLLOW
-  (fsdpzero.ops.aio.open_file(exclusive=True, dir_fd=...)), so a directory renamed or replaced on the way cannot
+  (fsdpzero_ops.aio.open_file(exclusive=True, dir_fd=...)), so a directory renamed or replaced on the way cannot
   redirect them;
 - a stale directory's marker is read with O_NOFOLLOW, only when it is a regular file, at most MARKER_MAX bytes (a
   marker linked to /dev/zero, a FIFO or a huge file is no marker).
@@ -28,7 +28,7 @@ import stat
 import weakref
 from pathlib import Path
 
-from fsdpzero.ops.aio import ALIGN, AioConfig, AioFile, AioHandle, aligned_empty, open_file
+from fsdpzero_ops.aio import ALIGN, AioConfig, AioFile, AioHandle, aligned_empty, open_file
 
 SWAP_ROOT_PREFIX = "fsdpzero_swap"
 SWAP_ROOT = f"{SWAP_ROOT_PREFIX}-{os.geteuid()}"   # one per user: never shared with another user of the disk

@@ -21,7 +21,7 @@ Each path also owns, so that nothing outside it names a path:
 
 Implementations, chosen by one explicit dispatch from the plan (`fsdpzero.api.grad_path_type`, which
 `build_grad_path` follows): `FSDPGradPath` here (ZeRO 0/2/3 on FSDP2: reduction happens inside backward),
-`fsdpzero.optim.stage1.Stage1GradPath` (stage 1 over fsdpzero.ops.stage1) and the CPU/NVMe offload paths of
+`fsdpzero.optim.stage1.Stage1GradPath` (stage 1 over fsdpzero_ops.stage1) and the CPU/NVMe offload paths of
 `fsdpzero.offload`.
 """
 from __future__ import annotations

@@ -260,7 +260,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         self._flat_group = None
 
     def bind_flat_shards(self, flat_groups, process_group) -> None:
-        """Stage 1 (fsdpzero.ops.stage1): each param group became flat fp32 master shards, every parameter in them
+        """Stage 1 (fsdpzero_ops.stage1): each param group became flat fp32 master shards, every parameter in them
         flattened, padded and cut into equal chunks. Records each Muon master's matrices: (shape, offset, chunk)."""
         self._flat_group = process_group
         for fg in flat_groups:

@@ -1,4 +1,4 @@
-"""Stage 1 in the engine: fsdpzero.optim's GradPath over fsdpzero/ops/stage1/optimizer.py's Stage1Optimizer.
+"""Stage 1 in the engine: fsdpzero.optim's GradPath over ops/fsdpzero_ops/stage1/optimizer.py's Stage1Optimizer.
 
 `zero_optimization.stage: 1` routes here (fsdpzero.api.build_grad_path). The model stays unwrapped: parameters are
 replicated, and the stage-1 optimizer reduce-scatters gradients at the boundary, steps its shard and all-gathers.
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdpzero.ops.stage1 import Stage1Optimizer
+from fsdpzero_ops.stage1 import Stage1Optimizer
 from fsdpzero.optim.grad_path import UNSTEPPED, GradPath, MASTER, drop_unstepped_state, skips_on_device
 from fsdpzero.precision import DTYPES, cast_forward_inputs
 from fsdpzero.sharding import checkpoint_activations, find_blocks

@@ -198,7 +198,7 @@ class Plan:
 # naming it fails that test.
 CONSUMERS: dict[str, tuple[str, ...]] = {
     "ActivationCheckpointPlan.cpu_checkpointing": ("fsdpzero.sharding:checkpoint_activations",),
-    **{f"AioPlan.{f}": ("fsdpzero.ops.aio:AioConfig",) for f in (
+    **{f"AioPlan.{f}": ("fsdpzero_ops.aio:AioConfig",) for f in (
         "block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events", "use_gds")},
     "BatchPlan.train_batch_size": ("fsdpzero.engine:Engine.train_batch_size",),
     "BatchPlan.micro_batch_size": ("fsdpzero.engine:Engine.train_micro_batch_size_per_gpu",),

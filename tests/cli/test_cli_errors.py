@@ -127,7 +127,7 @@ def test_nvme_bench_bad_numbers(tmp_path, flag, value):
 def test_nvme_bench_bounds_are_the_configs():
     """ops/ never imports the library: aio_bench repeats the config layer's aio bounds, which must agree."""
     from fsdpzero.config.bounds import BOUNDS
-    from fsdpzero.ops import aio_bench
+    from fsdpzero_ops import aio_bench
     hi = {b.key: b.hi for b in BOUNDS}
     assert (hi["aio.block_size"], hi["aio.queue_depth"], hi["aio.intra_op_parallelism"]) == (
         aio_bench.MAX_BLOCK_SIZE, aio_bench.MAX_QUEUE_DEPTH, aio_bench.MAX_INTRA_OP_PARALLELISM)

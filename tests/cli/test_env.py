@@ -31,9 +31,9 @@ def test_env_reports_this_machine():
     assert ("GPUs" in rows) == (not torch.cuda.is_available())
     simd = cpu_simd(set(open("/proc/cpuinfo").read().split()))
     assert f"SIMD {simd}" in rows["CPU"]
-    from fsdpzero.ops.build import extensions_dir
+    from fsdpzero_ops.build import extensions_dir
     if (extensions_dir() / "fsdpzero_cpu_adam" / "fsdpzero_cpu_adam.so").is_file():
-        from fsdpzero.ops import cpu_adam
+        from fsdpzero_ops import cpu_adam
         assert rows["CPU Adam kernel"].split()[0] == cpu_adam.available_impls()[0] == simd
         assert rows["op fsdpzero_cpu_adam"].endswith(": built")
     assert "gloo" in rows["launch layout"] or "NCCL" in rows["launch layout"]

@@ -1,4 +1,4 @@
-"""Mutation check: each mutation in MUTATIONS breaks one line of a *copy* of fsdpzero/ and runs the tests that must
+"""Mutation check: each mutation in MUTATIONS breaks one line of a *copy* of fsdpzero/ (and ops/) and runs the tests that must
 catch it; every mutation has to make one of them fail. .ci/run runs it after the test suite.
 
     .venv/bin/python tests/mutation/run.py                 # all, a table and a JSON summary
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 class Mutation:
     name: str
     what: str                 # the bug it plants, in words
-    file: str                 # relative to fsdpzero/
+    file: str                 # relative to fsdpzero/; fsdpzero_ops/... is relative to ops/
     old: str                  # must occur exactly once in the file
     new: str
     tests: tuple[str, ...]    # pytest node ids, run in this order with -x
@@ -71,7 +71,7 @@ MUTATIONS = [
              "offload_policy=offload).set_gradient_divide_factor(1.0)\n",
              (f"{PARITY}[llama-stage2-gas1]",)),
     Mutation("stage1_reduce_sum", "stage 1 gradients summed instead of averaged across ranks",
-             "ops/stage1/optimizer.py",
+             "fsdpzero_ops/stage1/optimizer.py",
              "pack(buf[:, s.offset - run.lo: s.offset - run.lo + s.chunk], self._flat_grad(s), 1.0 / self.world)",
              "pack(buf[:, s.offset - run.lo: s.offset - run.lo + s.chunk], self._flat_grad(s), 1.0)",
              (f"{STAGE1}::test_stage1_matches_reference[llama-adamw-gas4]",)),
@@ -82,7 +82,7 @@ MUTATIONS = [
              "    def step(self, found_inf: torch.Tensor | None = None) -> None:\n        step_unless(",
              "    def step(self, found_inf: torch.Tensor | None = None) -> None:\n        return\n        step_unless(",
              (f"{PARITY}[llama-stage3-gas1-dtypebfloat16]",)),
-    Mutation("stage1_step_skipped", "stage 1's update_params does nothing", "ops/stage1/optimizer.py",
+    Mutation("stage1_step_skipped", "stage 1's update_params does nothing", "fsdpzero_ops/stage1/optimizer.py",
              "        factor, self._grad_factor = self._grad_factor, None\n", "        return\n",
              (f"{STAGE1}::test_stage1_matches_reference[llama-bf16]",)),
     Mutation("cpu_offload_step_skipped", "the CPU-offload optimizer never steps a chunk", "offload/path.py",
@@ -99,7 +99,7 @@ MUTATIONS = [
     Mutation("unscale_skipped_host", "fp16 grads not divided by the loss scale (host-side verdict branch)",
              "engine.py", "                factor = factor / scale\n", "                factor = factor\n",
              (f"{PARITY}[llama-stage2-gas2-fp16static-hostverdict]",)),
-    Mutation("master_cast_stage1", "stage 1's fp32 masters taken rounded to bf16", "ops/stage1/layout.py",
+    Mutation("master_cast_stage1", "stage 1's fp32 masters taken rounded to bf16", "fsdpzero_ops/stage1/layout.py",
              ".copy_(s.param.detach().view(-1)[start: start + s.local])",
              ".copy_(s.param.detach().view(-1)[start: start + s.local].to(torch.bfloat16))",
              (f"{STAGE1}::test_stage1_matches_reference[llama-bf16]",)),
@@ -120,24 +120,34 @@ MUTATIONS = [
 ]
 
 
-def apply(mutation: Mutation, pkg: Path) -> None:
-    path = pkg / mutation.file
+def source(root: Path, file: str) -> Path:
+    """A mutation's file under a checkout (the repo or the copy): the library's in fsdpzero/, the ops' in ops/."""
+    return root / ("ops" if file.startswith("fsdpzero_ops/") else "fsdpzero") / file
+
+
+def shown(file: str) -> str:
+    return str(source(Path(), file))
+
+
+def apply(mutation: Mutation, root: Path) -> None:
+    path = source(root, mutation.file)
     text = path.read_text()
     n = text.count(mutation.old)
     if n != 1:
-        raise SystemExit(f"mutation {mutation.name}: its anchor occurs {n} times in fsdpzero/{mutation.file} (must "
+        raise SystemExit(f"mutation {mutation.name}: its anchor occurs {n} times in {shown(mutation.file)} (must "
                          f"be exactly once; update the anchor in tests/mutation/run.py):\n{mutation.old!r}")
     path.write_text(text.replace(mutation.old, mutation.new))
 
 
 # Imports the mutated copy before pytest runs (pytest then prepends the repo root to sys.path; the copy is already
-# in sys.modules and its subpackages resolve through fsdpzero.__path__).
+# in sys.modules and its subpackages resolve through fsdpzero.__path__); the same for the ops, from the copy's ops/.
 CHILD = """
-import sys
+import os, sys
 copy = sys.argv[1]
-sys.path.insert(0, copy)
-import fsdpzero
+sys.path[:0] = [copy, os.path.join(copy, "ops")]
+import fsdpzero, fsdpzero_ops
 assert fsdpzero.__file__.startswith(copy), fsdpzero.__file__
+assert fsdpzero_ops.__file__.startswith(copy), fsdpzero_ops.__file__
 import pytest
 sys.exit(pytest.main(sys.argv[2:]))
 """
@@ -152,7 +162,7 @@ def run_tests(copy: Path | None, tests: tuple[str, ...], log: Path,
         env["TORCH_EXTENSIONS_DIR"] = str(extensions)
     env.pop("CI", None)   # a skip is not a catch either way; the skip policy is the suite's business
     root = str(copy) if copy is not None else str(ROOT)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.path.join(root, "ops"), env.get("PYTHONPATH")) if p)
     args = [sys.executable, "-c", CHILD, root, "-x", "-q", "-p", "no:cacheprovider", "-rfE", "--no-header", *tests]
     t0 = time.monotonic()
     with open(log, "w") as f:
@@ -178,13 +188,13 @@ def main() -> int:
     todo = [known[n] for n in args.names] if args.names else MUTATIONS
     if args.list:
         for m in todo:
-            print(f"{m.name:32s} fsdpzero/{m.file:28s} {m.what}\n{'':33s}tests: {' '.join(m.tests)}")
+            print(f"{m.name:32s} {shown(m.file):37s} {m.what}\n{'':33s}tests: {' '.join(m.tests)}")
         return 0
     if args.anchors:
         for m in todo:
-            n = (ROOT / "fsdpzero" / m.file).read_text().count(m.old)
-            print(f"{'ok' if n == 1 else 'BAD':4s} {m.name:32s} anchor found {n} time(s) in fsdpzero/{m.file}")
-        return 0 if all((ROOT / "fsdpzero" / m.file).read_text().count(m.old) == 1 for m in todo) else 1
+            n = source(ROOT, m.file).read_text().count(m.old)
+            print(f"{'ok' if n == 1 else 'BAD':4s} {m.name:32s} anchor found {n} time(s) in {shown(m.file)}")
+        return 0 if all(source(ROOT, m.file).read_text().count(m.old) == 1 for m in todo) else 1
     rows = []
     # One fixed place for the copy: the C++ ops JIT-build from the copy's sources, and a build keyed on the same
     # paths is reused (by later mutations and later runs) instead of redone (minutes on 2 cores) for each.
@@ -194,9 +204,9 @@ def main() -> int:
         tmp = Path(tmp)
         for m in todo:
             shutil.rmtree(copy, ignore_errors=True)
-            shutil.copytree(ROOT / "fsdpzero", copy / "fsdpzero",
-                            ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.o"))
-            apply(m, copy / "fsdpzero")
+            for top in ("fsdpzero", "ops"):   # ops/fsdpzero_ops/csrc -> ../csrc is copied as the files
+                shutil.copytree(ROOT / top, copy / top, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.o"))
+            apply(m, copy)
             if args.baseline:
                 rc, failed, secs = run_tests(None, m.tests, tmp / f"{m.name}.baseline.log")
                 if rc != 0:
@@ -204,7 +214,7 @@ def main() -> int:
                     raise SystemExit(f"baseline: the tests of {m.name} fail unmutated (rc {rc}, {failed})")
             rc, failed, secs = run_tests(copy, m.tests, tmp / f"{m.name}.log", extensions)
             caught = rc == 1 and failed is not None
-            row = dict(mutation=m.name, file=f"fsdpzero/{m.file}", what=m.what, caught=caught, caught_by=failed,
+            row = dict(mutation=m.name, file=shown(m.file), what=m.what, caught=caught, caught_by=failed,
                        pytest_rc=rc, seconds=round(secs, 1))
             rows.append(row)
             print(f"{'caught ' if caught else 'MISSED '} {m.name:32s} {secs:6.1f} s  {failed or '-'}", flush=True)

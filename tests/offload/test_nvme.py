@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-import fsdpzero.ops  # noqa: F401
+import fsdpzero_ops  # noqa: F401
 from fsdpzero.offload import nvme_adam as nvme
 from fsdpzero.offload.nvme_adam import NVMeAdam, SwapDir, nvme_optimizer_from_plan
 from fsdpzero.plan import OffloadPlan, OptimizerPlan, Plan
-from fsdpzero.ops.aio import AioConfig
-from fsdpzero.ops.cpu_adam import CPUAdam
+from fsdpzero_ops.aio import AioConfig
+from fsdpzero_ops.cpu_adam import CPUAdam
 from fsdpzero.offload import swapdir
 from tests.multirank import run_distributed
 from tests.ops.test_aio import _in_child

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import fsdpzero.ops  # noqa: F401
+import fsdpzero_ops  # noqa: F401
 from fsdpzero.offload import nvme_adam as nvme
 from fsdpzero.plan import OffloadPlan, Plan, PrecisionPlan, ShardPlan
 from fsdpzero.offload import swapdir

@@ -107,7 +107,7 @@ def _scenario(rank, world, kind, micro, clip, overlap=False):
     plan = Plan(offload=OffloadPlan(optimizer_device="cpu", param_device="cpu" if kind == "param" else "none",
                                     sub_group_size=700))   # several pipeline chunks per rank
     model = _model(cpu_offload=kind == "param")
-    from fsdpzero.ops import cpu_adam
+    from fsdpzero_ops import cpu_adam
     built, available = [], cpu_adam.available_impls
     cpu_adam.available_impls = lambda: built.append(1) or available()
     path = offload.build_offload_path(model, plan, lambda ps: torch.optim.AdamW(ps, **HYPER),

@@ -89,7 +89,7 @@ def test_engine_offload_matches_unsharded(stage, gas, param_offload, overlap, ra
     ref_losses, ref_params = reference_run("llama", batches(STEPS, gas, plan.batch.micro_batch_size * world),
                                            clip=1.0)
     for r in results:
-        if stage == 1:   # stage 1 shards and offloads its own fp32 masters (fsdpzero/ops/stage1/optimizer.py)
+        if stage == 1:   # stage 1 shards and offloads its own fp32 masters (ops/fsdpzero_ops/stage1/optimizer.py)
             assert r["path"] == "Stage1GradPath"
         else:
             assert r["path"] == "OffloadGradPath" and r["chunks"] > 1
@@ -279,7 +279,7 @@ def test_bf16_resume_keeps_the_fp32_masters(tmp_path, stage, ratio):
 def _client_cpu_adam(rank, world):
     """A client optimizer whose class derives from fsdpzero's CPUAdamW under another name: the offload path reads
     its hyper-parameters by type (not by class-name string), and runs as the config's AdamW does."""
-    from fsdpzero.ops import CPUAdamW
+    from fsdpzero_ops import CPUAdamW
     from tests.engine_cases import ADAMW
 
     class TunedCPUAdamW(CPUAdamW):

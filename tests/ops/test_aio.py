@@ -1,4 +1,4 @@
-"""fsdpzero.ops.aio: every backend round-trips odd-sized tensors bit-exactly with many requests in flight; the bytes on
+"""fsdpzero_ops.aio: every backend round-trips odd-sized tensors bit-exactly with many requests in flight; the bytes on
 disk are checked with plain Python file reads (the oracle), and each error path names the file and the cause."""
 import errno
 import os
@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from fsdpzero.ops import aio
+from fsdpzero_ops import aio
 
 BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(not aio.backend_available(b), reason=f"{b} not usable here"))
             for b in aio.BACKENDS]

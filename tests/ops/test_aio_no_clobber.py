@@ -14,7 +14,7 @@ import pytest
 from fsdpzero.cli import main
 from fsdpzero.offload import swapdir
 from fsdpzero.offload.swapdir import SWAP_ROOT, SwapDir
-from fsdpzero.ops import aio
+from fsdpzero_ops import aio
 
 VICTIM_TEXT = b"the victim's data\n"
 
@@ -208,7 +208,7 @@ def test_nvme_bench_refuses_a_private_dir_replaced_after_mkdtemp(tmp_path, monke
     put a link to a directory of theirs at its name: the scratch file was written there. The directory is opened
     with O_NOFOLLOW and checked; the bench stops with one line and writes nothing in the other directory."""
     import tempfile
-    from fsdpzero.ops import aio_bench
+    from fsdpzero_ops import aio_bench
     shared = tmp_path / "shared"
     shared.mkdir()
     evil = tmp_path / "evil"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdpzero.ops.aio import backend_available
+from fsdpzero_ops.aio import backend_available
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not backend_available("threads"), reason="the native aio op cannot be built here")
@@ -23,7 +23,7 @@ def _python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def test_refused_threads_raise_instead_of_aborting():
     proc = _python("""
         import resource
-        from fsdpzero.ops.aio import AioConfig, AioHandle
+        from fsdpzero_ops.aio import AioConfig, AioHandle
         AioHandle(AioConfig(), backend="threads").close()        # built and loaded before the limit
         vm = int([l for l in open("/proc/self/status") if l.startswith("VmSize")][0].split()[1]) * 1024
         resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))   # 16384 stacks won't fit
@@ -44,7 +44,7 @@ def test_unclosed_handle_finishes_its_writes_at_exit_and_a_fork_child_exits(tmp_
     target = tmp_path / "data.bin"
     proc = _python(f"""
         import os, sys, torch
-        from fsdpzero.ops.aio import AioHandle, aligned_empty
+        from fsdpzero_ops.aio import AioHandle, aligned_empty
         handle = AioHandle(backend={backend!r})
         f = handle.open({str(target)!r}, write=True)
         buf = aligned_empty(1 << 22)

@@ -1,4 +1,4 @@
-"""Fused CPU Adam (fsdpzero/ops/csrc/cpu_adam.cpp) against torch.optim.AdamW / torch.optim.Adam, on every kernel this
+"""Fused CPU Adam (ops/csrc/cpu_adam.cpp) against torch.optim.AdamW / torch.optim.Adam, on every kernel this
 host has.
 
 Tolerance: fp32 masters and states within rtol=1e-6, atol=1e-7 of torch after 100 steps (ulp-level rounding
@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from fsdpzero.ops import cpu_adam
+from fsdpzero_ops import cpu_adam
 
 IMPLS = cpu_adam.available_impls()           # e.g. ["avx512", "avx2", "scalar", "reference"]
 ALL = ["avx512", "avx2", "scalar", "reference"]

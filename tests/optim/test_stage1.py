@@ -1,4 +1,4 @@
-"""ZeRO stage 1 (fsdpzero/ops/stage1/optimizer.py) against a replicated data-parallel run on 1, 2 and 4 gloo ranks.
+"""ZeRO stage 1 (ops/fsdpzero_ops/stage1/optimizer.py) against a replicated data-parallel run on 1, 2 and 4 gloo ranks.
 
 The reference is written out here, independently of the code under test: every rank keeps the whole model and a
 torch.optim.AdamW over it, gradients are all-reduced (sum, then / world) and clipped with clip_grad_norm_. The model
@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fsdpzero.ops import stage1
+from fsdpzero_ops import stage1
 from tests.multirank import run_distributed
 
 Stage1Optimizer = stage1.Stage1Optimizer
@@ -169,7 +169,7 @@ def test_clip_factor_folded_into_fused_step(fold):
 
 
 def _pipelined_rank(rank, world, cls, device="cpu"):
-    """The same training, plain step vs pipelined bucket-by-bucket step (fsdpzero/ops/stage1/step.py); one step skipped
+    """The same training, plain step vs pipelined bucket-by-bucket step (ops/fsdpzero_ops/stage1/step.py); one step skipped
     on the device through found_inf, as the engine's deferred overflow verdict does."""
     out = {}
     for pipelined in (False, True):
@@ -310,7 +310,7 @@ def test_allgather_deferral_under_torch_compile():
 
 def test_ramped_buckets_cover_every_slot_once():
     """Ramped runs: consecutive, every slot once, each within the bucket; the first and last within bucket/8."""
-    from fsdpzero.ops.stage1.layout import Slot, runs as make_runs
+    from fsdpzero_ops.stage1.layout import Slot, runs as make_runs
     g = torch.Generator().manual_seed(0)
     for _ in range(200):
         sizes = torch.randint(1, 40, (int(torch.randint(1, 30, (), generator=g)),), generator=g).tolist()

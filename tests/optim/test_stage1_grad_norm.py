@@ -9,7 +9,7 @@ mean is exactly them); bar: 1e-6 relative to clip_grad_norm_, and to the fp64 no
 import torch
 from torch import nn
 
-from fsdpzero.ops.stage1 import Stage1Optimizer
+from fsdpzero_ops.stage1 import Stage1Optimizer
 from tests.multirank import run_distributed
 
 

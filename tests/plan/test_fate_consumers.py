@@ -129,7 +129,7 @@ def test_optimizer_state_dtype_is_checked_before_any_process_group(bf16, offload
 
 
 def test_aio_plan_reaches_the_op_config():
-    from fsdpzero.ops.aio import AioConfig
+    from fsdpzero_ops.aio import AioConfig
     from fsdpzero.plan import AioPlan
     plan = AioPlan(block_size=2 * 1_048_576, queue_depth=3, intra_op_parallelism=2, single_submit=True,
                    overlap_events=False)

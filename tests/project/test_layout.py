@@ -1,7 +1,8 @@
 """The house rules the folder layout promises, checked on the source (AST and text, no imports):
 
-- the import graph of fsdpzero has no cycle (imports inside functions count: they are arrows too);
-- fsdpzero.ops never imports the rest of the library, and the library never imports its CLI;
+- the import graph of fsdpzero and fsdpzero_ops has no cycle (imports inside functions count: they are arrows too);
+- the ops sit at the top of the repository (ops/fsdpzero_ops, ops/csrc), a package of their own that never imports
+  the library; the library never imports its CLI;
 - no private name (`_x`) is imported from another module: a name that crosses modules is public in its wing;
 - FSDP2's private state is touched in one module only (fsdpzero/fsdp2_internals.py);
 - no module but fsdpzero/tuning.py reads the process-wide knob state (tuning.current(), the last engine's explicit
@@ -16,6 +17,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "fsdpzero"
+OPS = ROOT / "ops" / "fsdpzero_ops"   # the package fsdpzero_ops, installed beside fsdpzero
+LIBRARY = ("fsdpzero", "fsdpzero_ops")
 FSDP_STATE = PKG / "fsdp2_internals.py"
 # torch's private _fully_shard state, as attribute or getattr name
 FSDP_PRIVATE = re.compile(r"\b(_get_fsdp_state|_fsdp_param_groups?|_sharded_param_data|_local_tensor|_lazy_init|"
@@ -24,11 +27,15 @@ FSDP_PRIVATE = re.compile(r"\b(_get_fsdp_state|_fsdp_param_groups?|_sharded_para
 
 
 def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    parts = list(path.relative_to(OPS.parent if path.is_relative_to(OPS) else ROOT).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-MODULES = {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+def _ours(module: str) -> bool:
+    return any(module == top or module.startswith(top + ".") for top in LIBRARY)
+
+
+MODULES = {_module_name(p): p for p in sorted([*PKG.rglob("*.py"), *OPS.rglob("*.py")])}
 
 
 def _imports(name: str, path: Path) -> list[tuple[str, list[str], int]]:
@@ -49,8 +56,8 @@ def _imports(name: str, path: Path) -> list[tuple[str, list[str], int]]:
 
 
 def _targets(module: str, names: list[str]) -> list[str]:
-    """The fsdpzero modules an import reaches: `from a.b import c` is a.b.c when c is a module, else a.b."""
-    if not (module == "fsdpzero" or module.startswith("fsdpzero.")):
+    """The fsdpzero(_ops) modules an import reaches: `from a.b import c` is a.b.c when c is a module, else a.b."""
+    if not _ours(module):
         return []
     subs = [f"{module}.{n}" for n in names if f"{module}.{n}" in MODULES]
     if subs and len(subs) == len(names):
@@ -105,8 +112,18 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_wings_exist():
     wings = {p.name for p in PKG.iterdir() if (p / "__init__.py").is_file()}
-    assert {"config", "plan", "optim", "offload", "checkpoint", "cli", "hf", "ops"} <= wings
+    assert {"config", "plan", "optim", "offload", "checkpoint", "cli", "hf"} <= wings
     assert len(MODULES) > 50
+
+
+def test_ops_sit_at_the_top_of_the_repository():
+    """The design card's place: ops/csrc (C++) and ops/fsdpzero_ops (its Python package), beside fsdpzero/."""
+    assert not (PKG / "ops").exists(), "fsdpzero/ops is back inside the library; the ops live in ops/fsdpzero_ops"
+    assert {"fsdpzero_ops", "fsdpzero_ops.cpu_adam", "fsdpzero_ops.aio", "fsdpzero_ops.stage1"} <= set(MODULES)
+    sources = {p.name for p in (ROOT / "ops" / "csrc").iterdir()}
+    assert {"cpu_adam.cpp", "aio.cpp"} <= sources
+    # the package's csrc (what the wheel ships, what build.py compiles) is the same folder
+    assert (OPS / "csrc").resolve() == (ROOT / "ops" / "csrc").resolve()
 
 
 def test_no_import_cycle():
@@ -118,10 +135,14 @@ def test_cycle_finder_finds_one():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
+def _library_imports_of_ops() -> list[str]:
+    return [f"{name}:{line} imports {mod}" for name, path in MODULES.items() if name.split(".")[0] == "fsdpzero_ops"
+            for mod, _, line in _imports(name, path) if mod.split(".")[0] == "fsdpzero"]
+
+
 def test_ops_never_import_the_library():
-    bad = [f"{name}:{line} imports {mod}" for name, path in MODULES.items() if name.startswith("fsdpzero.ops")
-           for mod, _, line in _imports(name, path)
-           if (mod == "fsdpzero" or mod.startswith("fsdpzero.")) and not mod.startswith("fsdpzero.ops")]
+    assert len([n for n in MODULES if n.split(".")[0] == "fsdpzero_ops"]) >= 8, "the ops' modules are not scanned"
+    bad = _library_imports_of_ops()
     assert not bad, bad
 
 
@@ -134,7 +155,7 @@ def test_library_never_imports_the_cli():
 
 def test_no_private_name_crosses_modules():
     bad = [f"{name}:{line} takes {n} from {mod}" for name, path in MODULES.items()
-           for mod, names, line in _imports(name, path) if mod.startswith("fsdpzero")
+           for mod, names, line in _imports(name, path) if _ours(mod)
            for n in names if n.startswith("_") and not n.startswith("__")]
     assert not bad, bad
 
@@ -196,7 +217,7 @@ def test_every_module_is_in_a_package():
 
 # The modules that may read the process's knob state (fsdpzero.tuning.current), each with why it is process-wide.
 # Still process-wide but not a read of that state: the ops' defaults (no_build, cpu_adam_impl, aio_backend), which
-# tuning.use hands to fsdpzero.ops (apply_to_ops) because ops never imports the library; the last wrap's win.
+# tuning.use hands to fsdpzero_ops (apply_to_ops) because ops never imports the library; the last wrap's win.
 PROCESS_TUNING_READERS = {
     "fsdpzero.cli.env": "`fsdpzero env` reports the process's environment; no engine exists there",
 }

@@ -1,4 +1,4 @@
-// The pieces of the async I/O engine (fsdpzero/ops/csrc/aio.cpp) below the Engine: request/chunk bookkeeping, the blocking
+// The pieces of the async I/O engine (ops/csrc/aio.cpp) below the Engine: request/chunk bookkeeping, the blocking
 // fallback, and the two kernel queues (raw io_uring and the kernel AIO syscalls). Included by aio.cpp only,
 // whose Engine drives them; an anonymous namespace keeps all of it private to that one translation unit.
 #pragma once

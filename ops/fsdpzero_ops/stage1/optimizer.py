@@ -9,9 +9,9 @@ gradients locally over the micro-steps. At the accumulation boundary:
      inf/nan) an overflow verdict that every rank shares;
   3. the inner optimizer (any torch.optim optimizer, built by a factory over the flat fp32 master shards, one tensor
      per dtype per param group) steps on this rank's shard only (a fused torch Adam/AdamW may step it bucket by
-     bucket, each bucket's all-gather starting while the next updates: fsdpzero/ops/stage1/step.py);
+     bucket, each bucket's all-gather starting while the next updates: ops/fsdpzero_ops/stage1/step.py);
   4. the updated shards are cast to the parameter dtype and all-gathered, in buckets of `allgather_bucket_size`
-     (fsdpzero/ops/stage1/gather.py). After `defer_allgather_to_forward(model)` step() returns with them in flight, and
+     (ops/fsdpzero_ops/stage1/gather.py). After `defer_allgather_to_forward(model)` step() returns with them in flight, and
      each module's forward waits only for the buckets of its own parameters.
 
 Traffic per optimizer step is one reduce-scatter plus one all-gather, about 2x the parameter bytes. DeepSpeed stage 1
@@ -393,12 +393,12 @@ class Stage1Optimizer(torch.optim.Optimizer):
                     else:
                         s.param.grad.zero_()
 
-    # ------------------------------------------------------------ checkpoint (fsdpzero/ops/stage1/state.py)
+    # ------------------------------------------------------------ checkpoint (ops/fsdpzero_ops/stage1/state.py)
 
     def state_dict(self, *, copies: bool = False) -> dict[str, Any]:
         """Per-parameter fp32 master and optimizer state as 1-D DTensors (views of the shard; with `copies`, copies
         for an async save), for DCP: saved from N ranks, loadable into the state_dict() of M ranks. See
-        fsdpzero/ops/stage1/state.py."""
+        ops/fsdpzero_ops/stage1/state.py."""
         return logical_state_dict(self, copies)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

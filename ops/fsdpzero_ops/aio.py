@@ -8,7 +8,7 @@
     req.wait()                                          # raises OSError naming file, offset and errno
 
 Backends ("auto" picks the first that works): io_uring and libaio (the kernel's own queues, driven through raw syscalls
-by fsdpzero/ops/csrc/aio.cpp, so neither liburing nor libaio needs to be installed), threads (a pool over blocking
+by ops/csrc/aio.cpp, so neither liburing nor libaio needs to be installed), threads (a pool over blocking
 pread/pwrite in the same C++ file) and python (os.preadv/os.pwritev in a thread pool: the reference, and the fallback
 when nothing can be compiled). All four cut a request into `block_size` chunks and keep many chunks in flight.
 

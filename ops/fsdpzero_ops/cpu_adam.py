@@ -7,7 +7,7 @@ cost nothing, and the step runs at memory speed (~28 bytes/param).
     opt.step()
     opt.step_param(master, grad_bf16, out=pinned_bf16)                  # offload: one param, low-precision in/out
 
-Kernels (fsdpzero/ops/csrc/cpu_adam.cpp): AVX-512, AVX2 and scalar, picked at run time for the host CPU. Choose one with
+Kernels (ops/csrc/cpu_adam.cpp): AVX-512, AVX2 and scalar, picked at run time for the host CPU. Choose one with
 `impl=` or `set_default_impl()` (the library's `cpu_adam_impl` knob, FSDPZERO_CPU_ADAM_IMPL) = auto | avx512 | avx2 |
 scalar | reference. "reference" is the pure-torch path below; it also runs, after one warning, when the op cannot be
 built (no compiler, or build.set_no_build(True), the `no_build` knob).

@@ -12,7 +12,10 @@ import warnings
 from functools import lru_cache
 from pathlib import Path
 
-CSRC = Path(__file__).resolve().parent / "csrc"
+# In a source checkout the C++ sources sit beside this package (ops/csrc, reached through the ops/fsdpzero_ops/csrc
+# link that the wheel resolves into a copy); in an installed wheel, inside it (fsdpzero_ops/csrc).
+_HERE = Path(__file__).resolve().parent
+CSRC = next((p.resolve() for p in (_HERE / "csrc", _HERE.parent / "csrc") if p.is_dir()), _HERE / "csrc")
 NO_BUILD = False   # set_no_build(): never compile, every op takes its reference path
 
 
@@ -29,7 +32,7 @@ def extensions_dir() -> Path:
     if env:
         root = Path(env)
     else:
-        repo = CSRC.parents[2]
+        repo = CSRC.parents[1]   # <repo>/ops/csrc in a checkout
         if (repo / "pyproject.toml").is_file():
             root = repo / ".torch_extensions"
         else:

@@ -1,4 +1,4 @@
-"""The flat-shard layout of fsdpzero/ops/stage1/optimizer.py: each parameter is flattened, padded to a multiple of the
+"""The flat-shard layout of ops/fsdpzero_ops/stage1/optimizer.py: each parameter is flattened, padded to a multiple of the
 world size and cut into equal chunks (DTensor's Shard(0) of the flat parameter); runs group consecutive chunks into
 buckets."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Stage 1's all-gather of the updated parameters: finished inside step(), or left in flight for the next forward.
 
 After the sharded step every rank holds its chunk of each updated parameter in fp32. The chunks are cast to the
-parameter dtype and all-gathered, one bucket (a run of parameters, fsdpzero/ops/stage1/layout.py) per collective, then
+parameter dtype and all-gathered, one bucket (a run of parameters, ops/fsdpzero_ops/stage1/layout.py) per collective, then
 copied out of the rank-major buffer into the whole parameters.
 
 `gather(defer=False)` does it all before returning, at most two buckets in flight (bounded temporary memory).
@@ -74,7 +74,7 @@ class ParamAllGather:
     @torch.no_grad()
     def gather(self, update: Callable[[torch.Tensor, int, int], None] | None = None, *, defer: bool = False) -> None:
         """Cast each bucket's shard to the parameter dtype and all-gather it. `update(master, lo, hi)`, if given,
-        first steps the bucket's slice of the shard (fsdpzero/ops/stage1/step.py). `defer`: leave the copy-outs to the
+        first steps the bucket's slice of the shard (ops/fsdpzero_ops/stage1/step.py). `defer`: leave the copy-outs to the
         next reader (only after attach(), on more than one rank, and without compiled submodules)."""
         self.wait()
         defer = defer and self.deferrable()

@@ -1,4 +1,4 @@
-// The Adam kernels of fsdpzero/ops/csrc/cpu_adam.cpp: the per-call constants, the scalar kernel (also every vector kernel's
+// The Adam kernels of ops/csrc/cpu_adam.cpp: the per-call constants, the scalar kernel (also every vector kernel's
 // tail) and the AVX-512 / AVX2 kernels with per-function target attributes, chosen at run time by best_isa().
 // Included by cpu_adam.cpp only (an anonymous namespace keeps it private to that translation unit).
 #pragma once
