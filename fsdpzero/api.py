@@ -184,11 +184,16 @@ def build_grad_path(model: nn.Module, plan: Plan, make_optimizer: OptimizerFacto
     name = grad_path_name(plan)
     if name == "stage1":
         from fsdpzero.optim.stage1 import build_stage1_path
-        return build_stage1_path(model, plan, make_optimizer, mesh, tuning=tuning)
-    if name == "offload":
+        path = build_stage1_path(model, plan, make_optimizer, mesh, tuning=tuning)
+    elif name == "offload":
         from fsdpzero.offload import build_offload_path
-        return build_offload_path(model, plan, make_optimizer, mesh, tuning=tuning)
-    return FSDPGradPath(model, make_optimizer([p for p in model.parameters() if p.requires_grad]))
+        path = build_offload_path(model, plan, make_optimizer, mesh, tuning=tuning)
+    else:
+        path = FSDPGradPath(model, make_optimizer([p for p in model.parameters() if p.requires_grad]))
+    if plan.shard.stage >= 1 and hasattr(path.optimizer, "orthogonalize_grads"):
+        from fsdpzero.optim.muon import MuonGradPath   # Muon at ZeRO 1-3: clipped after Newton-Schulz, as DeepSpeed
+        path = MuonGradPath(path)
+    return path
 
 
 def _param_groups(model_parameters) -> list[dict] | None:

@@ -76,10 +76,6 @@ def _check_muon(plan: Plan) -> None:
         raise ValueError(f"config key 'zero_optimization.offload_optimizer.device' = "
                          f"{plan.offload.optimizer_device!r} with optimizer.type \"Muon\" is not implemented in "
                          "fsdpzero (DeepSpeed runs it); remove offload_optimizer")
-    if plan.batch.gradient_clipping > 0:
-        raise ValueError(f"config key 'gradient_clipping' = {plan.batch.gradient_clipping} (1.0 when absent) with "
-                         "optimizer.type \"Muon\": DeepSpeed clips Muon's orthogonalized update, not the gradient, "
-                         "and fsdpzero does not reproduce that; set \"gradient_clipping\": 0")
     if plan.precision.loss_scale is not None:
         raise ValueError("config key 'fp16.enabled' = true with optimizer.type \"Muon\": DeepSpeed keeps Muon's "
                          "momentum in loss-scaled units and fsdpzero does not reproduce that; use bf16 or fp32")

@@ -11,6 +11,11 @@ Muon's update, per matrix (DeepSpeed's muon_update: nesterov, 5 Newton-Schulz st
 The momentum is elementwise and stays sharded like the parameter. Newton-Schulz needs the whole matrix: matrix i's
 nesterov blend is gathered to one owner rank (i mod the shard group's size), which alone runs Newton-Schulz, and the
 result is scattered back so each rank gets the rows of its shard.
+
+Gradient clipping, as DeepSpeed 0.19.8 orders it: at ZeRO 1-3 each Muon gradient becomes its orthogonalized update
+before the global norm (MuonGradPath), so the norm is taken over the Muon updates and the AdamW half's gradients and
+the clip factor scales both; the momentum moves with the unclipped gradient. At ZeRO 0 (no ZeRO optimizer) DeepSpeed
+clips the raw gradients and Muon runs inside the step, as torch optimizers do.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fsdpzero.dist import local_tensor
+from fsdpzero.optim.grad_path import GradPath
 
 MUON_KEYS = ("lr", "momentum", "weight_decay", "ns_method")   # what a Muon half's group takes from the config
 ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")            # and the AdamW half's
@@ -258,6 +264,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         super().__init__(param_groups, {})
         self._flat_slots: dict[int, list[tuple[torch.Size, int, int]]] = {}
         self._flat_group = None
+        self._staged: dict | None = None   # orthogonalize_grads' new momenta, committed by step()
 
     def bind_flat_shards(self, flat_groups, process_group) -> None:
         """Stage 1 (fsdpzero_ops.stage1): each param group became flat fp32 master shards, every parameter in them
@@ -267,12 +274,58 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             if self.param_groups[fg.group_index]["use_muon"]:
                 self._flat_slots[id(fg.master)] = [(s.param.shape, s.offset, s.chunk) for s in fg.slots]
 
+    def _muon_update(self, group: dict, p: torch.Tensor, grad: torch.Tensor, ortho: "_Orthogonalizer"):
+        """(the new momentum, this rank's piece of the orthogonalized update) of Muon parameter p from `grad` (this
+        rank's piece of the mean gradient); the stored momentum is left as it was."""
+        state = self.state[p]
+        if not state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        beta = group["momentum"]
+        m = local_tensor(state["momentum_buffer"]).lerp(grad, 1 - beta)
+        blend = grad.lerp(m, beta)   # nesterov
+        if id(p) in self._flat_slots:   # stage 1: a flat shard of matrices, each chunked like Shard(0)
+            update = torch.zeros_like(blend)
+            for shape, offset, chunk in self._flat_slots[id(p)]:
+                update[offset:offset + chunk] = ortho.flat(blend[offset:offset + chunk], shape, self._flat_group,
+                                                           group["ns_method"])
+        else:
+            update = ortho.rows(blend, p, group["ns_method"])
+        return m, update
+
+    @torch.no_grad()
+    def orthogonalize_grads(self) -> None:
+        """DeepSpeed's order at ZeRO 1-3 (stage_1_and_2.get_flat_partition, stage3._apply_muon_to_accumulated_grads):
+        each Muon parameter's gradient becomes its orthogonalized update before the global norm is taken, so the
+        norm and the gradient clipping cover the update (the AdamW half's raw gradients beside it), and step() then
+        applies the clipped update. The momentum moves with the raw gradient; it is staged and committed by step(),
+        so a step skipped for overflow leaves it as it was. Once per boundary: a second call before step() or
+        drop_staged() does nothing."""
+        if self._staged is not None:
+            return
+        self._staged = {}
+        ortho = _Orthogonalizer()
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                continue
+            for p in group["params"]:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grad = local_tensor(p.grad)
+                m, update = self._muon_update(group, p, grad, ortho)
+                grad.copy_(update)
+                self._staged[p] = m
+
+    def drop_staged(self) -> None:
+        """Forget a boundary's staged momentum (its step was skipped, or it is done)."""
+        self._staged = None
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        staged, self._staged = self._staged, None
         ortho = _Orthogonalizer()
         for group in self.param_groups:
             lr, wd = group["lr"], group["weight_decay"]
@@ -280,18 +333,12 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 grad = local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p))
                 state, w = self.state[p], local_tensor(p)
                 if group["use_muon"]:
-                    if not state:
-                        state["momentum_buffer"] = torch.zeros_like(p)
-                    m, beta = local_tensor(state["momentum_buffer"]), group["momentum"]
-                    m.lerp_(grad, 1 - beta)
-                    blend = grad.lerp(m, beta)   # nesterov
-                    if id(p) in self._flat_slots:   # stage 1: a flat shard of matrices, each chunked like Shard(0)
-                        update = torch.zeros_like(blend)
-                        for shape, offset, chunk in self._flat_slots[id(p)]:
-                            update[offset:offset + chunk] = ortho.flat(blend[offset:offset + chunk], shape,
-                                                                       self._flat_group, group["ns_method"])
-                    else:
-                        update = ortho.rows(blend, p, group["ns_method"])
+                    if staged is not None and p in staged:   # orthogonalize_grads ran: the grad is the update
+                        local_tensor(state["momentum_buffer"]).copy_(staged[p])
+                        update = grad
+                    else:   # DeepSpeed without a ZeRO optimizer (stage 0): Muon on the (clipped) gradient here
+                        m, update = self._muon_update(group, p, grad, ortho)
+                        local_tensor(state["momentum_buffer"]).copy_(m)
                 else:
                     if not state:
                         state["step"] = torch.zeros((), dtype=torch.float32)
@@ -309,3 +356,58 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                     w.mul_(1 - lr * wd)
                 w.add_(update, alpha=-lr)
         return loss
+
+
+class MuonGradPath(GradPath):
+    """DeepSpeed's ZeRO 1-3 with Muon: the gradient path of the plan (`inner`), with each Muon matrix's gradient
+    turned into its orthogonalized update once the gradients are complete, before the global norm (see
+    MuonWithAuxAdam.orthogonalize_grads): `gradient_clipping` then scales the Muon updates and the AdamW gradients
+    by one factor, as DeepSpeed's unscale_and_clip_grads does. Every other call is the inner path's. (Stage 0 is
+    plain FSDP2 and not wrapped: DeepSpeed clips the raw gradients there, before MuonWithAuxAdam.step.)"""
+
+    def __init__(self, inner: GradPath):
+        self.inner = inner
+        self.optimizer = inner.optimizer
+        self.param_swapper = inner.param_swapper
+        self.streams_checkpoints = inner.streams_checkpoints
+
+    def set_sync(self, sync: bool) -> None:
+        self.inner.set_sync(sync)
+
+    def finish_gradients(self) -> None:
+        self.inner.finish_gradients()
+        self.optimizer.orthogonalize_grads()
+
+    def grad_norm(self) -> torch.Tensor:
+        return self.inner.grad_norm()
+
+    def scale_grads_(self, factor) -> None:
+        self.inner.scale_grads_(factor)
+
+    def can_skip_on_device(self) -> bool:
+        return self.inner.can_skip_on_device()
+
+    def step(self, found_inf: torch.Tensor | None = None) -> None:
+        self.inner.step(found_inf)
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+        self.optimizer.drop_staged()   # a skipped step's momentum never lands
+
+    def wait(self) -> None:
+        self.inner.wait()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def state_dict(self, streaming: bool = False) -> dict[str, Any]:
+        return self.inner.state_dict(streaming)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+    def async_save(self):
+        return self.inner.async_save()
+
+    def keep_masters_on_load(self):
+        return self.inner.keep_masters_on_load()

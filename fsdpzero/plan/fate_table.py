@@ -101,14 +101,14 @@ FATES: dict[str, tuple[str, str]] = {
     _Z + "contiguous_gradients": (N, "FSDP2 always reduce-scatters flat per-group gradient buffers"),
     _Z + "reduce_scatter": (N, "FSDP2 always reduce-scatters"),
     _Z + "reduce_bucket_size": (M, "ShardPlan.reduce_bucket_size (elements): bucket of the stage-1 reduce-scatter "
-                                   "(ops/fsdpzero_ops/stage1/optimizer.py); at stages 0/2/3 FSDP2 reduces per wrapped "
+                                   "(fsdpzero/ops/stage1/optimizer.py); at stages 0/2/3 FSDP2 reduces per wrapped "
                                    "block"),
     _Z + "use_multi_rank_bucket_allreduce": (N, "FSDP2 buckets per wrapped block"),
     _Z + "allgather_partitions": (N, "FSDP2 always all-gathers"),
     _Z + "allgather_bucket_size": (M, "ShardPlan.allgather_bucket_size: post-step all-gather bucket of the "
                                       "stage-1 optimizer (ops stage1)"),
     _Z + "overlap_comm": (N, "FSDP2 always overlaps communication on separate streams; at stage 1 it starts the "
-                             "reduce-scatter buckets from backward hooks (ops/fsdpzero_ops/stage1/optimizer.py)"),
+                             "reduce-scatter buckets from backward hooks (fsdpzero/ops/stage1/optimizer.py)"),
     _Z + "compute_grad_norm": (N, "the grad norm is always computed (clipping, overflow check)"),
     _Z + "load_from_fp32_weights": (M, "checkpoint load restores fp32 masters from DCP (always true)"),
     _Z + "elastic_checkpoint": (N, "DCP reshards natively on load"),
@@ -407,7 +407,7 @@ CONDITIONAL: tuple[Rule, ...] = (
     # ---- ZeRO layout
     Rule(_Z + "stage", value_is(0), M, "FSDP2 on a (world, 1) mesh: replicated params, gradients all-reduced per "
                                        "wrapped block (DDP-style)"),
-    Rule(_Z + "stage", value_is(1), M, "ops/fsdpzero_ops/stage1/optimizer.py: replicated params; grads reduce-scattered "
+    Rule(_Z + "stage", value_is(1), M, "fsdpzero/ops/stage1/optimizer.py: replicated params; grads reduce-scattered "
                                        "into fp32 shards at the boundary, sharded optimizer step, params all-gathered"),
     Rule(_Z + "stage", value_is(2), M, "fully_shard(reshard_after_forward=False) per block + root"),
     Rule(_Z + "stage", value_is(3), M, "fully_shard(reshard_after_forward=True) per block + root"),
@@ -459,10 +459,6 @@ CONDITIONAL: tuple[Rule, ...] = (
          "stage 0, or AdamW"),
     Rule("optimizer.type", When("a 1-bit optimizer", lambda c: optimizer_kind(c.value) == "onebit"), U,
          "{value}: compressed-communication optimizers are not implemented"),
-    Rule("optimizer.type", MUON & When("gradient_clipping > 0 (1.0 when absent)",
-                                       lambda c: (c.cfg.gradient_clipping or 0) > 0), U,
-         "Muon with gradient_clipping > 0: DeepSpeed clips Muon's orthogonalized update, fsdpzero's engine the "
-         "gradient; set \"gradient_clipping\": 0"),
     Rule("optimizer.type", MUON & When("fp16 on", lambda c: bool(c.cfg.fp16.enabled)), U,
          "Muon with fp16: DeepSpeed keeps the momentum in loss-scaled units; use bf16 or fp32"),
     Rule("optimizer.type", MUON & OFFLOADED_OPT, U, "Muon with offload_optimizer: not implemented (DeepSpeed runs "
@@ -471,9 +467,10 @@ CONDITIONAL: tuple[Rule, ...] = (
          "fsdpzero.optim.muon.MuonWithAuxAdam, DeepSpeed 0.19.8's: its split (matrices but embeddings and lm_head "
          "take Muon, the rest AdamW), nesterov momentum and 5-step Newton-Schulz (ns_method gram/standard) on each "
          "whole matrix, run once on one owner rank (gathered from the shards, its pieces scattered back); the "
-         "momentum stays sharded. Refused with the fix: gradient_clipping > 0 (DeepSpeed clips the orthogonalized "
-         "update), fp16, offload_optimizer, per_head_muon. The reported grad norm is the gradient's (DeepSpeed's: "
-         "the update's)"),
+         "momentum stays sharded. gradient_clipping in DeepSpeed's order: at ZeRO 1-3 the global norm is taken "
+         "over the orthogonalized Muon updates and the AdamW gradients and the clip scales both (the momentum moves "
+         "with the unclipped gradient; the reported grad norm is that norm, as DeepSpeed's); at ZeRO 0 over the raw "
+         "gradients, before Muon. Refused with the fix: fp16, offload_optimizer, per_head_muon"),
     Rule("optimizer.type", When("MuAdam, MuAdamW, MuSGD or Lion", lambda c: (c.value or "").lower() in (
         "muadam", "muadamw", "musgd", "lion")), U, "{value}: no fsdpzero implementation"),
     *(Rule("optimizer.type", When(f"{k} (canonical)", lambda c, k=k: c.fields()["canon"] == k), M,

@@ -1,6 +1,8 @@
 """`optimizer.type: "Muon"` against DeepSpeed 0.19.8's MuonWithAuxAdam: the same ds_config, Llama model, data and
-seed through `deepspeed.initialize` and `fsdpzero.initialize` on 2 forked gloo ranks (fp32, CPU): per-step losses and
-final weights within 1e-5 at ZeRO 0 to 3, 2 micro-batches per step (Muon runs once per optimizer step). In the same
+seed through `deepspeed.initialize` and `fsdpzero.initialize` on 2 forked gloo ranks (fp32, CPU): per-step losses, global
+grad norms and final weights within 1e-5 at ZeRO 0 to 3, 2 micro-batches per step (Muon runs once per optimizer step),
+with gradient_clipping 1.0 (DeepSpeed's default; it clips every step here: at ZeRO 1-3 DeepSpeed takes the norm over
+the orthogonalized Muon updates, whose norm is ~sqrt(rank) per matrix, at ZeRO 0 over the raw gradients) and 0. In the same
 fsdpzero ranks: Newton-Schulz runs once per matrix and step, on one rank; and a run saved after 2 steps and resumed
 equals the uninterrupted one (the sharded momentum is in the checkpoint). DeepSpeed's `muon_update` is
 torch.compile'd; its ranks run it eagerly (TORCH_COMPILE_DISABLE), which saves an inductor build and computes the same
@@ -20,11 +22,10 @@ pytestmark = [pytest.mark.oracle, pytest.mark.slow]
 STEPS, GA, MICRO, SEQ, VOCAB, WORLD, TOL = 4, 2, 2, 16, 128, 2, 1e-5
 
 
-def _config(stage):
-    # lr / weight_decay shared, muon_lr and adam_lr per half; betas/eps for AdamW, momentum for Muon. DeepSpeed
-    # clips the orthogonalized update (fsdpzero refuses a clip with Muon), so gradient_clipping is 0.
+def _config(stage, clip):
+    # lr / weight_decay shared, muon_lr and adam_lr per half; betas/eps for AdamW, momentum for Muon
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GA,
-           "train_batch_size": MICRO * GA * WORLD, "steps_per_print": 10 ** 9, "gradient_clipping": 0.0,
+           "train_batch_size": MICRO * GA * WORLD, "steps_per_print": 10 ** 9, "gradient_clipping": clip,
            "optimizer": {"type": "Muon", "params": {"lr": 1e-3, "muon_lr": 5e-3, "adam_lr": 2e-3, "momentum": 0.9,
                                                     "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-8,
                                                     "torch_adam": True}},
@@ -43,8 +44,9 @@ def _data(rank):
     return [data[micro * WORLD + rank] for micro in range(GA)] * STEPS
 
 
-def _steps(engine, batches):
-    """Per optimizer step, the loss averaged over its micro-batches and the ranks."""
+def _steps(engine, batches, norms=None):
+    """Per optimizer step, the loss averaged over its micro-batches and the ranks (and into `norms`, the engine's
+    global grad norm)."""
     losses = []
     for i in range(0, len(batches), GA):
         total = torch.zeros(())
@@ -55,6 +57,9 @@ def _steps(engine, batches):
             total += loss.detach().float()
         torch.distributed.all_reduce(total)
         losses.append(total.item() / (WORLD * GA))
+        if norms is not None:
+            norm = engine.get_global_grad_norm()
+            norms.append(None if norm is None else float(norm))
     return losses
 
 
@@ -71,14 +76,16 @@ def _train(rank, world, library, config, ckpt):
     if library == "deepspeed":
         os.environ["TORCH_COMPILE_DISABLE"] = "1"
         engine = oracle_engine("deepspeed", config)
-        return dict(losses=_steps(engine, _data(rank)), params=_params(engine, library, stage))
+        norms = []
+        return dict(losses=_steps(engine, _data(rank), norms), norms=norms, params=_params(engine, library, stage))
     from fsdpzero.optim import muon
     engine = oracle_engine("fsdpzero", config)
     # the parameters the optimizer gave Muon (stage 1: the matrices inside its flat shards)
     muon_names = sorted(n for n, p in engine.module.named_parameters() if getattr(p, "use_muon", False))
     before = muon.ns_calls
-    losses = _steps(engine, _data(rank))
-    out = dict(losses=losses, params=_params(engine, library, stage), muon_names=muon_names,
+    norms = []
+    losses = _steps(engine, _data(rank), norms)
+    out = dict(losses=losses, norms=norms, params=_params(engine, library, stage), muon_names=muon_names,
                ns_calls=muon.ns_calls - before)
     # resume: 2 steps, save, a fresh engine loads and takes the last 2 == the uninterrupted 4
     first = oracle_engine("fsdpzero", config)
@@ -92,10 +99,10 @@ def _train(rank, world, library, config, ckpt):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_muon_matches_deepspeed(stage, tmp_path):
+@pytest.mark.parametrize("stage,clip", [(0, 0.0), (0, 1.0), (1, 1.0), (2, 1.0), (2, 0.0), (3, 1.0)])
+def test_muon_matches_deepspeed(stage, clip, tmp_path):
     _deepspeed()
-    config = _config(stage)
+    config = _config(stage, clip)
     ds = run_distributed(_train, WORLD, "deepspeed", copy.deepcopy(config), None, timeout=400)
     ours = run_distributed(_train, WORLD, "fsdpzero", copy.deepcopy(config), str(tmp_path / "ckpt"), timeout=400)
     o, d = ours[0], ds[0]
@@ -106,6 +113,11 @@ def test_muon_matches_deepspeed(stage, tmp_path):
     for step, (a, b) in enumerate(zip(d["losses"], o["losses"])):
         assert abs(a - b) <= TOL, f"step {step} loss: deepspeed {a} vs fsdpzero {b}"
     assert d["losses"][-1] < d["losses"][0] - 0.05   # it trains
+    if stage > 0:   # DeepSpeed reports no norm at ZeRO 0 in fp32; at 1-3 it is the norm it clipped by
+        for step, (a, b) in enumerate(zip(d["norms"], o["norms"])):
+            assert abs(a - b) <= TOL * a, f"step {step} grad norm: deepspeed {a} vs fsdpzero {b}"
+        if clip:   # the norm over Muon's updates is far above 1: every step was clipped
+            assert min(d["norms"]) > 2 * clip
     for r in range(WORLD):
         worst = max((ds[r]["params"][n] - ours[r]["params"][n]).abs().max().item() for n in d["params"])
         assert worst <= TOL, f"rank {r}: final params differ from DeepSpeed's by {worst} (stage {stage})"
@@ -141,12 +153,11 @@ def test_muon_update_is_deepspeeds(ns_method, shape):
     assert (ours - ref).abs().max().item() <= (1e-6 if ns_method == "gram" else 0.0)
 
 
-BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "Muon", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}}
 
 
 @pytest.mark.parametrize("change,key", [
-    ({"gradient_clipping": 1.0}, "gradient_clipping"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
      "zero_optimization.offload_optimizer.device"),
     ({"fp16": {"enabled": True}}, "fp16.enabled"),
@@ -162,3 +173,23 @@ def test_muon_refusals_name_the_key(change, key):
     with pytest.raises(ValueError, match=f"config key '{key}'"):
         check_optimizer(build_plan(config, Env(world_size=2)))
     check_optimizer(build_plan(BASE, Env(world_size=2)))   # the base config passes
+
+
+def test_skipped_step_leaves_the_momentum():
+    """ZeRO 1-3 order (orthogonalize_grads before the norm): the new momentum is staged and lands only with step(),
+    as DeepSpeed's _commit_muon_momentum; a boundary whose step is skipped (the engine then zero_grads:
+    MuonGradPath.zero_grad drops the staged momentum) leaves it as it was, and the next boundary moves it once."""
+    from fsdpzero.optim.muon import MuonWithAuxAdam
+    g = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(8, 12, generator=g))
+    opt = MuonWithAuxAdam([dict(params=[w], use_muon=True, lr=0.1, momentum=0.9)])
+    grad = torch.randn(8, 12, generator=g)
+    w.grad = grad.clone()
+    opt.orthogonalize_grads()
+    opt.orthogonalize_grads()   # a second call at the same boundary (the HF Trainer's norm read) does nothing
+    assert not torch.equal(w.grad, grad) and torch.equal(opt.state[w]["momentum_buffer"], torch.zeros(8, 12))
+    opt.drop_staged()           # skipped
+    w.grad = grad.clone()
+    opt.orthogonalize_grads()
+    opt.step()
+    assert torch.allclose(opt.state[w]["momentum_buffer"], 0.1 * grad, rtol=0, atol=1e-7)
