@@ -101,14 +101,14 @@ FATES: dict[str, tuple[str, str]] = {
     _Z + "contiguous_gradients": (N, "FSDP2 always reduce-scatters flat per-group gradient buffers"),
     _Z + "reduce_scatter": (N, "FSDP2 always reduce-scatters"),
     _Z + "reduce_bucket_size": (M, "ShardPlan.reduce_bucket_size (elements): bucket of the stage-1 reduce-scatter "
-                                   "(fsdpzero/ops/stage1/optimizer.py); at stages 0/2/3 FSDP2 reduces per wrapped "
+                                   "(ops/fsdpzero_ops/stage1/optimizer.py); at stages 0/2/3 FSDP2 reduces per wrapped "
                                    "block"),
     _Z + "use_multi_rank_bucket_allreduce": (N, "FSDP2 buckets per wrapped block"),
     _Z + "allgather_partitions": (N, "FSDP2 always all-gathers"),
     _Z + "allgather_bucket_size": (M, "ShardPlan.allgather_bucket_size: post-step all-gather bucket of the "
                                       "stage-1 optimizer (ops stage1)"),
     _Z + "overlap_comm": (N, "FSDP2 always overlaps communication on separate streams; at stage 1 it starts the "
-                             "reduce-scatter buckets from backward hooks (fsdpzero/ops/stage1/optimizer.py)"),
+                             "reduce-scatter buckets from backward hooks (ops/fsdpzero_ops/stage1/optimizer.py)"),
     _Z + "compute_grad_norm": (N, "the grad norm is always computed (clipping, overflow check)"),
     _Z + "load_from_fp32_weights": (M, "checkpoint load restores fp32 masters from DCP (always true)"),
     _Z + "elastic_checkpoint": (N, "DCP reshards natively on load"),
@@ -407,7 +407,7 @@ CONDITIONAL: tuple[Rule, ...] = (
     # ---- ZeRO layout
     Rule(_Z + "stage", value_is(0), M, "FSDP2 on a (world, 1) mesh: replicated params, gradients all-reduced per "
                                        "wrapped block (DDP-style)"),
-    Rule(_Z + "stage", value_is(1), M, "fsdpzero/ops/stage1/optimizer.py: replicated params; grads reduce-scattered "
+    Rule(_Z + "stage", value_is(1), M, "ops/fsdpzero_ops/stage1/optimizer.py: replicated params; grads reduce-scattered "
                                        "into fp32 shards at the boundary, sharded optimizer step, params all-gathered"),
     Rule(_Z + "stage", value_is(2), M, "fully_shard(reshard_after_forward=False) per block + root"),
     Rule(_Z + "stage", value_is(3), M, "fully_shard(reshard_after_forward=True) per block + root"),
