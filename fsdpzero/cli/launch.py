@@ -61,6 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="accelerate's launch config for DeepSpeed (the YAML `accelerate config` writes): its "
                              "process layout and ACCELERATE_* settings; flags given here take precedence "
                              "(docs/accelerate_trl.md)")
+    parser.add_argument("--bind_cores_to_rank", action="store_true",
+                        help="pin each rank to its own slice of the CPUs (whole cores, NUMA-node order) and set its "
+                             "OMP_NUM_THREADS to the slice's size, as DeepSpeed's flag (fsdpzero/host.py)")
+    parser.add_argument("--bind_core_list", default=None,
+                        help="with --bind_cores_to_rank: the CPUs to split among the ranks, e.g. 0-15,32-47 "
+                             "(default: every CPU this process may use)")
     parser.add_argument("--dry_run", action="store_true", help="print the torchrun command and exit")
     parser.add_argument("user_script", help="the training script (or module with --module)")
     parser.add_argument("user_args", nargs=argparse.REMAINDER, help="the script's own arguments, passed unchanged")
@@ -200,11 +206,18 @@ def _this_host(active: dict[str, list[int]], node_rank: int, hostname: str) -> s
 
 
 def plan_launch(args: argparse.Namespace, pool: dict[str, int] | None, *, gpu_count: int, hostname: str,
-                visible: str | None = None, environ: dict | None = None) -> LaunchPlan:
-    """The torchrun arguments and environment for `args` (pure: the caller supplies what it detected)."""
+                visible: str | None = None, environ: dict | None = None, python: str = "python") -> LaunchPlan:
+    """The torchrun arguments and environment for `args` (pure: the caller supplies what it detected, and the
+    interpreter that runs the ranks under --bind_cores_to_rank)."""
     environ = os.environ if environ is None else environ
     if args.module and args.no_python:
         raise ValueError("--module and --no_python cannot be used together (as with DeepSpeed)")
+    if args.bind_core_list is not None:
+        if not args.bind_cores_to_rank:
+            raise ValueError(f"--bind_core_list {args.bind_core_list}: add --bind_cores_to_rank (the list says "
+                             "which CPUs the ranks are pinned to)")
+        from fsdpzero.host import parse_cpulist
+        parse_cpulist(args.bind_core_list)   # a bad list fails here, once, not in every rank
     active = select_resources(pool, args, gpu_count)
     host = _this_host(active, args.node_rank, hostname)
     slots = active[host]
@@ -232,15 +245,27 @@ def plan_launch(args: argparse.Namespace, pool: dict[str, int] | None, *, gpu_co
         where = f"node {host} of {nnodes}, rendezvous {addr}:{port}"
     local_rank = [] if args.no_local_rank else ["--local_rank=${local_rank}"]   # torchrun fills it in per process
     if args.no_python:
-        out += ["--no-python", args.user_script, *local_rank, *args.user_args]
+        program = [args.user_script, *local_rank, *args.user_args]
     elif args.no_shim:
-        out += (["--module"] if args.module else []) + [args.user_script, *local_rank, *args.user_args]
+        program = (["-m"] if args.module else []) + [args.user_script, *local_rank, *args.user_args]
     else:
         target = ["-m", args.user_script] if args.module else [args.user_script]
-        out += ["--module", "fsdpzero.compat.bootstrap", *target, *local_rank, *args.user_args]
+        program = ["-m", "fsdpzero.compat.bootstrap", *target, *local_rank, *args.user_args]
+    if args.bind_cores_to_rank:   # each rank starts as fsdpzero.host's binder, which pins it and execs the program
+        core_list = ["--bind_core_list", args.bind_core_list] if args.bind_core_list else []
+        out += ["--no-python", python, "-u", "-m", "fsdpzero.host", "--bind_cores_to_rank", *core_list, "--",
+                *([] if args.no_python else [python, "-u"]), *program]
+    elif args.no_python:
+        out += ["--no-python", *program]
+    elif program[0] == "-m":
+        out += ["--module", *program[1:]]
+    else:
+        out += program
     world = sum(len(s) for s in active.values())
     kind = f"GPU(s) {env['CUDA_VISIBLE_DEVICES']}" if gpu_count > 0 else "CPU processes (gloo)"
-    summary = f"{len(slots)} {kind} on {where}; world size {world}"
+    summary = f"{len(slots)} {kind} on {where}; world size {world}" + (
+        f"; each rank pinned to its own CPUs ({args.bind_core_list or 'all usable'})" if args.bind_cores_to_rank
+        else "")
     return LaunchPlan(out, env, summary)
 
 
@@ -286,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
     gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     plan = plan_launch(args, pool, gpu_count=gpu_count, hostname=socket.gethostname(),
                        visible=os.environ.get("CUDA_VISIBLE_DEVICES") if pool is None and not (
-                           args.include or args.exclude or args.num_gpus > 0) else None)
+                           args.include or args.exclude or args.num_gpus > 0) else None, python=sys.executable)
     if config is not None:
         from fsdpzero.compat.accelerate_config import format_rows
         plan.env.update(config.env)

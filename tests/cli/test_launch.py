@@ -137,6 +137,23 @@ def test_flags_for_the_script():
         launch.plan_launch(_args("--module", "--no_python", "x"), None, gpu_count=0, hostname="box")
 
 
+def test_bind_cores_to_rank_runs_each_rank_through_the_binder():
+    args = launch.plan_launch(_args("--bind_cores_to_rank", "--bind_core_list", "0-7,16-23", "--num_gpus", "2",
+                                    "t.py", "--x"), None, gpu_count=0, hostname="box", python="/py").torchrun_args
+    assert args[5:] == ["--no-python", "/py", "-u", "-m", "fsdpzero.host", "--bind_cores_to_rank",
+                        "--bind_core_list", "0-7,16-23", "--", "/py", "-u", "-m", "fsdpzero.compat.bootstrap", "t.py",
+                        "--local_rank=${local_rank}", "--x"]
+    args = launch.plan_launch(_args("--bind_cores_to_rank", "--no_python", "./run.sh"), None, gpu_count=0,
+                              hostname="box", python="/py").torchrun_args
+    assert args[5:] == ["--no-python", "/py", "-u", "-m", "fsdpzero.host", "--bind_cores_to_rank", "--", "./run.sh",
+                        "--local_rank=${local_rank}"]
+    with pytest.raises(ValueError, match="--bind_core_list 0-3: add --bind_cores_to_rank"):
+        launch.plan_launch(_args("--bind_core_list", "0-3", "t.py"), None, gpu_count=0, hostname="box")
+    with pytest.raises(ValueError, match="bad CPU list '3-0'"):
+        launch.plan_launch(_args("--bind_cores_to_rank", "--bind_core_list", "3-0", "t.py"), None, gpu_count=0,
+                           hostname="box")
+
+
 def test_gpus_are_chosen_by_slot():
     plan = launch.plan_launch(_args("--include", "localhost:1,3", "t.py"), None, gpu_count=4, hostname="box")
     assert plan.env == {"CUDA_VISIBLE_DEVICES": "1,3"} and plan.torchrun_args[:4] == ["--nnodes", "1",
@@ -198,6 +215,29 @@ def test_launch_runs_ranks_passes_arguments_and_exit_status(tmp_path):
         assert got["env"] == {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": got["env"]["MASTER_ADDR"]}
     assert p.stderr.count("unchanged-script mode") == 1          # said once, by rank 0
+
+
+_AFFINITY_PROBE = """
+import json, os, sys
+with open(os.path.join(sys.argv[-1], f"rank{os.environ['RANK']}.json"), "w") as f:
+    json.dump({"cpus": sorted(os.sched_getaffinity(0)), "omp": os.environ.get("OMP_NUM_THREADS"),
+               "argv": sys.argv[1:]}, f)
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two ranks need two CPUs to be pinned apart")
+def test_launch_bind_cores_to_rank_pins_ranks_apart(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(_AFFINITY_PROBE)
+    p = subprocess.run([*FSDPZERO, "launch", "--num_gpus", "2", "--bind_cores_to_rank", "--no_shim", str(script),
+                        str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert not set(got[0]["cpus"]) & set(got[1]["cpus"]), got     # each rank its own CPUs
+    assert set(got[0]["cpus"]) | set(got[1]["cpus"]) <= os.sched_getaffinity(0)
+    assert [g["omp"] for g in got] == [str(len(g["cpus"])) for g in got]   # OMP threads = the slice, as DeepSpeed
+    assert got[1]["argv"] == ["--local_rank=1", str(tmp_path)]
+    assert p.stderr.count("--bind_cores_to_rank:") == 1, p.stderr          # rank 0 says what it picked
 
 
 def test_bad_flag_is_one_line_and_exit_2(tmp_path):

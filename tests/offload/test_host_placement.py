@@ -1,0 +1,186 @@
+"""fsdpzero/host.py: each local rank's CPU threads and cores, on fake hosts (sysfs trees, NUMA layouts, cgroup
+quotas, affinity masks), and the launcher's per-rank binder."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from fsdpzero.host import (Peer, Topology, cpu_quota, format_cpulist, launcher_binding, parse_cpulist, pci_numa_node,
+                           plan_placement, read_topology)
+
+
+def numa_host(nodes: int, cores_per_node: int, smt: int = 1) -> Topology:
+    """Linux numbering: CPU c + k * (nodes * cores_per_node) is the k-th SMT sibling of core c."""
+    physical = nodes * cores_per_node
+    node_of, core_of = {}, {}
+    for k in range(smt):
+        for c in range(physical):
+            node_of[c + k * physical] = c // cores_per_node
+            core_of[c + k * physical] = (c // cores_per_node, c % cores_per_node)
+    return Topology(node_of, core_of)
+
+
+def plan_all(topo: Topology, pools, gpu_nodes=None, **kw):
+    peers = [Peer(r, frozenset(pool), None if gpu_nodes is None else gpu_nodes[r]) for r, pool in enumerate(pools)]
+    return [plan_placement(peers, r, topo, **kw) for r in range(len(peers))]
+
+
+def assert_disjoint_within(plans, pool):
+    seen = set()
+    for p in plans:
+        assert p.bind and p.cores, p
+        assert not seen & set(p.cores), f"rank {p.local_rank} shares CPUs: {p.cores}"
+        seen |= set(p.cores)
+    assert seen <= set(pool)
+
+
+def test_cpulists():
+    assert parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert format_cpulist([11, 0, 1, 2, 3, 8, 10]) == "0-3,8,10-11"
+    for bad in ("3-1", "a", "1-b"):
+        with pytest.raises(ValueError, match="bad CPU list"):
+            parse_cpulist(bad)
+
+
+def test_two_numa_nodes_of_32_cores_four_ranks_on_their_gpus_nodes():
+    topo = numa_host(2, 32)
+    cpus = range(64)
+    # GPUs 0,1 on node 1 and GPUs 2,3 on node 0 (as on hosts whose first GPUs hang off the second socket)
+    plans = plan_all(topo, [cpus] * 4, gpu_nodes=[1, 1, 0, 0])
+    assert_disjoint_within(plans, cpus)
+    assert [p.cores for p in plans] == [tuple(range(32, 48)), tuple(range(48, 64)), tuple(range(0, 16)),
+                                        tuple(range(16, 32))]
+    assert [p.nodes for p in plans] == [(1,), (1,), (0,), (0,)]
+    assert [p.threads for p in plans] == [16] * 4
+    assert plans[0].describe().startswith("16 threads/rank, cores 32-47, numa 1 (bound, on its GPU's NUMA node")
+    assert plans[0].describe().endswith("; ranks 32-47 | 48-63 | 0-15 | 16-31")
+    # all four GPUs on node 0: node 1 would sit idle, so the split is contiguous (two ranks per node)
+    plans = plan_all(topo, [cpus] * 4, gpu_nodes=[0, 0, 0, 0])
+    assert [p.nodes for p in plans] == [(0,), (0,), (1,), (1,)]
+    assert_disjoint_within(plans, cpus)
+
+
+def test_smt_siblings_stay_with_their_core():
+    topo = numa_host(2, 16, smt=2)     # CPUs 0-31 first threads, 32-63 their siblings
+    plans = plan_all(topo, [range(64)] * 4, gpu_nodes=[0, 0, 1, 1])
+    assert_disjoint_within(plans, range(64))
+    assert plans[0].cores == (*range(0, 8), *range(32, 40))
+    assert plans[3].cores == (*range(24, 32), *range(56, 64))
+    assert plans[0].threads == 16
+
+
+def test_sixteen_cores_eight_ranks_and_uneven_splits():
+    topo = numa_host(1, 16)
+    plans = plan_all(topo, [range(16)] * 8)
+    assert_disjoint_within(plans, range(16))
+    assert [p.cores for p in plans] == [(2 * r, 2 * r + 1) for r in range(8)]
+    assert {p.threads for p in plans} == {2}
+    plans = plan_all(topo, [range(16)] * 3)   # the first ranks get the extra core, none is left over
+    assert [len(p.cores) for p in plans] == [6, 5, 5]
+    assert_disjoint_within(plans, range(16))
+
+
+def test_affinity_narrower_than_the_host():
+    topo = numa_host(2, 32)
+    pool = range(8, 24)                  # a container's cpuset (docker --cpuset-cpus 8-23)
+    plans = plan_all(topo, [pool] * 2)
+    assert_disjoint_within(plans, pool)
+    assert [p.cores for p in plans] == [tuple(range(8, 16)), tuple(range(16, 24))]
+    assert plans[0].threads == 8
+
+
+def test_launcher_bound_ranks_keep_their_cpus():
+    topo = numa_host(2, 32)
+    plans = plan_all(topo, [range(0, 16), range(16, 32)], omp_num_threads="16")
+    assert [(p.bind, p.cores, p.threads) for p in plans] == [(False, tuple(range(16)), 16),
+                                                              (False, tuple(range(16, 32)), 16)]
+    assert "launcher gave each local rank its own CPUs" in plans[0].why
+
+
+def test_users_omp_num_threads_is_respected():
+    topo = numa_host(2, 32)
+    plans = plan_all(topo, [range(64)] * 4, omp_num_threads="4")
+    assert [p.threads for p in plans] == [4] * 4
+    assert_disjoint_within(plans, range(64))          # 4 threads fit each 16-CPU slice: still bound
+    assert "OMP_NUM_THREADS=4 set by the user" in plans[0].why
+    plans = plan_all(topo, [range(64)] * 4, omp_num_threads="32")
+    assert [(p.threads, p.bind, len(p.cores)) for p in plans] == [(32, False, 64)] * 4   # never crowded into 16
+    assert "would crowd a 16-CPU slice" in plans[0].why
+    # torchrun's default for several local ranks is not the user's choice
+    plans = plan_all(topo, [range(64)] * 4, omp_num_threads="1")
+    assert [p.threads for p in plans] == [16] * 4
+    # the knob wins over both
+    assert plan_all(topo, [range(64)] * 4, omp_num_threads="4", threads=6)[0].threads == 6
+
+
+def test_cgroup_quota_caps_the_threads():
+    topo = Topology(numa_host(1, 64).node_of, {}, quota=8.0)   # docker --cpus 8 on a 64-CPU host
+    plans = plan_all(topo, [range(64)] * 4)
+    assert [p.threads for p in plans] == [2] * 4
+    assert_disjoint_within(plans, range(64))
+    assert "cgroup quota 8 CPUs / 4 ranks" in plans[0].why
+
+
+def test_bind_off_is_the_old_share_and_cpu_only_is_left_alone():
+    topo = numa_host(1, 16)
+    old = plan_all(topo, [range(16)] * 4, bind=False)
+    assert [(p.bind, p.threads, len(p.cores)) for p in old] == [(False, 4, 16)] * 4
+    cpu_only = plan_all(topo, [range(16)] * 2, accelerator=False)
+    assert [(p.bind, p.threads) for p in cpu_only] == [(False, None)] * 2
+    forced = plan_all(topo, [range(16)] * 2, accelerator=False, bind=True)
+    assert_disjoint_within(forced, range(16))
+
+
+def test_more_ranks_than_cpus_is_not_bound():
+    plans = plan_all(numa_host(1, 2), [range(2)] * 4)
+    assert [(p.bind, p.threads) for p in plans] == [(False, 1)] * 4
+
+
+def _write(path, text):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def test_read_topology_and_quota_from_fake_sysfs(tmp_path):
+    sys_root, cg, proc = tmp_path / "sys", tmp_path / "cgroup", tmp_path / "proc"
+    for node, cpus in ((0, "0-1,4-5"), (1, "2-3,6-7")):
+        _write(f"{sys_root}/devices/system/node/node{node}/cpulist", cpus + "\n")
+    for cpu in range(8):
+        _write(f"{sys_root}/devices/system/cpu/cpu{cpu}/topology/physical_package_id", str((cpu % 4) // 2))
+        _write(f"{sys_root}/devices/system/cpu/cpu{cpu}/topology/core_id", str(cpu % 2))
+    _write(f"{cg}/cgroup.controllers", "cpu memory")
+    _write(f"{cg}/cpu.max", "max 100000")
+    _write(f"{cg}/job/cpu.max", "300000 100000")     # the job's cgroup: 3 CPUs
+    _write(f"{proc}/self/cgroup", "0::/job\n")
+    topo = read_topology(str(sys_root), str(cg), str(proc))
+    assert topo.node_of == {0: 0, 1: 0, 4: 0, 5: 0, 2: 1, 3: 1, 6: 1, 7: 1}
+    assert topo.core_of[0] == topo.core_of[4] == (0, 0) and topo.core_of[2] == (1, 0)
+    assert topo.quota == 3.0
+    plans = plan_all(topo, [range(8)] * 2, gpu_nodes=[1, 0])
+    assert [p.cores for p in plans] == [(2, 3, 6, 7), (0, 1, 4, 5)] and [p.threads for p in plans] == [1, 1]
+    _write(f"{cg}/job/cpu.max", "max 100000")
+    assert cpu_quota(str(cg), str(proc)) is None
+    # cgroup v1
+    v1 = tmp_path / "v1"
+    _write(f"{v1}/cpu,cpuacct/cpu.cfs_quota_us", "-1")
+    _write(f"{v1}/cpu,cpuacct/cpu.cfs_period_us", "100000")
+    _write(f"{v1}/cpu,cpuacct/slurm/cpu.cfs_quota_us", "1600000")
+    _write(f"{v1}/cpu,cpuacct/slurm/cpu.cfs_period_us", "100000")
+    _write(f"{tmp_path}/p1/self/cgroup", "4:cpu,cpuacct:/slurm\n3:memory:/x\n")
+    assert cpu_quota(str(v1), str(tmp_path / "p1")) == 16.0
+    _write(f"{sys_root}/bus/pci/devices/0000:1b:00.0/numa_node", "1\n")
+    _write(f"{sys_root}/bus/pci/devices/0000:9c:00.0/numa_node", "-1\n")
+    assert pci_numa_node(0, 0x1b, 0, str(sys_root)) == 1
+    assert pci_numa_node(0, 0x9c, 0, str(sys_root)) is None and pci_numa_node(0, 1, 0, str(sys_root)) is None
+
+
+def test_launcher_binding_slices_the_core_list():
+    topo = numa_host(2, 8)
+    got = [launcher_binding(r, 2, "2-5,10-13", topo=topo, affinity=range(16)) for r in range(2)]
+    assert [(p.cores, p.threads) for p in got] == [((2, 3, 4, 5), 4), ((10, 11, 12, 13), 4)]
+    with pytest.raises(ValueError, match="--bind_core_list 14-17: CPUs 16-17 are not usable here"):
+        launcher_binding(0, 2, "14-17", topo=topo, affinity=range(16))
+    with pytest.raises(ValueError, match="3 ranks cannot each have their own CPU"):
+        launcher_binding(0, 3, "0-1", topo=topo, affinity=range(16))
