@@ -27,7 +27,7 @@ ROWS = [(0, "none"), (1, "none"), (1, "offload_optimizer=cpu"), (2, "none"), (2,
         (3, "none"), (3, "offload_optimizer=cpu"), (3, "offload_param+optimizer=cpu")]
 
 
-def measure(model_name: str, stage: int, option: str = "none") -> int:
+def measure(model_name: str, stage: int, option: str = "none", phases: dict | None = None) -> int:
     config = est.load_model_config(model_name)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -38,14 +38,20 @@ def measure(model_name: str, stage: int, option: str = "none") -> int:
           "bf16": {"enabled": True}, "zero_optimization": {"stage": stage, **OPTIONS[option]},
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}}
     engine = fsdpzero.wrap(model, ds)
+    mark = (lambda name: phases.setdefault(name, (torch.cuda.max_memory_allocated() - base) / 2**30)) \
+        if phases is not None else (lambda name: None)
+    mark("wrap")
     with torch.no_grad():                      # a real init, so steps are finite and Adam states get allocated
         for p in engine.module.parameters():
             (p.to_local() if hasattr(p, "to_local") else p).normal_(0.0, 0.02)
     ids = torch.randint(0, config.vocab_size, (1, 16), device="cuda")
-    for _ in range(3):
+    for i in range(3):
         loss = engine(input_ids=ids, labels=ids).loss
+        mark(f"forward{i}")
         engine.backward(loss)
+        mark(f"backward{i}")
         engine.step()
+        mark(f"step{i}")
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     del engine, model, loss
@@ -60,12 +66,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-0.9b")
     ap.add_argument("--out", default="estimate_vs_measured.json")
+    ap.add_argument("--rows", default="", help="only these rows, e.g. '1:offload_optimizer=cpu,2:none'")
+    ap.add_argument("--phases", action="store_true", help="also print the peak (GiB) after wrap and after each "
+                    "forward, backward and step: where a row's peak comes from")
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
     counts = est.count_model(args.model)
     rows = []
-    for stage, option in ROWS:
-        measured = measure(args.model, stage, option)
+    wanted = [(int(r.split(":")[0]), r.split(":")[1]) for r in args.rows.split(",") if r]
+    for stage, option in wanted or ROWS:
+        phases = {} if args.phases else None
+        measured = measure(args.model, stage, option, phases)
+        if phases and dist.get_rank() == 0:
+            print(f"stage {stage} {option} peaks GiB: " + " ".join(f"{k} {v:.3f}" for k, v in phases.items()))
         estimate, _ = est.fsdpzero_bytes(counts, stage, option, world, world, compute_bytes=2)
         rows.append({"stage": stage, "option": option, "world": world, "estimate": estimate, "measured": measured,
                      "ratio": estimate / measured})

@@ -175,6 +175,13 @@ def divert_training_arguments(module: types.ModuleType) -> None:
         original(self)
 
     cls.__post_init__ = __post_init__
+    n_gpu = cls.n_gpu
+
+    def one_device_per_process(self) -> int:   # as fsdpzero.hf.TrainingArguments.n_gpu: no DataParallel
+        n = n_gpu.fget(self)
+        return min(n, 1) if getattr(self, "fsdpzero_config", None) is not None else n
+
+    cls.n_gpu = property(one_device_per_process, doc=n_gpu.__doc__)
     cls.__fsdpzero_diverted__ = True
 
 

@@ -160,6 +160,13 @@ class TrainingArguments(transformers.TrainingArguments):
     def place_model_on_device(self) -> bool:
         return False     # the engine places the shards (transformers' documented override point for integrations)
 
+    @property
+    def n_gpu(self) -> int:
+        # one process drives one device, as under DeepSpeed: a plain `python train.py` on a multi-GPU host must not
+        # get the Trainer's DataParallel, which needs every parameter on cuda:0 (offloaded shards are on the CPU)
+        n = super().n_gpu
+        return min(n, 1) if getattr(self, "fsdpzero_config", None) is not None else n
+
     def __post_init__(self):
         self.fsdpzero_config = self.deepspeed
         self.deepspeed = None            # keep transformers from importing and configuring DeepSpeed
