@@ -23,6 +23,9 @@ from fsdpzero.log import log_startup, setup_logging
 from fsdpzero.optim.muon import tag_muon_params
 from fsdpzero.optim import FSDPGradPath, GradPath, OptimizerFactory, check_optimizer, make_optimizer_factory
 from fsdpzero.optim.grad_path import ForwardOnlyPath
+from fsdpzero.parallel import data_mesh, data_rank_and_size, model_mesh
+from fsdpzero.parallel.tensor_parallel import apply_tensor_parallel
+from fsdpzero.parallel.tp_plan import resolve_tp_plan, style_counts
 from fsdpzero.plan import Env, Plan
 from fsdpzero.plan.translate import build_plan
 from fsdpzero.precision import make_scaler, mp_policy, upcast_to_master
@@ -80,6 +83,7 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
         check_optimizer(plan, optimizer)
     plan = compile_knob(plan, knobs.compile)
     check_compile(plan)
+    tp_styles = resolve_tp_plan(model, plan.tensor_parallel)   # AutoTP: its errors before any process group
     info = init_distributed_env(env.device_type)
     # before the first collective: ranks started with different configs or models would otherwise meet in
     # mismatched collectives (a gloo abort or a hang) with nothing saying what differs
@@ -97,8 +101,9 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
         tag_muon_params(model)   # DeepSpeed's split is by name and layer shape: taken before sharding changes both
     groups = _param_groups(model_parameters)
     all_blocks = find_blocks(model, block_classes, block_predicate)
-    model, blocks = grad_path_type(plan).lay_out(model, plan, mesh, mp_policy(plan), device_type=info.device_type,
-                                                 blocks=all_blocks)
+    apply_tensor_parallel(model, tp_styles, model_mesh(mesh, "tp"))   # before AC and fully_shard, as torchtitan
+    model, blocks = grad_path_type(plan).lay_out(model, plan, data_mesh(mesh), mp_policy(plan),
+                                                 device_type=info.device_type, blocks=all_blocks)
     if meta:
         materialize(model, info.device, full_state_dict, param_device=shard_home(plan, info.device),
                     filled_later=fill is not None)
@@ -109,7 +114,7 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
     else:
         factory = make_optimizer_factory(plan, optimizer, device_type=info.device_type, original_params=original,
                                          param_groups=groups)
-        path = build_grad_path(model, plan, factory, mesh, knobs)
+        path = build_grad_path(model, plan, factory, data_mesh(mesh), knobs)
         if isinstance(optimizer, torch.optim.Optimizer) and path.optimizer is not optimizer:
             share_param_groups(optimizer, path.optimizer)
     scheduler = _scheduler(plan, lr_scheduler, path.optimizer)
@@ -120,6 +125,8 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
     log_startup(plan, {"world_size": info.world_size, "mesh": str(mesh),
                        "grad_path": grad_path_name(plan) if not forward_only else "none (forward only)",
                        "blocks_sharded": len(blocks), "master_weights": plan.precision.master_dtype,
+                       **({"tensor_parallel": f"{plan.tensor_parallel.size} ranks: {style_counts(tp_styles)}"}
+                          if tp_styles else {}),
                        **({"compile": f"{plan.compile.backend} per block ({plan.compile.source})"}
                           if plan.compile.enabled else {}),
                        "optimizer": type(path.optimizer).__name__ if path.optimizer is not None else "none"})
@@ -157,7 +164,7 @@ def run_facts(plan: Plan, model: nn.Module) -> dict[str, str]:
 
 def grad_path_name(plan: Plan) -> str:
     """Which gradient path runs this plan: "stage1", "offload" (CPU or NVMe) or "fsdp"."""
-    if plan.shard.stage == 1:
+    if plan.shard.stage == 1 and plan.tensor_parallel.size <= 1:   # with tp: FSDP2 over dp (fate: approximated)
         return "stage1"    # the stage-1 path reduces gradients itself, and offloads its own shards (cpu)
     if plan.offload.optimizer_device in ("cpu", "nvme"):
         return "offload"
@@ -266,7 +273,9 @@ def make_dataloader(dataset, engine: Engine, collate_fn: Callable | None = None)
     """Like DeepSpeed's: micro-batch size per rank, a DistributedSampler over the data-parallel ranks."""
     import torch.distributed as dist
     from torch.utils.data import DataLoader, DistributedSampler
-    sampler = DistributedSampler(dataset, num_replicas=dist.get_world_size(), rank=dist.get_rank())
+    rank, replicas = (data_rank_and_size(engine.mesh) if engine.mesh is not None    # tp ranks read the same samples
+                      else (dist.get_rank(), dist.get_world_size()))
+    sampler = DistributedSampler(dataset, num_replicas=replicas, rank=rank)
     return DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
                       collate_fn=collate_fn, drop_last=engine.plan.batch.dataloader_drop_last)
 

@@ -26,6 +26,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, Offl
                                     register_fsdp_forward_method)
 
 from fsdpzero.activation import apply_checkpointing
+from fsdpzero.parallel.mesh import build_parallel_mesh
 from fsdpzero.plan import Plan
 
 log = logging.getLogger("fsdpzero")
@@ -34,18 +35,26 @@ BlockPredicate = Callable[[nn.Module], bool]
 
 
 def build_mesh(plan: Plan, world_size: int, device_type: str) -> DeviceMesh:
-    """(dp,) for stages 1-3, (replicate, shard) for stage 0, MiCS and hybrid."""
+    """(dp,) for stages 1-3, (replicate, shard) for stage 0, MiCS and hybrid; with tensor parallelism a "tp"
+    dimension after those (fsdpzero.parallel.mesh), and FSDP2 gets the data dimensions (data_mesh)."""
     shape, names = tuple(plan.shard.mesh_shape), tuple(plan.shard.mesh_dim_names)
+    tp = plan.tensor_parallel.size
+    if world_size % tp:
+        raise ValueError(f"tensor_parallel.autotp_size = {tp} does not divide the world size {world_size}: use a "
+                         "divisor of it")
+    data_world = world_size // tp
     if plan.shard.stage == 0:
-        shape, names = (world_size, 1), ("replicate", "shard")
+        shape, names = (data_world, 1), ("replicate", "shard")
     elif len(shape) == 1:
-        shape = (world_size,)
-    n = 1
+        shape = (data_world,)
+    n = tp
     for s in shape:
         n *= s
     if n != world_size:
         raise ValueError(f"mesh {dict(zip(names, shape))} (from zero_optimization.mics_shard_size / hybrid) needs "
                          f"{n} ranks but the world has {world_size}: pick a shard size that divides {world_size}")
+    if tp > 1:
+        return build_parallel_mesh(device_type, shape, names, tp=tp)
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 

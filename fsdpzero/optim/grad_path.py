@@ -266,10 +266,16 @@ def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return norm.float()
+    # one norm per DTensor mesh: with tensor parallelism the tp-sharded grads live on the (dp, tp) mesh and the rest
+    # on dp alone, and DTensor ops refuse to mix meshes; each group's norm is reduced over its own mesh dims
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(getattr(g, "device_mesh", None), []).append(g)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
+        norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float())
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
 
 
 def clip_factor(norm: torch.Tensor | float, max_norm: float) -> torch.Tensor | float:

@@ -34,15 +34,25 @@ def build_parallel_mesh(device_type: str, data_shape: tuple[int, ...], data_name
         if size > 1:
             shape.append(size)
             names.append(name)
-    return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+    mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+    if hasattr(mesh, "_flatten"):
+        # a reduction over several dimensions (the global grad norm of 2-D DTensors) is then one all-reduce over the
+        # flattened mesh instead of one per dimension (torch warns about the sequential ones): each run of
+        # dimensions ending at the innermost, the ones a sharded parameter's norm reduces over
+        for start in range(len(names) - 1):
+            mesh[tuple(names[start:])]._flatten("_".join(names[start:]))
+    return mesh
 
 
 def mesh_size(mesh: DeviceMesh) -> int:
     return math.prod(mesh.shape)
 
 
-def data_dims(mesh: DeviceMesh) -> tuple[str, ...]:
-    return tuple(n for n in (mesh.mesh_dim_names or ()) if n not in MODEL_DIMS)
+def data_dims(mesh: DeviceMesh) -> tuple[str | int, ...]:
+    """The data-parallel dimensions by name (by index for a mesh without names: then all of them)."""
+    if mesh.mesh_dim_names is None:
+        return tuple(range(mesh.ndim))
+    return tuple(n for n in mesh.mesh_dim_names if n not in MODEL_DIMS)
 
 
 def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -69,7 +79,7 @@ def data_rank_and_size(mesh: DeviceMesh | None) -> tuple[int, int]:
     dims = data_dims(mesh)
     coord = mesh.get_coordinate()
     rank, size = 0, 1
-    for i, name in enumerate(mesh.mesh_dim_names or ()):
+    for i, name in enumerate(mesh.mesh_dim_names or range(mesh.ndim)):
         if name in dims:
             rank = rank * mesh.size(i) + coord[i]
             size *= mesh.size(i)

@@ -396,14 +396,81 @@ _UNSUPPORTED_WHEN_ON = {   # key: (condition, why)
     "gradient_allreduce_op": (value_is("sum"), "summed (not averaged) gradients are not carried"),
     "managed_gradient_accumulation": (value_is(False), "client-managed accumulation boundaries are not carried"),
     "sequence_parallel_size": (value_above(1), "sequence parallelism is not implemented"),
-    "tensor_parallel.autotp_size": (value_above(1), "AutoTP tensor parallelism is not implemented"),
     "hybrid_engine.enabled": (ON, "the RLHF hybrid engine is not implemented"),
     "data_efficiency": (SECTION_ENABLED, "DeepSpeed data_efficiency is not implemented"),
     "datastates": (SECTION_ENABLED, "DeepSpeed datastates is not implemented"),
 }
 
+TP_ON = When("tensor_parallel.autotp_size > 1", lambda c: c.cfg.tensor_parallel is not None
+             and c.cfg.tensor_parallel.autotp_size > 1)
+_TP = "tensor_parallel."
+_TP_WITHOUT = "with tensor_parallel.autotp_size > 1 is not implemented (untested combination): remove one of the two"
+
+
+def _reshaped_specs(c: Ctx) -> bool:
+    from fsdpzero.config.autotp import effective_partition_config, unsupported_specs
+    tp = c.cfg.tensor_parallel
+    try:
+        return bool(unsupported_specs(effective_partition_config(tp.preset_model, tp.partition_config)))
+    except ValueError:
+        return False   # a bad spec is a ConfigError of translate, not a fate
+
+
+RESHAPED_SPECS = When("a layer spec with shape / partition_dim / grad_allreduce", _reshaped_specs)
+_AUTOTP_RULES = (   # first: what AutoTP changes or cannot run with, before the stage and offload rules
+    Rule(_TP + "autotp_size", value_above(1), M,
+         "TensorParallelPlan.size: a (dp, tp) DeviceMesh, tp = {value} innermost; DTensor parallelize_module over tp "
+         "(ColwiseParallel / RowwiseParallel per Linear) with the plan from partition_config / preset_model, else "
+         "the model's transformers tp_plan (base_model_tp_plan + _tp_plan); then fully_shard over dp. The batch "
+         "triad counts the whole world, tp ranks included, as DeepSpeed 0.19.8's config does (a step reads "
+         "micro x GA x dp distinct samples). No plan at all (DeepSpeed's name heuristic) is refused with the fix"),
+    Rule(_TP + "preset_model", When("set", lambda c: c.value is not None) & TP_ON & RESHAPED_SPECS, U,
+         "{value}: its fused layer specs (shape, partition_dim) are not implemented; give a partition_config "
+         "over the unfused layers"),
+    Rule(_TP + "preset_model", When("set", lambda c: c.value is not None) & TP_ON, M,
+         "TensorParallelPlan.preset_model: DeepSpeed's AutoTPPresets layer specs, as DTensor styles (column: "
+         "ColwiseParallel, row: RowwiseParallel, skip: left whole); before the model's tp_plan"),
+    Rule(_TP + "partition_config", When("set", lambda c: c.value is not None) & TP_ON & RESHAPED_SPECS, U,
+         "layer specs with shape / partition_dim (fused sub-parameters) or grad_allreduce are not implemented"),
+    Rule(_TP + "partition_config", When("set", lambda c: c.value is not None) & TP_ON, M,
+         "TensorParallelPlan.partition_config: DeepSpeed's AutoTPConfig (first matching spec per Linear weight; "
+         "gather_output: ColwiseParallel(output_layouts=Replicate()); use_default_specs merges a preset after it; "
+         "strict_mode: an unmatched Linear is an error); unknown keys are errors"),
+    Rule(_TP + "vocab_parallel_lm_head", ON & TP_ON, U, "the vocabulary-parallel head and its distributed loss are "
+         "not implemented: set it to null or false (the head then follows the plan)"),
+    Rule(_TP + "vocab_parallel_lm_head", TP_ON, A, "null/false: the output head follows the plan (the transformers "
+         "plan: column-parallel with its logits gathered); a tied embedding and head stay whole, where DeepSpeed's "
+         "null shards them over the vocabulary when the transformers plan asks embedding_rowwise: the same loss, "
+         "more memory"),
+    Rule(_TP + "vocab_parallel_ce_backend", value_is("liger") & TP_ON, U, "needs the vocabulary-parallel head, "
+         "not implemented: use \"torch\""),
+    Rule(_TP + "tp_overlap_comm", ON & TP_ON, A, "DTensor issues the tensor-parallel all-reduces in autograd "
+         "order; no separate overlap of them"),
+    Rule(_TP + "tp.tp_grain_size", value_above(1) & TP_ON, U, "grain-aligned uneven shards are not implemented: "
+         "DTensor shards evenly (set it to 1)"),
+    Rule(_TP + "tp.mpu", When("set", lambda c: c.value is not None) & TP_ON, U, "an mpu object: the mesh is fsdpzero's"),
+    Rule(_TP + "tp.tp_group", When("set", lambda c: c.value is not None) & TP_ON, U,
+         "a process group object: the mesh is fsdpzero's"),
+    Rule(_TP + "injection_policy_tuple", When("set", lambda c: c.value is not None) & TP_ON, U,
+         "DeepSpeed's heuristic injection policy is not carried: give partition_config"),
+    Rule(_TP + "kernel_inject", ON & TP_ON, U, "DeepSpeed's inference kernels are not carried"),
+    Rule(_TP + "*", TP_ON, N, "DeepSpeed reads it for inference or tp_model_init only; training precision comes "
+         "from fp16 / bf16"),
+    Rule(_Z + "stage", value_is(1) & TP_ON, A,
+         "with tensor_parallel.autotp_size: FSDP2 over dp with stage 2's layout (fully_shard, "
+         "reshard_after_forward=False): the same update; parameters and gradients are sharded over dp too, not only "
+         "the optimizer state (less memory than DeepSpeed's stage 1)"),
+    Rule(_OO + "device", value_in("cpu", "nvme") & TP_ON, U, "offload_optimizer " + _TP_WITHOUT),
+    Rule(_OP + "device", value_in("cpu", "nvme") & TP_ON, U, "offload_param " + _TP_WITHOUT),
+    Rule(_Z + "mics_shard_size", value_above(0) & TP_ON, U, "MiCS / hybrid sharding " + _TP_WITHOUT),
+    Rule(_Z + "zero_hpz_partition_size", value_above(1) & stage_in(3) & TP_ON, U, "hpZ " + _TP_WITHOUT),
+    Rule("compile.enabled", ON & TP_ON, U, "compile " + _TP_WITHOUT),
+    Rule("compile.deepcompile", ON & TP_ON, U, "deepcompile " + _TP_WITHOUT),
+)
+
 # Tried in order before the key's default rule in FATES; the first whose pattern and condition match decides.
 CONDITIONAL: tuple[Rule, ...] = (
+    *_AUTOTP_RULES,
     # ---- ZeRO layout
     Rule(_Z + "stage", value_is(0), M, "FSDP2 on a (world, 1) mesh: replicated params, gradients all-reduced per "
                                        "wrapped block (DDP-style)"),

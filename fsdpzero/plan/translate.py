@@ -11,12 +11,14 @@ from typing import Any, Mapping
 from pydantic import BaseModel
 
 from fsdpzero.config import ConfigError, DSConfig, Problem, load_config, resolve_batch
+from fsdpzero.config.autotp import effective_partition_config
 from fsdpzero.config.load import model_of
 from fsdpzero.config.rules import SCHEDULERS, canonical_optimizer, optimizer_kind
 from fsdpzero.plan.fates import UNKNOWN_FATE, decide
 from fsdpzero.plan import (ActivationCheckpointPlan, AioPlan, BatchPlan, CheckpointPlan, CompilePlan, Decision, Env,
                            LossScalePlan, MonitorPlan, OffloadPlan, OptimizerPlan, Plan, PrecisionPlan,
                            SchedulerPlan, ShardPlan)
+from fsdpzero.plan.types import TensorParallelPlan
 
 _DT = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", None: None}
 # DeepSpeed-only optimizer params: consumed here (plan fields) or meaningless outside DeepSpeed's kernels
@@ -47,7 +49,9 @@ def translate(cfg: DSConfig, env: Env) -> Plan:
         raise ConfigError(Problem("zero_optimization.zero_hpz_partition_size",
                                   f"{hpz} does not divide the world size {W} (FSDP2's reshard_after_forward=int "
                                   "needs a divisor)", f"use the GPUs per node ({env.ranks_per_node}) or 1"))
-    plan = Plan(env=env, shard=_shard(cfg, env), precision=_precision(cfg), offload=_offload(cfg),
+    tensor_parallel = _tensor_parallel(cfg, env)
+    plan = Plan(env=env, shard=_shard(cfg, env, W // tensor_parallel.size), precision=_precision(cfg),
+                offload=_offload(cfg), tensor_parallel=tensor_parallel,
                 optimizer=_optimizer(cfg), scheduler=_scheduler(cfg),
                 batch=BatchPlan(train_batch_size=train, micro_batch_size=micro, gradient_accumulation_steps=ga,
                                 gradient_clipping=float(cfg.gradient_clipping),
@@ -62,16 +66,38 @@ def translate(cfg: DSConfig, env: Env) -> Plan:
 
 
 # ---------------------------------------------------------------- plan sections
-def _shard(cfg: DSConfig, env: Env) -> ShardPlan:
+def _tensor_parallel(cfg: DSConfig, env: Env) -> TensorParallelPlan:
+    """AutoTP training: tensor_parallel.autotp_size > 1 (DeepSpeed reads the section only then). Its checks:
+    the size divides the world (DeepSpeed's _ensure_divisibility), tp.tp_size is 1 or the same (its ValueError),
+    and the preset and partition_config are read (fsdpzero.config.autotp, stricter than DeepSpeed on typos). The
+    batch triad above counts the whole world, tp ranks included, as DeepSpeed 0.19.8's config does."""
+    tp = cfg.tensor_parallel
+    size = tp.autotp_size if tp is not None else 0
+    if size <= 1:
+        return TensorParallelPlan()
+    W = env.world_size
+    if W % size:
+        raise ConfigError(Problem("tensor_parallel.autotp_size", f"{size} does not divide the world size {W}",
+                                  "use a divisor of the world size, at most the GPUs per node "
+                                  f"({env.ranks_per_node})"))
+    if tp.tensor_parallel.tp_size not in (1, size):
+        raise ConfigError(Problem("tensor_parallel.tp.tp_size", f"{tp.tensor_parallel.tp_size} does not match "
+                                  f"tensor_parallel.autotp_size ({size})", f"remove it, or set it to {size}"))
+    effective_partition_config(tp.preset_model, tp.partition_config)   # raises ConfigError on a bad one
+    return TensorParallelPlan(size=size, preset_model=tp.preset_model.lower() if tp.preset_model else None,
+                              partition_config=tp.partition_config)
+
+
+def _shard(cfg: DSConfig, env: Env, data_world: int) -> ShardPlan:
     z = cfg.zero_optimization
     reshard: bool | int = z.stage == 3
     if z.stage == 3 and z.zero_hpz_partition_size > 1:
         reshard = z.zero_hpz_partition_size
     if z.mics_shard_size > 0:
         k = z.mics_shard_size
-        mesh, names = (env.world_size // k, k), ("replicate", "shard")
+        mesh, names = (data_world // k, k), ("replicate", "shard")
     else:
-        mesh, names = (env.world_size,), ("dp",)
+        mesh, names = (data_world,), ("dp",)
     # prefetch depth: how many ~block-sized units fit in the budget; the engine refines it with block sizes
     depth = 1 if z.prefetch_bucket_size > 0 else 0
     return ShardPlan(stage=z.stage, reshard_after_forward=reshard, mesh_shape=mesh, mesh_dim_names=names,

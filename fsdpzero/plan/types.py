@@ -167,6 +167,15 @@ class MonitorPlan:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TensorParallelPlan:
+    """DeepSpeed's AutoTP training (`tensor_parallel` section): DTensor tensor parallelism over the mesh's "tp"
+    dimension (fsdpzero/parallel/tensor_parallel.py), FSDP2 over the data-parallel dimensions. size 1: off."""
+    size: int = 1                                    # tensor_parallel.autotp_size (DeepSpeed's 0 and 1: off)
+    preset_model: str | None = None                  # one of DeepSpeed's AutoTPPresets (validated)
+    partition_config: dict[str, Any] | None = None   # DeepSpeed's AutoTPConfig as JSON (validated)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     env: Env = field(default_factory=Env)
     shard: ShardPlan = field(default_factory=ShardPlan)
@@ -179,6 +188,7 @@ class Plan:
     compile: CompilePlan = field(default_factory=CompilePlan)
     checkpoint: CheckpointPlan = field(default_factory=CheckpointPlan)
     monitor: MonitorPlan = field(default_factory=MonitorPlan)
+    tensor_parallel: TensorParallelPlan = field(default_factory=TensorParallelPlan)
     decisions: tuple[Decision, ...] = ()
 
     @property
@@ -241,4 +251,7 @@ CONSUMERS: dict[str, tuple[str, ...]] = {
     "ShardPlan.reduce_bucket_size": ("fsdpzero.optim.stage1:build_stage1_path",),
     "ShardPlan.allgather_bucket_size": ("fsdpzero.optim.stage1:build_stage1_path",),
     "ShardPlan.gather_16bit_weights_on_model_save": ("fsdpzero.hf.trainer:Trainer.save_model",),
+    "TensorParallelPlan.size": ("fsdpzero.sharding:build_mesh", "fsdpzero.parallel.tp_plan:resolve_tp_plan"),
+    "TensorParallelPlan.preset_model": ("fsdpzero.parallel.tp_plan:resolve_tp_plan",),
+    "TensorParallelPlan.partition_config": ("fsdpzero.parallel.tp_plan:resolve_tp_plan",),
 }
