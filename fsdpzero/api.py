@@ -26,6 +26,8 @@ from fsdpzero.optim.grad_path import ForwardOnlyPath
 from fsdpzero.parallel import data_mesh, data_rank_and_size, model_mesh
 from fsdpzero.parallel.tensor_parallel import apply_tensor_parallel
 from fsdpzero.parallel.tp_plan import resolve_tp_plan, style_counts
+from fsdpzero.parallel.ulysses import apply_sequence_parallel
+from fsdpzero.parallel.ulysses import check_model as check_sequence_parallel
 from fsdpzero.plan import Env, Plan
 from fsdpzero.plan.translate import build_plan
 from fsdpzero.precision import make_scaler, mp_policy, upcast_to_master
@@ -84,12 +86,15 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
     plan = compile_knob(plan, knobs.compile)
     check_compile(plan)
     tp_styles = resolve_tp_plan(model, plan.tensor_parallel)   # AutoTP: its errors before any process group
+    if plan.sequence_parallel.size > 1:   # Ulysses: heads, KV heads and attention checked before any process group
+        check_sequence_parallel(model, plan.sequence_parallel.size)
     info = init_distributed_env(env.device_type)
     # before the first collective: ranks started with different configs or models would otherwise meet in
     # mismatched collectives (a gloo abort or a hang) with nothing saying what differs
     check_same_on_all_ranks(run_facts(plan, model), "configs or models")
     mesh = mesh if mesh is not None else build_mesh(plan, info.world_size, info.device_type)
 
+    sequence_parallel = apply_sequence_parallel(model, plan)   # its groups, and the model's attention over them
     fill = take_deferred(model)   # zero.Init / HfDeepSpeedConfig: built without full weights; filled per shard
     meta = is_meta(model)
     if not meta:
@@ -120,6 +125,7 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
     scheduler = _scheduler(plan, lr_scheduler, path.optimizer)
     engine = Engine(model, plan, path, lr_scheduler=scheduler, scaler=make_scaler(plan), device=info.device,
                     mesh=mesh, local_rank=info.local_rank, tuning=knobs, blocks=all_blocks, explicit_tuning=tuning)
+    engine.sequence_parallel = sequence_parallel
     if plan.compile.enabled:   # after fully_shard: each block's forward, inside FSDP2's hooks (fsdpzero/compile.py)
         engine.compile(plan.compile.backend, plan.compile.kwargs)
     log_startup(plan, {"world_size": info.world_size, "mesh": str(mesh),
@@ -276,8 +282,11 @@ def make_dataloader(dataset, engine: Engine, collate_fn: Callable | None = None)
     rank, replicas = (data_rank_and_size(engine.mesh) if engine.mesh is not None    # tp ranks read the same samples
                       else (dist.get_rank(), dist.get_world_size()))
     sampler = DistributedSampler(dataset, num_replicas=replicas, rank=rank)
-    return DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
-                      collate_fn=collate_fn, drop_last=engine.plan.batch.dataloader_drop_last)
+    loader = DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
+                        collate_fn=collate_fn, drop_last=engine.plan.batch.dataloader_drop_last)
+    # sequence parallelism: DeepSpeed's UlyssesSPDataLoaderAdapter over it (each group trains on its ranks' batches
+    # one after another, each split along the sequence)
+    return engine.sequence_parallel.dataloader(loader, engine.device) if engine.sequence_parallel else loader
 
 
 def init_distributed(dist_backend: str | None = None, **_ignored: Any):

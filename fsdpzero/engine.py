@@ -29,6 +29,10 @@ log = logging.getLogger("fsdpzero")
 
 
 class Engine(nn.Module):
+    # fsdpzero.parallel.ulysses.SequenceParallel with sequence_parallel_size > 1 (set by wrap): forward then takes
+    # sequence-sharded batches and returns the loss over the whole sequence
+    sequence_parallel = None
+
     def __init__(self, module: nn.Module, plan: Plan, path: GradPath, *, lr_scheduler=None, scaler=None,
                  device: torch.device = torch.device("cpu"), mesh=None, local_rank: int = 0, tuning=None,
                  blocks: list[nn.Module] | None = None, explicit_tuning=None):
@@ -94,6 +98,10 @@ class Engine(nn.Module):
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         self._boundary_override = is_boundary
 
+    def get_sequence_parallel_group(self):
+        """DeepSpeed's accessor: this rank's Ulysses group (None without sequence parallelism)."""
+        return self.sequence_parallel.group if self.sequence_parallel is not None else None
+
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
 
@@ -139,11 +147,14 @@ class Engine(nn.Module):
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        sp = self.sequence_parallel
+        if sp is not None:
+            kwargs = sp.model_inputs(kwargs)
         self.timers.start("forward")
         with autocast(self.plan, self.device.type):
             out = self.module(*args, **kwargs)
         self.timers.stop("forward")
-        return out
+        return out if sp is None else sp.reduce_output(out, kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """loss / gradient_accumulation_steps (DeepSpeed does the division), times the fp16 loss scale."""

@@ -40,7 +40,9 @@ FATES: dict[str, tuple[str, str]] = {
     "prescale_gradients": (N, "FSDP2 averages in the reduce-scatter; pre- or post-scaling is the same mean"),
     "gradient_allreduce_op": (M, "mean: FSDP2's default reduce-scatter average"),
     "communication_data_type": (M, "MixedPrecisionPolicy(reduce_dtype=...); unset: the model dtype, as DeepSpeed"),
-    "seq_parallel_communication_data_type": (N, "no sequence parallelism in fsdpzero"),
+    "seq_parallel_communication_data_type": (N, "the Ulysses all-to-alls run in the activations' dtype, as "
+                                                "DeepSpeed's UlyssesSPAttentionHF (only DeepSpeed's older "
+                                                "DistributedAttention reads this key)"),
     "sequence_parallel_size": (N, "1: no sequence parallelism"),
     "steps_per_print": (M, "rank-0 progress log interval"),
     "wall_clock_breakdown": (M, "BatchPlan.wall_clock_breakdown: rank-0 step timers in the step log and, with a "
@@ -395,7 +397,6 @@ _ADAM_HOW = {"adamw": "torch.optim.AdamW (foreach) on DTensor shards", "adam": "
 _UNSUPPORTED_WHEN_ON = {   # key: (condition, why)
     "gradient_allreduce_op": (value_is("sum"), "summed (not averaged) gradients are not carried"),
     "managed_gradient_accumulation": (value_is(False), "client-managed accumulation boundaries are not carried"),
-    "sequence_parallel_size": (value_above(1), "sequence parallelism is not implemented"),
     "hybrid_engine.enabled": (ON, "the RLHF hybrid engine is not implemented"),
     "data_efficiency": (SECTION_ENABLED, "DeepSpeed data_efficiency is not implemented"),
     "datastates": (SECTION_ENABLED, "DeepSpeed datastates is not implemented"),
@@ -469,7 +470,33 @@ _AUTOTP_RULES = (   # first: what AutoTP changes or cannot run with, before the 
 )
 
 # Tried in order before the key's default rule in FATES; the first whose pattern and condition match decides.
+
+
+def _sp_untested(c: Ctx) -> bool:
+    z, cfg = c.cfg.zero_optimization, c.cfg
+    return bool(c.device("offload_optimizer") in ("cpu", "nvme") or c.device("offload_param") in ("cpu", "nvme")
+                or z.mics_shard_size > 0 or (z.stage == 3 and z.zero_hpz_partition_size > 1)
+                or (cfg.tensor_parallel is not None and cfg.tensor_parallel.autotp_size > 1)
+                or (cfg.compile is not None and (cfg.compile.enabled or cfg.compile.deepcompile)))
+
+
+_SP_RULES = (
+    Rule("sequence_parallel_size", value_above(1) & When("with offload, MiCS / hpZ, tensor_parallel or compile",
+                                                         _sp_untested), U,
+         "sequence parallelism with CPU/NVMe offload, MiCS / hpZ, tensor_parallel.autotp_size > 1 or compile is "
+         "not implemented (untested combination): remove one of the two"),
+    Rule("sequence_parallel_size", value_above(1), M,
+         "SequenceParallelPlan.size: Ulysses over groups of {value} consecutive ranks "
+         "(fsdpzero/parallel/ulysses.py): the model's attention (sdpa, eager, flash) registered in transformers' "
+         "AttentionInterface behind head/sequence all-to-alls; UlyssesSPDataLoaderAdapter / shard_batch shift the "
+         "labels then slice every tensor, position_ids kept global; the loss is the mean over the real tokens of the "
+         "whole sequence. ZeRO 0-3 shard over all ranks (dp x sp, DeepSpeed's sequence-data-parallel group); the "
+         "batch triad counts world / {value}. Gradients equal the unsharded run's (DeepSpeed 0.19.8's ZeRO 1/2 "
+         "divide by dp only: their gradients and grad norm are {value}x, stage 3 matches)"),
+)
+
 CONDITIONAL: tuple[Rule, ...] = (
+    *_SP_RULES,
     *_AUTOTP_RULES,
     # ---- ZeRO layout
     Rule(_Z + "stage", value_is(0), M, "FSDP2 on a (world, 1) mesh: replicated params, gradients all-reduced per "

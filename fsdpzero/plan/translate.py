@@ -18,6 +18,7 @@ from fsdpzero.plan.fates import UNKNOWN_FATE, decide
 from fsdpzero.plan import (ActivationCheckpointPlan, AioPlan, BatchPlan, CheckpointPlan, CompilePlan, Decision, Env,
                            LossScalePlan, MonitorPlan, OffloadPlan, OptimizerPlan, Plan, PrecisionPlan,
                            SchedulerPlan, ShardPlan)
+from fsdpzero.plan.types import SequenceParallelPlan
 from fsdpzero.plan.types import TensorParallelPlan
 
 _DT = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", None: None}
@@ -35,8 +36,9 @@ def build_plan(source: Any, env: Env | None = None, *, context: Mapping[str, Any
 
 def translate(cfg: DSConfig, env: Env) -> Plan:
     """Raises ConfigError only for what depends on the environment (batch triad, mesh shape)."""
+    sequence_parallel = _sequence_parallel(cfg, env)
     train, micro, ga = resolve_batch(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
-                                     cfg.gradient_accumulation_steps, env.world_size)
+                                     cfg.gradient_accumulation_steps, env.world_size // sequence_parallel.size)
     z = cfg.zero_optimization
     W = env.world_size
     if z.mics_shard_size > 0 and (W % z.mics_shard_size or z.mics_shard_size > W):
@@ -52,7 +54,7 @@ def translate(cfg: DSConfig, env: Env) -> Plan:
     tensor_parallel = _tensor_parallel(cfg, env)
     plan = Plan(env=env, shard=_shard(cfg, env, W // tensor_parallel.size), precision=_precision(cfg),
                 offload=_offload(cfg), tensor_parallel=tensor_parallel,
-                optimizer=_optimizer(cfg), scheduler=_scheduler(cfg),
+                sequence_parallel=sequence_parallel, optimizer=_optimizer(cfg), scheduler=_scheduler(cfg),
                 batch=BatchPlan(train_batch_size=train, micro_batch_size=micro, gradient_accumulation_steps=ga,
                                 gradient_clipping=float(cfg.gradient_clipping),
                                 gradient_predivide_factor=float(cfg.gradient_predivide_factor),
@@ -86,6 +88,18 @@ def _tensor_parallel(cfg: DSConfig, env: Env) -> TensorParallelPlan:
     effective_partition_config(tp.preset_model, tp.partition_config)   # raises ConfigError on a bad one
     return TensorParallelPlan(size=size, preset_model=tp.preset_model.lower() if tp.preset_model else None,
                               partition_config=tp.partition_config)
+
+
+def _sequence_parallel(cfg: DSConfig, env: Env) -> SequenceParallelPlan:
+    """Ulysses: sequence_parallel_size > 1 divides the world (DeepSpeed's initialize_sequence_parallel raises
+    otherwise); the batch triad then counts world / size data-parallel ranks, as DeepSpeed 0.19.8's config."""
+    size = cfg.sequence_parallel_size or 1
+    if size <= 1:
+        return SequenceParallelPlan()
+    if env.world_size % size:
+        raise ConfigError(Problem("sequence_parallel_size", f"{size} does not divide the world size "
+                                  f"{env.world_size}", f"use a divisor of {env.world_size}"))
+    return SequenceParallelPlan(size=size)
 
 
 def _shard(cfg: DSConfig, env: Env, data_world: int) -> ShardPlan:

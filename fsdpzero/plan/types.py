@@ -176,6 +176,14 @@ class TensorParallelPlan:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SequenceParallelPlan:
+    """DeepSpeed's Ulysses / ALST (`sequence_parallel_size`): each sequence split over `size` consecutive ranks,
+    all-to-all attention over heads (fsdpzero/parallel/ulysses.py); ZeRO shards over all ranks, dp x sp, as
+    DeepSpeed's sequence-data-parallel group; the batch triad counts world / size. size 1: off."""
+    size: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     env: Env = field(default_factory=Env)
     shard: ShardPlan = field(default_factory=ShardPlan)
@@ -188,6 +196,7 @@ class Plan:
     compile: CompilePlan = field(default_factory=CompilePlan)
     checkpoint: CheckpointPlan = field(default_factory=CheckpointPlan)
     monitor: MonitorPlan = field(default_factory=MonitorPlan)
+    sequence_parallel: SequenceParallelPlan = field(default_factory=SequenceParallelPlan)
     tensor_parallel: TensorParallelPlan = field(default_factory=TensorParallelPlan)
     decisions: tuple[Decision, ...] = ()
 
@@ -251,6 +260,7 @@ CONSUMERS: dict[str, tuple[str, ...]] = {
     "ShardPlan.reduce_bucket_size": ("fsdpzero.optim.stage1:build_stage1_path",),
     "ShardPlan.allgather_bucket_size": ("fsdpzero.optim.stage1:build_stage1_path",),
     "ShardPlan.gather_16bit_weights_on_model_save": ("fsdpzero.hf.trainer:Trainer.save_model",),
+    "SequenceParallelPlan.size": ("fsdpzero.parallel.ulysses:apply_sequence_parallel",),
     "TensorParallelPlan.size": ("fsdpzero.sharding:build_mesh", "fsdpzero.parallel.tp_plan:resolve_tp_plan"),
     "TensorParallelPlan.preset_model": ("fsdpzero.parallel.tp_plan:resolve_tp_plan",),
     "TensorParallelPlan.partition_config": ("fsdpzero.parallel.tp_plan:resolve_tp_plan",),
