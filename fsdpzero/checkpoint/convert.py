@@ -190,6 +190,17 @@ def convert_into(out: Path, stamp: dict, tag: str, build) -> None:
             os.close(held)
 
 
+def _json_plain(value) -> bool:
+    """A dict of numbers, strings, lists, dicts (what state.json can carry)."""
+    if not isinstance(value, dict):
+        return False
+    try:
+        json.dumps(value, allow_nan=False)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
 def deepspeed_to_ours(ds_dir: str | Path, tag: str | None = None, out: str | Path | None = None, *, to: str = "dcp",
                       dtype=None, max_shard_size: int | str = "5GB", trainable_names: list[str] | None = None) -> Path:
     from fsdpzero.checkpoint import deepspeed as ds_checkpoint
@@ -208,15 +219,21 @@ def deepspeed_to_ours(ds_dir: str | Path, tag: str | None = None, out: str | Pat
         v = v.float() if v.is_floating_point() else v
         model[k] = v.clone() if id(v) in seen else v.contiguous()
         seen.add(id(v))
-    names = list(st["adam"])
+    optimizer_states = {**st.get("other_states", {}), **st["adam"]}   # a universal file may hold SGD's, Adagrad's
+    names = list(optimizer_states)
     if len(st["param_groups"]) != 1:
         raise NotImplementedError(f"{ds_dir}: {len(st['param_groups'])} DeepSpeed param groups; only one is supported")
     group = dict(st["param_groups"][0], params=names)
     optim = {"state": {n: {k: (v.contiguous() if torch.is_tensor(v) else v) for k, v in s.items()}
-                       for n, s in st["adam"].items()}, "param_groups": [group]}
+                       for n, s in optimizer_states.items()}, "param_groups": [group]}
+    if st.get("unstepped"):   # saved before the first step (universal.UNSTEPPED_KEY): the load leaves it fresh
+        from fsdpzero.optim.grad_path import UNSTEPPED
+        optim[UNSTEPPED] = True
     state = {"train": {"model": model, "optim": optim},
              "counters": {**{k: v for k, v in st["counters"].items() if v is not None},
                           "source": f"deepspeed:{Path(ds_dir).resolve()}:{tag}"}}
+    if _json_plain(st["lr_scheduler"]):   # DeepSpeed's schedulers keep numbers ({"last_batch_iteration": n})
+        state["counters"]["lr_scheduler"] = st["lr_scheduler"]
     if st["loss_scaler"]:
         state["loss_scaler"] = st["loss_scaler"]
     out = Path(out) if out else Path(ds_dir) / "fsdpzero"
@@ -224,3 +241,118 @@ def deepspeed_to_ours(ds_dir: str | Path, tag: str | None = None, out: str | Pat
     client = {k: v for k, v in st["client_state"].items() if isinstance(v, (int, float, str, bool, type(None)))}
     ck.save_checkpoint(out, tag, state, client, save_rng=False, no_dist=True)  # this process writes it all
     return out
+
+
+# ---- universal checkpoints (DeepSpeed's ds_to_universal format; fsdpzero.checkpoint.universal) -----------------
+
+def _saved_tree(obj, tensors: dict):
+    """state.json's nested form (fsdpzero.checkpoint.dcp writes __dict__ / __tensor__ / __tuple__ nodes) with the
+    tensors put back."""
+    if isinstance(obj, list):
+        return [_saved_tree(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__tuple__" in obj:
+            return tuple(_saved_tree(v, tensors) for v in obj["__tuple__"])
+        return {k: _saved_tree(v, tensors) for k, v in obj["__dict__"]}
+    return obj
+
+
+def ours_training_state(ckpt_dir: str | Path, tag: str | None = None) -> dict:
+    """One of our (engine) checkpoints, read whole without a process group, as fsdpzero.checkpoint.universal's
+    writer takes it: fp32 weights (stage 1 / offload masters where saved), per-parameter optimizer states in the
+    weight's shape, the param group, counters, scheduler, loss scaler, and the "unstepped" mark. Checked as a training
+    load checks it (complete, checksums, the allowlisted index reader); holds the whole state in memory."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import CheckpointException
+
+    from fsdpzero.checkpoint.agree import describe
+    from fsdpzero.checkpoint.dcp import (CheckpointError, read_saved_json, replaced, resolve_tag,
+                                         verify_checkpoint)
+    from fsdpzero.checkpoint.trust import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata, tensor_entries
+    from fsdpzero.optim.grad_path import MASTER, UNSTEPPED
+    try:
+        path = (Path(ckpt_dir) if (Path(ckpt_dir) / ".metadata").is_file() and tag is None
+                else resolve_tag(ckpt_dir, tag))
+        verified = verify_checkpoint(path, distributed=False)
+        meta = read_dcp_metadata(path)
+        keys = [k for k in meta.state_dict_metadata if k.startswith("state/train/")]
+        tensor_entries(meta, path, keys)
+        saved = read_saved_json(path, "state.json")
+    except CheckpointError as e:
+        raise ValueError(str(e)) from None
+    _sizes_within_data(path, meta, keys)
+    buf = {k: torch.empty(meta.state_dict_metadata[k].size, dtype=meta.state_dict_metadata[k].properties.dtype)
+           for k in keys}
+    try:
+        dcp.load(buf, checkpoint_id=path, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
+                 no_dist=True)
+    except (Exception, CheckpointException) as e:   # DCP's CheckpointException is a BaseException
+        inner = e.failures[min(e.failures)] if isinstance(getattr(e, "failures", None), dict) and e.failures else e
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, ValueError):
+            raise inner from None
+        raise ValueError(replaced(path, verified) or f"reading checkpoint {path} failed: {describe(e)}") from None
+    problem = replaced(path, verified)
+    if problem:
+        raise ValueError(problem)
+    try:
+        top = _saved_tree(saved, buf)
+        train = top["train"]
+        model, optim = train["model"], train.get("optim")
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: state.json is not an engine checkpoint's ({describe(e)}): no train/model") \
+            from None
+    if not isinstance(optim, dict) or not optim.get("param_groups"):
+        raise ValueError(f"{path}: no optimizer state in this checkpoint; a universal checkpoint needs one (use "
+                         f"--to safetensors for the weights alone)")
+    groups = optim["param_groups"]
+    names = {n for g in groups for n in (g.get("params") or g.get("param_names") or [])}
+    states = optim.get("state") or {}
+    weights, out_states = {}, {}
+    for name, value in model.items():
+        if not torch.is_tensor(value):
+            continue
+        master = (states.get(name) or {}).get(MASTER)
+        weights[name] = (master.reshape(value.shape) if torch.is_tensor(master) else value).float()
+    for name in names:
+        if name not in weights:
+            raise ValueError(f"{path}: optimizer parameter {name!r} has no model weight")
+        entry = {}
+        for key, value in (states.get(name) or {}).items():
+            if key == MASTER:
+                continue
+            entry[key] = value.reshape(weights[name].shape) if torch.is_tensor(value) and key != "step" else value
+        out_states[name] = entry
+    engine = top.get("engine") or top.get("counters") or {}
+    return {"weights": weights, "trainable": [n for n in model if n in names], "states": out_states,
+            "unstepped": bool(optim.get(UNSTEPPED)), "param_groups": [{k: v for k, v in g.items()
+                                                                      if k not in ("params", "param_names")}
+                                                                     for g in groups],
+            "counters": {k: engine.get(k) for k in ("global_steps", "global_samples", "skipped_steps")},
+            "lr_scheduler": engine.get("lr_scheduler"), "loss_scaler": engine.get("loss_scaler"),
+            "world_size": int(verified.get("world_size") or 1), "buffers": [], "tag": path.name}
+
+
+def to_universal(src: str | Path, tag: str | None = None, out: str | Path | None = None, *,
+                 source: str = "fsdpzero") -> Path:
+    """`fsdpzero convert SRC --to universal`: our checkpoint (or a DeepSpeed ZeRO one, source="deepspeed": what
+    DeepSpeed's ds_to_universal does, without DeepSpeed) -> DeepSpeed universal checkpoint <out>/<tag>/ plus
+    <out>/latest_universal. out defaults to the source's save dir (beside the source tag, as ds_to_universal's
+    usual --output_folder), the tag to <source tag>_universal."""
+    from fsdpzero.checkpoint import universal
+    if source == "deepspeed":
+        from fsdpzero.checkpoint import deepspeed as ds_checkpoint
+        from fsdpzero.checkpoint.deepspeed_reader import resolve_tag_dir
+        tag_dir = resolve_tag_dir(src, tag)
+        st = ds_checkpoint.training_state(tag_dir)
+        st = dict(st, trainable=st.get("trainable") or list(st["adam"]),
+                  states={**st.get("other_states", {}), **st["adam"]}, buffers=[])
+        save_dir = tag_dir.parent
+    else:
+        st = ours_training_state(src, tag)
+        save_dir = (Path(src) if (Path(src) / st["tag"]).is_dir() else Path(src).parent)
+    out = Path(out) if out else save_dir
+    return universal.write_universal(st, out, f"{st['tag']}_universal")

@@ -269,6 +269,8 @@ def load_engine(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_
         engine.global_steps, engine.global_samples = c.get("global_steps", 0), c.get("global_samples", 0)
         engine.skipped_steps = c.get("skipped_steps", 0)
         engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+        if engine.lr_scheduler is not None and load_lr_scheduler_states and c.get("lr_scheduler") is not None:
+            engine.lr_scheduler.load_state_dict(c["lr_scheduler"])   # DeepSpeed's scheduler state, as it saved it
         if engine.loss_scaler is not None and "loss_scaler" in engine_state:
             own = engine.loss_scaler.state_dict()
             engine.loss_scaler.load_state_dict({**own, **{k: v for k, v in engine_state["loss_scaler"].items()

@@ -3,6 +3,7 @@ work, from the files alone).
 
     fsdpzero convert DIR --to safetensors|fp32 [--tag T] [--out OUT]      our DCP checkpoint -> model.safetensors
     fsdpzero convert DS_DIR --from deepspeed --to dcp|safetensors [--out OUT]
+    fsdpzero convert DIR [--from deepspeed] --to universal [--out SAVE_DIR]   DeepSpeed's universal checkpoint format
 """
 from __future__ import annotations
 
@@ -31,9 +32,11 @@ def shard_size(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", help="checkpoint directory (the save_dir holding `latest`, or one tag directory)")
     parser.add_argument("--from", dest="source", choices=["fsdpzero", "deepspeed"], default="fsdpzero")
-    parser.add_argument("--to", choices=["safetensors", "fp32", "dcp"], required=True,
+    parser.add_argument("--to", choices=["safetensors", "fp32", "dcp", "universal"], required=True,
                         help="safetensors: weights in --dtype (default: as stored, fp32 masters); fp32: fp32 "
-                             "safetensors; dcp: our resumable format (from deepspeed only)")
+                             "safetensors; dcp: our resumable format (from deepspeed only); universal: DeepSpeed's "
+                             "universal checkpoint (<out>/<tag>_universal + latest_universal; --out: the save dir, "
+                             "default the source's)")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one `latest` names)")
     parser.add_argument("--out", default=None, help="output directory (default: <dir>/<tag>-<to>)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast floating weights (safetensors)")
@@ -88,7 +91,13 @@ def run(args: argparse.Namespace) -> int:
     dtype = getattr(torch, _DTYPES["fp32" if args.to == "fp32" else args.dtype]) if (
         args.to == "fp32" or args.dtype) else None
     try:
-        if args.source == "deepspeed":
+        if args.to == "universal":
+            if args.dtype or args.config:
+                return _fail("--to universal writes fp32 masters and optimizer states; --dtype and --config do not "
+                             "apply")
+            from fsdpzero.checkpoint.convert import to_universal
+            out = to_universal(args.dir, args.tag, args.out, source=args.source)
+        elif args.source == "deepspeed":
             from fsdpzero.checkpoint.convert import deepspeed_to_ours
             out = deepspeed_to_ours(args.dir, args.tag, args.out, to=args.to, dtype=dtype,
                                     max_shard_size=args.max_shard_size)

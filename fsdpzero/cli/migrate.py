@@ -288,7 +288,37 @@ def render_migration_doc() -> str:
             "| # | key | when | fate | how |\n|---|---|---|---|---|\n" + "\n".join(rules) + "\n")
 
 
+# ---------------------------------------------------------------- key lists in other docs, from the schema
+def section_keys_markdown(section: str) -> str:
+    """The bullet list of a ds_config section's keys, defaults and meanings, as the schema declares them (the
+    model's field descriptions): docs print it between `<!-- keys of SECTION -->` markers, never by hand."""
+    from typing import get_args
+
+    from pydantic import BaseModel
+
+    from fsdpzero.config.schema import DSConfig
+
+    declared = DSConfig.model_fields[section].annotation   # Optional[Model]
+    model = next(t for t in (declared, *get_args(declared)) if isinstance(t, type) and issubclass(t, BaseModel))
+    return "".join(f"- `{key}` (default `{json.dumps(f.default)}`): {f.description}.\n"
+                   for key, f in model.model_fields.items())
+
+
+def with_section_keys(doc: str) -> str:
+    """`doc` with each marked key list re-printed from the schema."""
+    import re
+
+    pattern = re.compile(r"(<!-- keys of (\w+): printed from the schema[^>]*-->\n)(.*?)(<!-- end of keys -->)", re.S)
+    return pattern.sub(lambda m: m.group(1) + section_keys_markdown(m.group(2)) + m.group(4), doc)
+
+
+DOCS_WITH_KEYS = ("nvme.md",)
+
+
 if __name__ == "__main__":       # python -m fsdpzero.cli.migrate --write-docs
     if sys.argv[1:] == ["--write-docs"]:
         from pathlib import Path
-        Path(__file__).resolve().parents[2].joinpath("docs", "migration.md").write_text(render_migration_doc())
+        docs = Path(__file__).resolve().parents[2].joinpath("docs")
+        docs.joinpath("migration.md").write_text(render_migration_doc())
+        for name in DOCS_WITH_KEYS:
+            docs.joinpath(name).write_text(with_section_keys(docs.joinpath(name).read_text()))

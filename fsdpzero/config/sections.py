@@ -38,12 +38,19 @@ def dtype_name(v: Any) -> Any:
 
 # ---------------------------------------------------------------- NVMe / checkpoint / misc (lenient)
 class Aio(Lenient):
-    block_size: int = Field(1_048_576, gt=0)
-    queue_depth: int = Field(8, gt=0)
-    intra_op_parallelism: int = Field(1, gt=0)
-    single_submit: bool = False
-    overlap_events: bool = True
-    use_gds: bool = False
+    """DeepSpeed's `aio` section: the one declaration of its keys, defaults and meanings. The plan's AioPlan is
+    derived from it (fsdpzero/plan/types.py), the library passes its values to the ops' engine (fsdpzero_ops.aio
+    takes them as plain arguments) and docs/nvme.md's list of the keys is printed from the descriptions
+    (`python -m fsdpzero.cli.migrate --write-docs`). Range and alignment checks: fsdpzero/config/bounds.py."""
+    block_size: int = Field(1_048_576, gt=0, description="each request is cut into chunks of this many bytes")
+    queue_depth: int = Field(8, gt=0, description="chunks each worker keeps in flight on its own kernel queue")
+    intra_op_parallelism: int = Field(1, gt=0, description="workers (old name: `thread_count`) that drain one "
+                                      "shared chunk queue, so a single request is split across all of them")
+    single_submit: bool = Field(False, description="one syscall per chunk instead of one per batch")
+    overlap_events: bool = Field(True, description="refill the queue after every completion instead of working "
+                                 "in waves")
+    use_gds: bool = Field(False, description="`true` is refused with a clear error: GPUDirect Storage is not "
+                          "supported (swaps go through pinned CPU buffers)")
 
 
 class ActivationCheckpointing(Lenient):

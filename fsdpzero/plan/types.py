@@ -10,6 +10,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pydantic import BaseModel
+
+from fsdpzero.config.sections import Aio
+
 Status = Literal["mapped", "approximated", "noop", "unsupported"]
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -74,14 +78,18 @@ class PrecisionPlan:
     autocast_dtype: DType | None = None     # torch_autocast section
 
 
-@dataclass(frozen=True, kw_only=True)
-class AioPlan:
-    block_size: int = 1_048_576
-    queue_depth: int = 8
-    intra_op_parallelism: int = 1
-    single_submit: bool = False
-    overlap_events: bool = True
-    use_gds: bool = False
+def section_plan(name: str, section: type[BaseModel], doc: str) -> type:
+    """A frozen plan dataclass with a schema section's keys, types and defaults: the section is declared once, in
+    fsdpzero/config (a key added there is a plan field here, with its default)."""
+    spec = [(key, f.annotation, field() if f.is_required() else field(default_factory=f.default_factory)
+             if f.default_factory else field(default=f.default)) for key, f in section.model_fields.items()]
+    cls = dataclasses.make_dataclass(name, spec, frozen=True, kw_only=True)
+    cls.__module__, cls.__doc__ = __name__, doc
+    return cls
+
+
+AioPlan = section_plan("AioPlan", Aio, "DeepSpeed's `aio` section as validated (fsdpzero.config.sections.Aio); "
+                       "the NVMe swaps hand its values to fsdpzero_ops.aio.AioConfig.")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,307 @@
+"""DeepSpeed universal checkpoints both ways, with DeepSpeed 0.19.8 itself (DS_ACCELERATOR=cpu, gloo) as the oracle:
+
+- a DeepSpeed ZeRO-2 run on 4 ranks saves; DeepSpeed's own ds_to_universal makes the universal checkpoint; fsdpzero
+  resumes it on 2 ranks (`checkpoint.load_universal: true`): the losses continue DeepSpeed's uninterrupted run;
+- fsdpzero on 2 ranks saves; `fsdpzero convert --to universal` writes the universal checkpoint; DeepSpeed resumes it
+  on 4 ranks with `checkpoint.load_universal: true`: the losses continue fsdpzero's uninterrupted run.
+Both carry the optimizer state (AdamW moments and step), the scheduler (WarmupLR, mid-warmup: the lr moves every step)
+and the counters; clipping at 1.0 engages. fp32; tolerance 2e-5 on losses of ~4.9, where a restart of the optimizer
+or scheduler moves the loss by > 1e-3 (the tests below that break each part see that).
+
+And without DeepSpeed: ours -> universal -> ours is the same state bit for bit; a state saved before the first
+step keeps its "unstepped" mark through the universal files (SGD with dampening resumes bit-identical to the run
+without the save); hostile universal files end in one line naming the file.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+
+from tests.multirank import run_distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+VOCAB, SEQ, GLOBAL_BATCH, SAVE, TOTAL = 128, 16, 8, 3, 6
+TOL = 2e-5
+
+
+def _deepspeed():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    ds = pytest.importorskip("deepspeed")
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None   # an inference op; ~40 s JIT
+    return ds
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _config(world: int, universal: bool = False, optimizer: dict | None = None) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_accumulation_steps": 1,
+           "steps_per_print": 10 ** 9, "gradient_clipping": 1.0,
+           "optimizer": optimizer or {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                                  "weight_decay": 0.01, "torch_adam": True}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
+                                                        "warmup_num_steps": 10, "warmup_type": "linear"}},
+           "zero_optimization": {"stage": 2}}
+    if universal:
+        cfg["checkpoint"] = {"load_universal": True}
+    return cfg
+
+
+def _data() -> torch.Tensor:
+    g = torch.Generator().manual_seed(1234)
+    return torch.randint(3, VOCAB, (TOTAL, GLOBAL_BATCH, SEQ), generator=g)
+
+
+def _engine(library: str, config: dict):
+    if library == "deepspeed":
+        import deepspeed
+        initialize = deepspeed.initialize
+    else:
+        import fsdpzero
+        initialize = fsdpzero.initialize
+    model = _model()
+    return initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(config))[0]
+
+
+def _steps(engine, rank: int, world: int, steps: range) -> list[float]:
+    """Rank r takes rows [r*b, (r+1)*b) of each global batch: the same 8 sequences per step on 4 or 2 ranks."""
+    data, losses = _data(), []
+    for step in steps:
+        rows = data[step].chunk(world)[rank]
+        loss = engine(input_ids=rows, labels=rows).loss
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def _ds_job(rank, world, root, mode):
+    _deepspeed()
+    if mode == "train":   # the uninterrupted DeepSpeed run, saved at SAVE
+        engine = _engine("deepspeed", _config(world))
+        losses = _steps(engine, rank, world, range(SAVE))
+        engine.save_checkpoint(str(Path(root) / "ds"))
+        return losses + _steps(engine, rank, world, range(SAVE, TOTAL))
+    engine = _engine("deepspeed", _config(world, universal=True))   # resume fsdpzero's universal checkpoint
+    path, _ = engine.load_checkpoint(str(Path(root) / "ours"))
+    assert path is not None and engine.global_steps == SAVE, (path, engine.global_steps)
+    return _steps(engine, rank, world, range(SAVE, TOTAL))
+
+
+def _ours_job(rank, world, root):
+    engine = _engine("fsdpzero", _config(world, universal=True))   # DeepSpeed's universal checkpoint, 4 -> 2 ranks
+    path, _ = engine.load_checkpoint(str(Path(root) / "ds"))
+    assert Path(path).name == f"global_step{SAVE}_universal" and engine.global_steps == SAVE
+    from_ds = _steps(engine, rank, world, range(SAVE, TOTAL))
+    engine = _engine("fsdpzero", _config(world))   # fsdpzero's uninterrupted run, saved at SAVE
+    ours = _steps(engine, rank, world, range(SAVE))
+    engine.save_checkpoint(str(Path(root) / "ours"))
+    return from_ds, ours + _steps(engine, rank, world, range(SAVE, TOTAL))
+
+
+def _close(a, b, tol=TOL):
+    return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) <= tol
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+def test_universal_round_trip_with_deepspeed(tmp_path):
+    _deepspeed()
+    ds_run = run_distributed(_ds_job, 4, str(tmp_path), "train", timeout=600)[0]
+    made = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                           str(tmp_path / "ds" / f"global_step{SAVE}"), "--output_folder",
+                           str(tmp_path / "ds" / f"global_step{SAVE}_universal"), "--num_extract_workers", "1",
+                           "--num_merge_workers", "1", "--inject_missing_state"],
+                          env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+    from_ds, ours_run = run_distributed(_ours_job, 2, str(tmp_path), timeout=600)[0]
+    # DeepSpeed 4 ranks -> universal -> fsdpzero 2 ranks: DeepSpeed's own curve goes on
+    assert _close(from_ds, ds_run[SAVE:]), (from_ds, ds_run[SAVE:])
+    # the two uninterrupted runs agree before the save (the same training: the oracle suite's claim, here 4 vs 2)
+    assert _close(ours_run[:SAVE], ds_run[:SAVE]), (ours_run, ds_run)
+    out = subprocess.run([sys.executable, "-m", "fsdpzero.cli.main", "convert", str(tmp_path / "ours"), "--to",
+                          "universal"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "ours" / "latest_universal").read_text() == f"global_step{SAVE}_universal"
+    ds_resumed = run_distributed(_ds_job, 4, str(tmp_path), "resume", timeout=600)[0]
+    # fsdpzero 2 ranks -> universal -> DeepSpeed 4 ranks: fsdpzero's curve goes on
+    assert _close(ds_resumed, ours_run[SAVE:]), (ds_resumed, ours_run[SAVE:])
+    # and what a lost optimizer state or scheduler would look like is far outside the tolerance
+    assert max(abs(a - b) for a, b in zip(ds_run[SAVE:], ds_run[:SAVE])) > 100 * TOL
+
+
+# ---- without DeepSpeed: ours -> universal -> ours, the unstepped mark, DeepSpeed ZeRO -> universal ---------------
+
+ASSETS = ROOT / "tests" / "assets" / "deepspeed_ckpts"
+SGD = {"type": "SGD", "params": {"lr": 0.5, "momentum": 0.9, "dampening": 0.5, "weight_decay": 0.01}}
+
+
+def _sgd_config(world: int, universal: bool = False) -> dict:
+    cfg = _config(world, universal, optimizer=SGD)
+    cfg["zero_allow_untested_optimizer"] = True
+    del cfg["scheduler"]
+    return cfg
+
+
+def _params(engine) -> dict:
+    from torch.distributed.tensor import DTensor
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in engine.module.named_parameters()}
+
+
+def _unstepped_job(rank, world, root):
+    """SGD with momentum and dampening: a save before the first step, made universal, resumes as the run without
+    it (the momentum buffer starts as the first gradient); then an AdamW run saved after 2 steps for the file check."""
+    from fsdpzero.checkpoint.convert import to_universal
+    straight = _engine("fsdpzero", _sgd_config(world))
+    losses = _steps(straight, rank, world, range(3))
+    engine = _engine("fsdpzero", _sgd_config(world))
+    engine.save_checkpoint(str(Path(root) / "sgd"))
+    if rank == 0:
+        to_universal(Path(root) / "sgd")
+    dist.barrier()
+    resumed = _engine("fsdpzero", _sgd_config(world, universal=True))
+    path, _ = resumed.load_checkpoint(str(Path(root) / "sgd"))
+    assert Path(path).name == "global_step0_universal"
+    resumed_losses = _steps(resumed, rank, world, range(3))
+    adamw = _engine("fsdpzero", _config(world))
+    _steps(adamw, rank, world, range(2))
+    adamw.save_checkpoint(str(Path(root) / "adamw"))
+    return losses, _params(straight), resumed_losses, _params(resumed)
+
+
+def test_ours_to_universal_and_back(tmp_path):
+    from fsdpzero.checkpoint import universal
+    from fsdpzero.checkpoint.convert import ours_training_state, to_universal
+    losses, params, resumed_losses, resumed_params = run_distributed(_unstepped_job, 2, str(tmp_path),
+                                                                     timeout=300)[0]
+    # the unstepped mark went through the universal files: bit-identical to the run without the save
+    assert resumed_losses == losses
+    assert all(torch.equal(params[n], resumed_params[n]) for n in params)
+    st = universal.training_state(tmp_path / "sgd" / "global_step0_universal")
+    assert st["unstepped"] and set(st["other_states"]) == set(st["trainable"]) and not st["adam"]
+    # a stepped AdamW state: every weight, moment and step the same after ours -> universal -> read
+    out = to_universal(tmp_path / "adamw")
+    assert out == tmp_path / "adamw" / "global_step2_universal"
+    assert (tmp_path / "adamw" / "latest_universal").read_text() == "global_step2_universal"
+    ours, back = ours_training_state(tmp_path / "adamw"), universal.training_state(out)
+    assert not back["unstepped"] and back["trainable"] == ours["trainable"]
+    assert set(back["weights"]) == set(ours["weights"])
+    assert all(torch.equal(ours["weights"][n], back["weights"][n]) for n in ours["weights"])
+    for name, state in ours["states"].items():
+        assert set(state) == {"step", "exp_avg", "exp_avg_sq"}
+        assert all(torch.equal(v.float(), back["adam"][name][k]) for k, v in state.items())
+    assert back["counters"] == {"global_steps": 2, "global_samples": 16, "skipped_steps": 0}
+    assert back["lr_scheduler"] == {"last_batch_iteration": 1}
+    assert "fused" not in back["param_groups"][0] and back["param_groups"][0]["lr"] > 0
+    with pytest.raises(FileExistsError, match="global_step2_universal exists"):   # never written over
+        to_universal(tmp_path / "adamw")
+
+
+def test_deepspeed_zero_to_universal_without_deepspeed(tmp_path):
+    """`fsdpzero convert DS_DIR --from deepspeed --to universal` (ds_to_universal without DeepSpeed) on DeepSpeed's
+    own ZeRO-2 checkpoint of a GPT-2 with a tied head and a frozen wpe: the universal files read back as the ZeRO
+    checkpoint's state, the tie kept as shared_params."""
+    from fsdpzero.checkpoint import deepspeed as ds_checkpoint
+    from fsdpzero.checkpoint import universal
+    from fsdpzero.cli.main import main
+    import shutil
+    shutil.copytree(ASSETS / "z2_fp32", tmp_path / "ds")
+    assert main(["convert", str(tmp_path / "ds"), "--from", "deepspeed", "--to", "universal"]) == 0
+    zero = ds_checkpoint.training_state(tmp_path / "ds", "global_step3")
+    back = universal.training_state(tmp_path / "ds" / "global_step3_universal")
+    assert set(back["weights"]) == set(zero["weights"]) and set(back["adam"]) == set(zero["adam"])
+    assert all(torch.equal(zero["weights"][n], back["weights"][n]) for n in zero["weights"])
+    assert all(torch.equal(torch.as_tensor(v).float(), back["adam"][n][k])
+               for n, s in zero["adam"].items() for k, v in s.items())
+    meta = torch.load(tmp_path / "ds" / "global_step3_universal" / "mp_rank_00_model_states.pt", weights_only=True)
+    assert meta["shared_params"] == {"lm_head.weight": "transformer.wte.weight"}
+    assert list(meta["frozen_param_shapes"]) == ["transformer.wpe.weight"]
+
+
+# ---- hostile universal files: one line naming the file -------------------------------------------------------
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _universal_copy(tmp_path) -> Path:
+    from fsdpzero.checkpoint.convert import to_universal
+    import shutil
+    shutil.copytree(ASSETS / "z2_fp32", tmp_path / "ds")
+    return to_universal(tmp_path / "ds", "global_step3", source="deepspeed")
+
+
+@pytest.mark.parametrize("case", ["numel", "shape", "step", "name", "pickle", "param"])
+def test_hostile_universal_files_end_in_one_line(tmp_path, case):
+    from fsdpzero.checkpoint.deepspeed_reader import MalformedCheckpointError, UnsafeCheckpointError
+    from fsdpzero.checkpoint.convert import deepspeed_to_ours
+    from fsdpzero.cli.main import main
+    tag = _universal_copy(tmp_path)
+    pdir = tag / "zero" / "transformer.h.0.attn.c_attn.weight"
+    marker = tmp_path / "ran"
+    if case == "numel":        # a moment of another size (a tensor-parallel slice)
+        torch.save({"param": torch.zeros(7)}, pdir / "exp_avg.pt")
+    elif case == "shape":      # the weight disagrees with the model states' shapes
+        torch.save({"param": torch.zeros(45, 15)}, pdir / "fp32.pt")
+    elif case == "step":
+        torch.save("three", pdir / "step.pt")
+    elif case == "param":      # no tensor under "param"
+        torch.save({"param": [1.0, 2.0]}, pdir / "exp_avg_sq.pt")
+    elif case == "name":       # a parameter name that leads out of z/ to a file planted beside it
+        meta = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)
+        meta["frozen_param_shapes"]["../planted"] = torch.Size([2])
+        torch.save(meta, tag / "mp_rank_00_model_states.pt")
+        (tag / "planted").mkdir()
+        torch.save({"param": torch.zeros(2)}, tag / "planted" / "fp32.pt")
+    else:                      # a pickle that runs code when unpickled
+        torch.save({"param": _RunsCode(marker)}, pdir / "exp_avg.pt")
+    with pytest.raises((MalformedCheckpointError, UnsafeCheckpointError)) as e:
+        deepspeed_to_ours(tag, None, tmp_path / "out")
+    text = str(e.value)
+    assert "\n" not in text and str(tag) in text, text
+    assert not marker.exists()
+    expected = {"numel": "exp_avg.pt", "shape": "fp32.pt", "step": "step.pt", "param": "exp_avg_sq.pt",
+                "name": "'../planted' is not a directory of zero/", "pickle": "system"}[case]
+    assert expected in text, text
+    assert main(["convert", str(tag), "--from", "deepspeed", "--to", "dcp", "--out", str(tmp_path / "o2")]) == 2
+
+
+def test_fp16_loss_scaler_kept_for_fsdpzero(tmp_path):
+    """An fp16 run's dynamic scaler survives ours -> universal -> ours (as numbers DeepSpeed ignores: it restarts its
+    own scaler from its config, documented)."""
+    from fsdpzero.checkpoint import universal
+    weights = {"w": torch.randn(3, 2), "b": torch.randn(3)}
+    scaler = {"cur_scale": 512.0, "cur_iter": 7, "last_overflow_iter": 4, "cur_hysteresis": 1}
+    st = {"weights": weights, "trainable": ["w", "b"], "param_groups": [{"lr": 0.1, "fused": True}],
+          "states": {n: {"step": 7, "exp_avg": torch.randn_like(t), "exp_avg_sq": torch.rand_like(t)}
+                     for n, t in weights.items()},
+          "counters": {"global_steps": 7}, "loss_scaler": scaler, "world_size": 2}
+    out = universal.write_universal(st, tmp_path, "global_step7_universal")
+    back = universal.training_state(out)
+    assert back["loss_scaler"] == scaler and back["counters"]["global_steps"] == 7
+    assert back["param_groups"] == [{"lr": 0.1}]   # torch's implementation flags are the loader's own
+    assert all(torch.equal(weights[n], back["weights"][n]) for n in weights)
+    assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
