@@ -38,16 +38,6 @@ from .build import extensions_dir, load_op
 ALIGN = 4096                     # O_DIRECT alignment that satisfies 512-byte and 4 KiB logical blocks
 BACKENDS = ("io_uring", "libaio", "threads", "python")
 _NATIVE = {"io_uring": 0, "libaio": 1, "threads": 2}
-DEFAULT_BACKEND = "auto"   # what backend="auto" means; the library sets it (`aio_backend` knob), no env read here
-
-
-def set_default_backend(backend: str) -> None:
-    global DEFAULT_BACKEND
-    if backend != "auto" and backend not in BACKENDS:
-        raise ValueError(f"aio backend {backend!r}: choose one of {BACKENDS} or 'auto'")
-    DEFAULT_BACKEND = backend
-
-
 def padded_nbytes(nbytes: int) -> int:
     """File bytes a tensor of `nbytes` occupies: the next multiple of ALIGN (lay tensors out at these offsets)."""
     return -(-nbytes // ALIGN) * ALIGN
@@ -124,15 +114,16 @@ def _native_lib():
 
 
 @lru_cache(maxsize=None)
-def backend_available(backend: str) -> bool:
+def backend_available(backend: str, build: bool = True) -> bool:
+    """build=False (the library's no_build knob): the native op is never compiled, so only "python" is."""
     if backend == "python":
         return True
-    lib = _native_lib()
+    lib = _native_lib() if build else None
     return lib is not None and bool(lib.fz_aio_backend_available(_NATIVE[backend]))
 
 
-def available_backends() -> list[str]:
-    return [b for b in BACKENDS if backend_available(b)]
+def available_backends(build: bool = True) -> list[str]:
+    return [b for b in BACKENDS if backend_available(b, build)]
 
 
 class _NativeEngine:
@@ -354,17 +345,19 @@ class AioRequest:
 
 
 class AioHandle:
-    """An I/O engine: `backend` one of BACKENDS or "auto" (io_uring, then libaio, threads, python)."""
+    """An I/O engine: `backend` one of BACKENDS or "auto" (io_uring, then libaio, threads, python); build=False:
+    never compile the native op (python only). Both are arguments (the library passes its aio_backend and no_build
+    knobs): this package keeps no settings."""
 
-    def __init__(self, config: AioConfig | None = None, backend: str = "auto"):
+    def __init__(self, config: AioConfig | None = None, backend: str = "auto", build: bool = True):
         self.config = config or AioConfig()
         if backend == "auto":
-            backend = DEFAULT_BACKEND if DEFAULT_BACKEND != "auto" else available_backends()[0]
+            backend = available_backends(build)[0]
         if backend not in BACKENDS:
             raise ValueError(f"aio backend {backend!r}: choose one of {BACKENDS} or 'auto'")
-        if not backend_available(backend):
+        if not backend_available(backend, build):
             raise RuntimeError(f"fsdpzero aio: backend {backend!r} is not usable here; available: "
-                               f"{available_backends()}")
+                               f"{available_backends(build)}")
         self.backend = backend
         self._engine = _PythonEngine(self.config) if backend == "python" else _NativeEngine(backend, self.config)
         self._inflight: dict[int, tuple[AioRequest, torch.Tensor]] = {}   # keeps buffers alive until waited

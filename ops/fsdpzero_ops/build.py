@@ -2,8 +2,8 @@
 
 `load_op(name, sources)` returns the loaded library (ops registered through TORCH_LIBRARY become `torch.ops.<ns>`)
 or None, warning once, when no compiler/ninja is usable: callers then take their pure-torch reference path.
-`set_no_build(True)` forces the reference path (the library calls it for the `no_build` knob, FSDPZERO_NO_BUILD=1;
-tests of the fallback too). This module reads no fsdpzero environment: its values come as arguments.
+`load_op(..., build=False)` forces the reference path (the library passes it for an engine with the `no_build` knob,
+FSDPZERO_NO_BUILD=1). This package reads no fsdpzero environment and keeps no settings: its values come as arguments.
 """
 from __future__ import annotations
 
@@ -16,14 +16,6 @@ from pathlib import Path
 # link that the wheel resolves into a copy); in an installed wheel, inside it (fsdpzero_ops/csrc).
 _HERE = Path(__file__).resolve().parent
 CSRC = next((p.resolve() for p in (_HERE / "csrc", _HERE.parent / "csrc") if p.is_dir()), _HERE / "csrc")
-NO_BUILD = False   # set_no_build(): never compile, every op takes its reference path
-
-
-def set_no_build(flag: bool) -> None:
-    global NO_BUILD
-    NO_BUILD = bool(flag)
-
-
 def extensions_dir() -> Path:
     """Build cache: $TORCH_EXTENSIONS_DIR; else, in a source checkout, <repo>/.torch_extensions (not ~/.cache, shared
     between venvs); else (an installed wheel) a per-user cache tagged with the Python and torch versions, since a
@@ -47,8 +39,9 @@ def extensions_dir() -> Path:
 
 
 def load_op(name: str, sources: tuple[str, ...], extra_cflags: tuple[str, ...] = (),
-            extra_ldflags: tuple[str, ...] = ()):
-    if NO_BUILD:
+            extra_ldflags: tuple[str, ...] = (), *, build: bool = True):
+    """build=False: never compile (the caller's no_build setting); None, and callers take their reference path."""
+    if not build:
         return None
     return _load(name, sources, extra_cflags, extra_ldflags)
 

@@ -8,9 +8,10 @@ cost nothing, and the step runs at memory speed (~28 bytes/param).
     opt.step_param(master, grad_bf16, out=pinned_bf16)                  # offload: one param, low-precision in/out
 
 Kernels (ops/csrc/cpu_adam.cpp): AVX-512, AVX2 and scalar, picked at run time for the host CPU. Choose one with
-`impl=` or `set_default_impl()` (the library's `cpu_adam_impl` knob, FSDPZERO_CPU_ADAM_IMPL) = auto | avx512 | avx2 |
-scalar | reference. "reference" is the pure-torch path below; it also runs, after one warning, when the op cannot be
-built (no compiler, or build.set_no_build(True), the `no_build` knob).
+`impl=` (the library passes its `cpu_adam_impl` knob, FSDPZERO_CPU_ADAM_IMPL) = auto | avx512 | avx2 | scalar |
+reference. "reference" is the pure-torch path below; it also runs, after one warning, when the op cannot be built (no
+compiler, or `build=False`: the library's `no_build` knob). Both are arguments: this package keeps no settings, so
+two engines in one process each get their own.
 Threads: the op uses torch's intra-op pool, i.e. torch.set_num_threads().
 """
 from __future__ import annotations
@@ -20,47 +21,39 @@ import warnings
 
 import torch
 
-from . import build
 from .build import load_op
 
 _ISA = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
 IMPLS = ("auto", "avx512", "avx2", "scalar", "reference")
-_warned_fallback = False
-DEFAULT_IMPL = "auto"   # for impl=None; the library sets it from its tuning (this package reads no environment)
+_warned_fallback = False   # the no_build warning is given once per process (a warning latch, not a setting)
 
 
-def set_default_impl(impl: str) -> None:
-    global DEFAULT_IMPL
-    if impl not in IMPLS:
-        raise ValueError(f"CPU Adam impl={impl!r} is not one of {IMPLS}")
-    DEFAULT_IMPL = impl
-
-
-def _built() -> bool:
-    """True when the C++ op is loaded; otherwise warn once and let callers take the reference path."""
+def _built(build: bool = True) -> bool:
+    """True when the C++ op is loaded (build=False: never compiled, never loaded); otherwise warn once and let
+    callers take the reference path."""
     global _warned_fallback
-    if load_op("fsdpzero_cpu_adam", ("cpu_adam.cpp",), ("-fopenmp",), ("-fopenmp",)) is not None:
+    if load_op("fsdpzero_cpu_adam", ("cpu_adam.cpp",), ("-fopenmp",), ("-fopenmp",), build=build) is not None:
         return True
-    if not _warned_fallback and build.NO_BUILD:  # load_op warns about failed builds itself
+    if not _warned_fallback and not build:  # load_op warns about failed builds itself
         warnings.warn("fsdpzero: no_build (FSDPZERO_NO_BUILD=1): CPU Adam runs the pure-torch reference path (slower)",
                       RuntimeWarning, stacklevel=3)
     _warned_fallback = True
     return False
 
 
-def available_impls() -> list[str]:
-    """The implementations this host can run, fastest first; "reference" always."""
-    if not _built():
+def available_impls(build: bool = True) -> list[str]:
+    """The implementations this host can run, fastest first; "reference" always (only that one with build=False)."""
+    if not _built(build):
         return ["reference"]
     best = torch.ops.fsdpzero.adam_best_isa()
     return [name for name in ("avx512", "avx2", "scalar") if _ISA[name] <= best] + ["reference"]
 
 
-def _resolve(impl: str | None) -> str:
-    impl = impl or DEFAULT_IMPL
+def _resolve(impl: str | None, build: bool = True) -> str:
+    impl = impl or "auto"
     if impl not in IMPLS:
         raise ValueError(f"CPU Adam impl={impl!r} is not one of {IMPLS}")
-    if impl != "reference" and not _built():
+    if impl != "reference" and not _built(build):
         return "reference"
     return impl
 
@@ -88,13 +81,14 @@ def reference_adam_step_(param, grad, exp_avg, exp_avg_sq, out=None, *, lr, beta
 
 
 def adam_step_(param, grad, exp_avg, exp_avg_sq, out=None, *, lr, beta1, beta2, eps, weight_decay, step,
-               adamw=True, bias_correction=True, grad_scale=1.0, impl=None, src=None):
+               adamw=True, bias_correction=True, grad_scale=1.0, impl=None, build=True, src=None):
     """One fused Adam(W) step in place on contiguous CPU tensors. param/exp_avg/exp_avg_sq: fp32; grad and out
     (optional, written with the updated param rounded to its dtype): fp32, bf16 or fp16, same number of elements.
     grad_scale multiplies the gradient as it is read (fold 1/loss_scale and the clip coefficient in here).
     src=(param_in, exp_avg_in, exp_avg_sq_in): read the master and states from there instead and leave them as they
-    are (out of place: param/exp_avg/exp_avg_sq only receive the result; the same bits as the in-place step)."""
-    impl = _resolve(impl)
+    are (out of place: param/exp_avg/exp_avg_sq only receive the result; the same bits as the in-place step).
+    impl: the kernel (None: auto); build=False: never compile the op (the reference path)."""
+    impl = _resolve(impl, build)
     kw = dict(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
               weight_decay=float(weight_decay), step=int(step), adamw=bool(adamw),
               bias_correction=bool(bias_correction), grad_scale=float(grad_scale))
@@ -110,11 +104,11 @@ def adam_step_(param, grad, exp_avg, exp_avg_sq, out=None, *, lr, beta1, beta2, 
         torch.ops.fsdpzero.adam_step(param, grad, exp_avg, exp_avg_sq, out, **kw, isa=_ISA[impl])
 
 
-def grad_sumsq(t: torch.Tensor) -> float:
+def grad_sumsq(t: torch.Tensor, build: bool = True) -> float:
     """Sum of squares of a CPU fp32/bf16/fp16 tensor, in fp32 per 1024-element block and in double across blocks
-    (the same result for any thread count); reference path: in double."""
+    (the same result for any thread count); reference path (no op, or build=False): in double."""
     t = t.contiguous()
-    if _built():
+    if _built(build):
         return torch.ops.fsdpzero.grad_sumsq(t)
     return float(t.double().square().sum())
 
@@ -133,7 +127,7 @@ class CPUAdam(torch.optim.Optimizer):
     layout, so state dicts move between the two."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, adamw_mode=False,
-                 bias_correction=True, amsgrad=False, impl=None):
+                 bias_correction=True, amsgrad=False, impl=None, build=True):
         if amsgrad:
             raise ValueError("CPUAdam: amsgrad=True is not supported by the fused CPU kernel; set amsgrad=False "
                              "(DeepSpeedCPUAdam does not support it either)")
@@ -149,7 +143,8 @@ class CPUAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         decoupled_weight_decay=adamw_mode, bias_correction=bias_correction)
         super().__init__(params, defaults)
-        self.impl = _resolve(impl)
+        self.impl = _resolve(impl, build)   # the kernel, chosen once (impl=None: auto)
+        self.build = build                  # build=False: never compile the op (grad_sumsq's reference path too)
         self._group_of: dict[int, dict] = {}
 
     def state_for(self, param):
@@ -230,6 +225,6 @@ class CPUAdamW(CPUAdam):
     """AdamW (decoupled weight decay) on CPU parameters; drop-in for torch.optim.AdamW, defaults included."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, bias_correction=True,
-                 amsgrad=False, impl=None):
+                 amsgrad=False, impl=None, build=True):
         super().__init__(params, lr, betas, eps, weight_decay, adamw_mode=True, bias_correction=bias_correction,
-                         amsgrad=amsgrad, impl=impl)
+                         amsgrad=amsgrad, impl=impl, build=build)

@@ -98,7 +98,6 @@ def test_the_defaults_are_the_fast_exact_settings():
 def test_startup_line_lists_the_non_defaults_once(monkeypatch, caplog):
     monkeypatch.setenv("FSDPZERO_OFFLOAD_OVERLAP", "0")
     monkeypatch.setattr(tuning, "_printed", set())
-    monkeypatch.setattr(tuning, "apply_to_ops", lambda t: None)
     with caplog.at_level(logging.INFO, logger="fsdpzero"):
         tuning.use({"offload_threads": 3, "ckpt_stream": True})   # at its default: not listed
         tuning.use({"offload_threads": 3})                          # the same line is not printed twice
@@ -113,15 +112,18 @@ def test_startup_line_lists_the_non_defaults_once(monkeypatch, caplog):
 
 
 def test_ops_receive_their_values_without_reading_the_environment(monkeypatch):
-    from fsdpzero_ops import aio, build, cpu_adam
-    monkeypatch.setattr(cpu_adam, "DEFAULT_IMPL", "auto")
-    monkeypatch.setattr(build, "NO_BUILD", False)
-    monkeypatch.setattr(aio, "DEFAULT_BACKEND", "auto")
+    """fsdpzero_ops keeps no settings: an engine's knobs reach it as arguments (Tuning.cpu_adam_args/aio_args)."""
+    from fsdpzero_ops import aio, cpu_adam
     monkeypatch.setenv("FSDPZERO_CPU_ADAM_IMPL", "reference")
-    assert cpu_adam.DEFAULT_IMPL == "auto"     # the variable alone changes nothing in the ops
-    tuning.apply_to_ops(tuning.resolve({"aio_backend": "python", "no_build": False}))
-    assert cpu_adam.CPUAdamW([torch.zeros(3)]).impl == "reference"
-    assert (aio.DEFAULT_BACKEND, build.NO_BUILD) == ("python", False)
+    assert cpu_adam.CPUAdamW([torch.zeros(3)]).impl != "reference"   # the variable alone changes nothing in the ops
+    knobs = tuning.resolve({"aio_backend": "python", "no_build": False})
+    assert knobs.cpu_adam_args() == {"impl": "reference", "build": True}
+    assert cpu_adam.CPUAdamW([torch.zeros(3)], **knobs.cpu_adam_args()).impl == "reference"
+    with aio.AioHandle(**knobs.aio_args()) as handle:
+        assert handle.backend == "python"
+    assert tuning.resolve({"no_build": True}).cpu_adam_args() == {"impl": "reference", "build": False}
+    assert cpu_adam.CPUAdamW([torch.zeros(3)], **tuning.resolve({"no_build": True}).cpu_adam_args()).impl \
+        == "reference"
 
 
 def test_initialize_refuses_a_typo_before_any_process_group():

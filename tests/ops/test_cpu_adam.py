@@ -150,13 +150,11 @@ def test_parallel_split_matches_single_thread():
     assert torch.equal(res[0], res[1])
 
 
-def test_default_impl_selects_reference(monkeypatch):
-    """The library's cpu_adam_impl knob (FSDPZERO_CPU_ADAM_IMPL) arrives through set_default_impl: ops read no env."""
-    monkeypatch.setattr(cpu_adam, "DEFAULT_IMPL", "auto")
-    cpu_adam.set_default_impl("reference")
-    assert cpu_adam.CPUAdamW([torch.zeros(3)]).impl == "reference"
-    with pytest.raises(ValueError, match="avx9"):
-        cpu_adam.set_default_impl("avx9")
+def test_impl_argument_selects_reference():
+    """The library's cpu_adam_impl knob (FSDPZERO_CPU_ADAM_IMPL) arrives as the impl argument: the ops read no env
+    and keep no process-wide default."""
+    assert cpu_adam.CPUAdamW([torch.zeros(3)], impl="reference").impl == "reference"
+    assert not hasattr(cpu_adam, "set_default_impl") and not hasattr(cpu_adam, "DEFAULT_IMPL")
     with pytest.raises(ValueError, match="avx9"):
         cpu_adam.CPUAdamW([torch.zeros(3)], impl="avx9")
 
@@ -164,16 +162,27 @@ def test_default_impl_selects_reference(monkeypatch):
 def test_no_build_falls_back_with_one_warning(monkeypatch):
     monkeypatch.setattr(cpu_adam, "load_op", lambda *a, **k: None)
     monkeypatch.setattr(cpu_adam, "_warned_fallback", False)
-    monkeypatch.setattr(cpu_adam.build, "NO_BUILD", True)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         p = torch.ones(5)
-        opt = cpu_adam.CPUAdamW([p], lr=0.1)
+        opt = cpu_adam.CPUAdamW([p], lr=0.1, build=False)   # the library's no_build knob
         for _ in range(3):
             opt.step_param(p, torch.ones(5))
     assert opt.impl == "reference"
     assert sum("reference path" in str(w.message) for w in seen) == 1
     assert torch.all(p < 1)
+
+
+def test_build_false_never_uses_the_compiled_op():
+    """build=False (an engine's no_build knob) holds for that call even when the op is built and loaded in this
+    process (by an engine without the knob): the ops keep no process-wide build switch."""
+    from fsdpzero_ops import aio
+    assert IMPLS[0] != "reference", "the CPU Adam op could not be built here"
+    assert cpu_adam.available_impls(build=False) == ["reference"]
+    assert cpu_adam.CPUAdamW([torch.zeros(3)], build=False).impl == "reference"
+    assert aio.available_backends(build=False) == ["python"]
+    t = torch.randn(5000, generator=torch.Generator().manual_seed(0)).bfloat16()
+    assert cpu_adam.grad_sumsq(t, build=False) == float(t.double().square().sum()) != cpu_adam.grad_sumsq(t)
 
 
 def test_bad_input_names_the_problem():
