@@ -269,7 +269,7 @@ def plan_placement(peers: list[Peer], local_rank: int, topo: Topology, *, thread
     others = [p for p in peers if p is not me]
     if local_world > 1 and all(not (p.cpus & q.cpus) for i, p in enumerate(peers) for q in peers[i + 1:]):
         n, why = fit(len(pool))     # a launcher gave each rank its own CPUs: keep them
-        return unbound(why, n, "not re-bound: the launcher gave each local rank its own CPUs")
+        return unbound(why, n, "not re-bound: each local rank has CPUs of its own already")
     if not bind:                    # no pinning: the share of the usable cores, as before binding existed
         if chosen[0] is None and not accelerator:
             return unbound("", None, "not bound (CPU-only run; offload_bind=1 binds)")
@@ -340,9 +340,18 @@ def bind_process(cpus) -> None:
             pass
 
 
+_applied: Placement | None = None   # this process's placement (CPU affinity is the process's), for the startup block
+
+
+def applied() -> Placement | None:
+    """The placement place_this_rank last applied in this process (None: none yet)."""
+    return _applied
+
+
 def place_this_rank(*, threads: int | None = None, bind: bool | None = None, device=None) -> Placement:
     """Gather the local ranks, plan this rank's placement and apply it: bind, and set torch's (OpenMP) threads of
     this thread (worker threads set theirs from Placement.threads). Collective where a process group exists."""
+    global _applied
     import torch
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     accelerator = device is not None and getattr(device, "type", str(device)) == "cuda"
@@ -357,6 +366,7 @@ def place_this_rank(*, threads: int | None = None, bind: bool | None = None, dev
         bind_process(placement.cores)
     if placement.threads is not None:
         torch.set_num_threads(placement.threads)
+    _applied = placement
     return placement
 
 

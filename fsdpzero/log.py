@@ -11,6 +11,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from fsdpzero.host import applied as applied_placement
 from fsdpzero.plan import Plan
 from fsdpzero.plan.report import NOT_MAPPED, fate_rows, fate_table, summary_line
 
@@ -40,6 +41,9 @@ def log_startup(plan: Plan, extra: dict) -> None:
         return
     run = ", ".join(f"{k} {v}" for k, v in extra.items())
     lines = [summary_line(plan), run]
+    placement = applied_placement()   # the offload path placed this process's CPU work (fsdpzero/host.py)
+    if placement is not None and plan.offload.optimizer_device != "none":
+        lines.append(f"cpu: {placement.describe()}")
     if fate_rows(plan, statuses=NOT_MAPPED):
         lines.append(fate_table(plan, statuses=NOT_MAPPED))
     log.info("\n".join(lines))

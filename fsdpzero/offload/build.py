@@ -29,9 +29,9 @@ next forward runs; a pre-forward hook on each FSDP unit waits for that unit's ch
 outside a forward waits for the whole step (fsdpzero/offload/access.py). Exact: the clip factor and the skip
 decision are known before step() starts it.
 
-Threads: torchrun sets OMP_NUM_THREADS=1, which makes the CPU step ~6x slower. With an accelerator the CPU step gets
-usable cores / local ranks threads (knob offload_threads overrides); offload_bind also pins each local rank to its
-own slice of cores. Knobs: fsdpzero/tuning.py (FSDPZERO_OFFLOAD_*).
+Threads: torchrun sets OMP_NUM_THREADS=1, which makes the CPU step ~6x slower. With an accelerator each local rank
+gets its own slice of whole cores and one CPU step thread per CPU of it (fsdpzero/host.py; knobs offload_threads and
+offload_bind override). Knobs: fsdpzero/tuning.py (FSDPZERO_OFFLOAD_*).
 """
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ from fsdpzero.dist import local_tensor
 from fsdpzero.log import count
 from fsdpzero.precision import DTYPES
 from fsdpzero.tuning import Tuning, resolve
+from fsdpzero.host import place_this_rank
 
 log = logging.getLogger("fsdpzero")
 
@@ -60,14 +61,6 @@ def cpu_threads(local_world_size: int, override: int | None = None) -> int:
         return max(1, int(override))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // max(1, local_world_size))
-
-
-def bind_cores(local_rank: int, local_world_size: int) -> None:
-    """Pin this rank to its own contiguous slice of the usable cores (DeepSpeed's --bind_cores_to_rank)."""
-    cores = sorted(os.sched_getaffinity(0))
-    per = max(1, len(cores) // max(1, local_world_size))
-    mine = cores[local_rank * per:(local_rank + 1) * per] or cores
-    os.sched_setaffinity(0, mine)
 
 
 def _hyper_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
@@ -244,13 +237,11 @@ def _check_plan(plan: Plan) -> bool:
 
 
 def _cpu_step_threads(knobs: Tuning) -> int:
-    """The CPU step's threads: with a GPU always set (auto: cores / local ranks); on a CPU-only run only when a knob
-    asks (the user's OMP setting otherwise stands)."""
-    if torch.cuda.is_available() or knobs.offload_threads is not None or knobs.offload_bind:
-        local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        if knobs.offload_bind:
-            bind_cores(local_rank, local_world)
-        torch.set_num_threads(cpu_threads(local_world, knobs.offload_threads))
+    """The CPU step's threads and this rank's cores (fsdpzero/host.py, knobs offload_threads and offload_bind): with a
+    GPU, a slice of whole cores of its own per local rank and one thread per CPU of it; on a CPU-only run only what a
+    knob asks (the user's OMP setting otherwise stands). Collective where a process group exists."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    place_this_rank(threads=knobs.offload_threads, bind=knobs.offload_bind, device=device)
     return torch.get_num_threads()
 
 

@@ -95,7 +95,7 @@ def test_launcher_bound_ranks_keep_their_cpus():
     plans = plan_all(topo, [range(0, 16), range(16, 32)], omp_num_threads="16")
     assert [(p.bind, p.cores, p.threads) for p in plans] == [(False, tuple(range(16)), 16),
                                                               (False, tuple(range(16, 32)), 16)]
-    assert "launcher gave each local rank its own CPUs" in plans[0].why
+    assert "each local rank has CPUs of its own already" in plans[0].why
 
 
 def test_users_omp_num_threads_is_respected():
@@ -184,3 +184,66 @@ def test_launcher_binding_slices_the_core_list():
         launcher_binding(0, 2, "14-17", topo=topo, affinity=range(16))
     with pytest.raises(ValueError, match="3 ranks cannot each have their own CPU"):
         launcher_binding(0, 3, "0-1", topo=topo, affinity=range(16))
+
+
+# -- the engine on 2 gloo ranks: each rank's CPU Adam threads run on CPUs of its own ---------------------------------
+def _thread_cpus() -> dict[str, list[int]]:
+    """Every thread of this process: its name (comm) -> allowed CPUs."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            status = open(f"/proc/self/task/{tid}/status").read()
+        except OSError:
+            continue
+        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+        out[f"{fields['Name'].strip()}/{tid}"] = parse_cpulist(fields["Cpus_allowed_list"])
+    return out
+
+
+def _placed_job(rank, world):
+    import dataclasses
+    import logging
+    import threading
+
+    from fsdpzero import host
+    from fsdpzero.api import wrap
+    from fsdpzero.plan import OffloadPlan
+    from tests.engine_cases import batches, build_model, engine_losses, make_plan
+
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("fsdpzero").addHandler(handler)
+    plan = dataclasses.replace(make_plan(stage=2, world=world), offload=OffloadPlan(optimizer_device="cpu"))
+    engine = wrap(build_model("llama"), plan, tuning={"offload_bind": 1, "offload_overlap": 1})
+    adam = engine.grad_path.optimizer
+    seen, real = {}, adam.step_param
+
+    def recording_step(*args, **kwargs):   # the thread that runs CPU Adam, and where it may run
+        seen[threading.current_thread().name] = sorted(os.sched_getaffinity(0))
+        return real(*args, **kwargs)
+    adam.step_param = recording_step
+    engine_losses(engine, batches(2, 1, 2 * world), rank, world)
+    engine.wait_for_params()
+    placement = host.applied()
+    return {"cores": list(placement.cores), "threads": placement.threads, "torch_threads": engine.grad_path.threads,
+            "adam": seen, "tasks": _thread_cpus(), "startup": "\n".join(lines)}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two ranks need two CPUs to be pinned apart")
+def test_two_ranks_cpu_adam_threads_run_on_disjoint_cores():
+    from tests.multirank import run_distributed
+    got = run_distributed(_placed_job, 2, timeout=240)
+    cores = [set(g["cores"]) for g in got]
+    assert cores[0] and cores[1] and not cores[0] & cores[1], cores
+    assert cores[0] | cores[1] <= os.sched_getaffinity(0)
+    for g, mine in zip(got, cores):
+        assert "fsdpzero-offload-step" in g["adam"], g["adam"]      # the overlapped step's worker ran CPU Adam
+        for name, cpus in g["adam"].items():
+            assert set(cpus) <= mine, (name, cpus, mine)
+        for name, cpus in g["tasks"].items():                       # and every other thread of the rank
+            assert set(cpus) <= mine, (name, cpus, mine)
+        assert g["threads"] == g["torch_threads"] and 1 <= g["threads"] <= len(mine)
+    assert f"cpu: {got[0]['threads']} threads/rank, cores {format_cpulist(cores[0])}" in got[0]["startup"], \
+        got[0]["startup"]
+    assert "ranks " + " | ".join(format_cpulist(c) for c in cores) in got[0]["startup"]
