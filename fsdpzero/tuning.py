@@ -8,10 +8,14 @@ names the nearest valid name, as the config layer does, never silently ignored. 
 once; the wings receive plain typed values. Defaults are the fastest exact settings. The startup block (rank 0)
 prints the knobs that differ from the defaults and where each came from.
 
-Build-time knobs are read when the engine is built (`engine.tuning`); the checkpoint knobs and the test hook are read
-when used (`engine.tuning_now()`: the environment now, under that engine's explicit settings), so a test can set
-them between steps. Each engine has its own; `current()` (the last engine's) is for what is process-wide only.
-fsdpzero_ops (ops/) never imports the library: `apply_to_ops` hands it the values it needs (per process).
+Each engine's settings are built once, at wrap/initialize (`engine.tuning`, a frozen Tuning), and passed to what
+needs them: the gradient-path builders, the checkpoint code (a save may be given its own: `tuning=`), and the ops
+(as plain arguments). Nothing reads the environment or any process-wide knob state after that, so two engines in
+one process (TRL's policy and reference model) each keep their own (tests/engine/test_tuning.py,
+tests/project/test_layout.py). A function called without an engine (a standalone checkpoint save, a builder in a
+test) builds its settings the same way, once, when called: `resolve()`.
+fsdpzero_ops (ops/) never imports the library and keeps no settings: each call gets the engine's values as
+arguments (`Tuning.cpu_adam_args()`, `Tuning.aio_args()`).
 """
 from __future__ import annotations
 
@@ -107,6 +111,15 @@ class Tuning:
 
     def replace(self, **changes: Any) -> "Tuning":
         return from_mapping(changes, base=self)
+
+    # what fsdpzero_ops takes as arguments (it reads no knob and keeps none: each engine passes its own)
+    def cpu_adam_args(self) -> dict[str, Any]:
+        """fsdpzero_ops.cpu_adam's kernel choice: CPUAdam(..., **these), available_impls(build=...)."""
+        return {"impl": self.cpu_adam_impl, "build": not self.no_build}
+
+    def aio_args(self) -> dict[str, Any]:
+        """fsdpzero_ops.aio's engine choice: AioHandle(config, **these)."""
+        return {"backend": self.aio_backend, "build": not self.no_build}
 
 
 KNOBS = {f.name: f for f in fields(Tuning)}
@@ -217,6 +230,13 @@ def resolve(explicit: Mapping[str, Any] | Tuning | None = None, environ: Mapping
     return from_mapping(explicit, base=from_mapping(from_env(environ), source="environment"), source=source)
 
 
+def or_defaults(tuning: Tuning | None) -> Tuning:
+    """`tuning` as given (an engine's settings, passed down), or, for a call made without an engine (a standalone
+    checkpoint save, a builder called by a test), the process defaults built now (defaults < environment), once,
+    by that call. Only ever called on a parameter of the calling function (tests/project/test_layout.py)."""
+    return tuning if tuning is not None else resolve()
+
+
 def sources(explicit: Mapping[str, Any] | Tuning | None = None,
             environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Where each non-default knob came from: "env FSDPZERO_X" or "tuning"."""
@@ -238,18 +258,15 @@ def describe(tuning: Tuning, where: Mapping[str, str] | None = None) -> str:
     return "tuning (non-default): " + ", ".join(parts)
 
 
-# -- the process's tuning -----------------------------------------------------------------------------------------
-_explicit: Mapping[str, Any] | Tuning | None = None   # the last engine's explicit settings
-_printed: set[str] = set()
+# -- an engine's settings ------------------------------------------------------------------------------------------
+_printed: set[str] = set()   # startup lines already logged (a log de-duplication, not a setting)
 
 
 def use(explicit: Mapping[str, Any] | Tuning | None = None, *, announce: bool = True) -> Tuning:
-    """Called by wrap()/initialize(): validate every channel (before any process group exists), make the result
-    the process's tuning, hand the ops their values, and log the non-defaults once (rank 0 logs at INFO)."""
-    global _explicit
+    """Called by wrap()/initialize(): build the engine's settings from every channel (validated before any process
+    group exists) and log the non-defaults once (rank 0 logs at INFO). The result is the engine's alone: nothing
+    of it is kept here."""
     tuning = resolve(explicit)
-    _explicit = explicit
-    apply_to_ops(tuning)
     line = describe(tuning, sources(explicit))
     if announce and line and line not in _printed:
         _printed.add(line)
@@ -258,20 +275,9 @@ def use(explicit: Mapping[str, Any] | Tuning | None = None, *, announce: bool = 
 
 
 def current() -> Tuning:
-    """The process's tuning now: the environment as it is now, under the last engine's explicit settings. Only for
-    what is genuinely process-wide (the `fsdpzero env` report, tests); the library passes an engine's own settings
-    down instead (Engine.tuning for build-time knobs, Engine.tuning_now() for the knobs read when used), so two
-    engines with different knobs in one process each get theirs (tests/project/test_layout.py checks that no module
-    but this one reads it)."""
-    return resolve(_explicit)
-
-
-def apply_to_ops(tuning: Tuning) -> None:
-    """fsdpzero_ops reads no environment and imports nothing of the library: it gets its values here."""
-    from fsdpzero_ops import aio, build, cpu_adam
-    build.set_no_build(tuning.no_build)
-    cpu_adam.set_default_impl(tuning.cpu_adam_impl)
-    aio.set_default_backend(tuning.aio_backend)
+    """The process defaults now (defaults < environment), for what has no engine: the `fsdpzero env` report and
+    tests. The library never reads it: it passes an engine's settings down (tests/project/test_layout.py)."""
+    return resolve()
 
 
 def table() -> str:
@@ -284,4 +290,4 @@ def table() -> str:
 
 
 __all__ = ["Tuning", "TuningError", "KNOBS", "HARNESS_ENV", "env_name", "from_env", "from_mapping", "resolve",
-           "describe", "use", "current", "apply_to_ops", "table"]
+           "or_defaults", "describe", "use", "current", "table"]
