@@ -15,6 +15,10 @@ once, when the first HfDeepSpeedConfig is made, and the wrapper routes here only
 DeepSpeed path (`is_deepspeed_zero3_enabled`) stays off, so DeepSpeed is never imported. The wrapper is removed
 when the last HfDeepSpeedConfig is collected.
 
+Checkpoint keys are renamed and tensors converted as transformers' from_pretrained does (its conversion mapping:
+Mixtral's and Qwen-MoE's per-expert weights fused into one tensor, legacy names, the base model's prefix), by
+load_converted_safetensors.
+
 Limits: safetensors checkpoints only (a local folder, or a Hub id fetched with huggingface_hub's snapshot_download);
 no device_map, quantisation, tensor-parallel plans or custom positional model arguments (refused with the
 argument's name); the model computes only after initialize (its parameters are meta until then).
@@ -32,7 +36,6 @@ import transformers
 from torch import nn
 
 from fsdpzero.config.load import read_source
-from fsdpzero.hf.trainer import load_sharded_safetensors
 from fsdpzero.zero import defer_weights
 
 _live: weakref.ref | None = None
@@ -208,11 +211,136 @@ def sharded_from_pretrained(cls, name: str | os.PathLike, *model_args: Any, **kw
     if model.can_generate() and (folder / "generation_config.json").is_file():
         model.generation_config = transformers.GenerationConfig.from_pretrained(str(folder))
     model.eval()                       # as from_pretrained returns it
-    defer_weights(model, lambda _model: functools.partial(load_sharded_safetensors, path=folder))
+    # transformers' conversion mapping, taken before sharding: fully_shard's FSDP<Model> class reads as custom code
+    transforms = _conversion_mapping(model)
+    defer_weights(model, lambda _model: functools.partial(load_converted_safetensors, path=folder,
+                                                          transforms=transforms))
     if want_info:
         return model, {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
     return model
 
 
-__all__ = ["HfDeepSpeedConfig", "is_deepspeed_zero3_enabled", "deepspeed_config", "sharded_from_pretrained",
-           "live_config", "routing_installed"]
+def _checkpoint_keys(folder: Path) -> dict[str, Path]:
+    """Checkpoint key -> safetensors file (one file, or model.safetensors.index.json's weight map)."""
+    import json
+
+    from safetensors import safe_open
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json (only safetensors "
+                                f"checkpoints load sharded; convert .bin files with save_pretrained first)")
+    with safe_open(str(single), framework="pt") as f:
+        return {k: single for k in f.keys()}
+
+
+def _read(where: dict[str, Path], key: str, box=None):
+    """One checkpoint tensor, whole or the rows `box`; one open per read (safetensors maps the file, and touched
+    pages count as this process's memory until it is closed)."""
+    from safetensors import safe_open
+    with safe_open(str(where[key]), framework="pt", device="cpu") as f:
+        return f.get_tensor(key) if box is None else f.get_slice(key)[box]
+
+
+def _local_box(t):
+    """(the tensor this rank writes, the slice of the full tensor it holds)."""
+    from torch.distributed.tensor import DTensor
+    if not isinstance(t, DTensor):
+        return t.data, tuple(slice(0, n) for n in t.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return t.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def _mismatch(folder: Path, key: str, saved: tuple, live: tuple) -> ValueError:
+    hint = (" (the transpose: a Conv1D (in, out) weight for a Linear (out, in), or the reverse?)"
+            if len(live) == 2 and saved == live[::-1] else "")
+    return ValueError(f"{folder}: size mismatch for {key}: the checkpoint has shape {saved}, the model {live}{hint}; "
+                      f"is it the same architecture and config?")
+
+
+def _conversion_mapping(model: nn.Module) -> list:
+    """transformers' weight renamings and converters for `model` (what its from_pretrained applies)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    return get_model_conversion_mapping(model) if isinstance(model, transformers.PreTrainedModel) else []
+
+
+def load_converted_safetensors(model: nn.Module, path: str | os.PathLike, transforms: list | None = None) -> None:
+    """Fill a sharded (or plain) transformers model in place from its safetensors checkpoint as transformers'
+    from_pretrained would: checkpoint keys renamed and tensors converted by transformers' own conversion mapping
+    (`get_model_conversion_mapping`: Mixtral's and Qwen-MoE's per-expert weights fused into one (experts, ...)
+    tensor, legacy renamings, the base model's prefix added or dropped). A tensor that is only renamed is read as
+    this rank's rows alone (safetensors' get_slice); a converted one is built whole from its sources by the
+    converter's operations, one target at a time, and this rank's rows of it are copied (so host memory per rank
+    peaks at one converted tensor, e.g. one layer's fused experts). Every shape is compared with the model's (one
+    ValueError naming the tensor), and every parameter and persistent buffer must be filled (KeyError naming the
+    missing ones), the same on every rank. transforms: transformers' mapping for the model as built, before
+    sharding (default: taken from `model` now)."""
+    import copy as _copy
+
+    import torch
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    from fsdpzero.dist import clean_fqn
+    folder = Path(path)
+    where = _checkpoint_keys(folder)
+    tensors = {clean_fqn(n): p for n, p in model.named_parameters()}
+    persistent = {clean_fqn(k) for k in model.state_dict().keys()}
+    tensors.update({clean_fqn(n): b for n, b in model.named_buffers() if clean_fqn(n) in persistent})
+    transforms = _conversion_mapping(model) if transforms is None else transforms
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    known = dict.fromkeys(tensors, True)
+    direct: dict[str, str] = {}                  # model key -> checkpoint key (renamed at most)
+    converted: dict[str, WeightConverter] = {}   # first target key -> its converter, holding its source keys
+    for key in sorted(where, key=dot_natural_key):   # transformers' order: experts 0, 1, ..., 10
+        target, pattern = rename_source_key(key, renamings, converters, getattr(model, "base_model_prefix", None),
+                                            known)
+        if target not in known and key in known:
+            target, pattern = key, None
+        if target not in known:
+            continue   # a checkpoint tensor the model does not have: unexpected, as transformers leaves it
+        if pattern is None:
+            direct[target] = key
+        else:
+            converted.setdefault(target, _copy.deepcopy(by_pattern[pattern])).add_tensor(target, key, pattern, key)
+    wrong = []
+    for target, key in direct.items():   # shapes first, from the files' headers, before anything is copied
+        from safetensors import safe_open
+        with safe_open(str(where[key]), framework="pt", device="cpu") as f:
+            saved = tuple(f.get_slice(key).get_shape())
+        if saved != tuple(tensors[target].shape):
+            wrong.append((target, saved, tuple(tensors[target].shape)))
+    if wrong:
+        raise _mismatch(folder, *wrong[0])
+    filled = set()
+    with torch.no_grad():
+        for target, key in direct.items():
+            local, box = _local_box(tensors[target])
+            if local.numel():
+                local.copy_(_read(where, key, box if local.dim() else None).to(dtype=local.dtype))
+            filled.add(target)
+        for first, converter in converted.items():
+            for pattern, keys in list(converter.collected_tensors.items()):   # the source keys -> their tensors
+                converter.collected_tensors[pattern] = [_read(where, k) for k in keys]
+            for name, value in converter.convert(first, model=model, config=getattr(model, "config", None)).items():
+                value = value[0] if isinstance(value, list) else value
+                if name not in tensors:
+                    continue
+                if tuple(value.shape) != tuple(tensors[name].shape):
+                    raise _mismatch(folder, name, tuple(value.shape), tuple(tensors[name].shape))
+                local, box = _local_box(tensors[name])
+                if local.numel():
+                    local.copy_(value[box].to(dtype=local.dtype))
+                filled.add(name)
+    missing = [k for k in tensors if k not in filled]
+    if missing:
+        raise KeyError(f"{folder}: {len(missing)} tensor(s) of the model are not in the checkpoint, e.g. "
+                       f"{missing[:3]} (is it the same architecture and config?)")
+
+
+__all__ = ["HfDeepSpeedConfig", "load_converted_safetensors", "is_deepspeed_zero3_enabled", "deepspeed_config",
+           "sharded_from_pretrained", "live_config", "routing_installed"]
