@@ -268,7 +268,12 @@ FATES: dict[str, tuple[str, str]] = {
     "data_efficiency": (N, "disabled"),
     "autotuning": (N, "the DeepSpeed autotuner is a launcher tool; the config runs as written"),
     "datastates": (N, "disabled"),
-    "expert_parallel": (U, "expert parallelism is not implemented"),
+    "expert_parallel": (U, "AutoEP (expert_parallel.enabled) is not implemented: DeepSpeed swaps each MoE block of a "
+                           "preset model (Mixtral, Qwen3-MoE, DeepSeek-V2/V3, ...) for its AutoEPMoELayer, with experts "
+                           "split over autoep_size ranks, tokens dispatched by all-to-all, expert gradients reduced over "
+                           "expert-data-parallel groups and its own expert checkpoint layout; fsdpzero trains MoE models "
+                           "with ZeRO sharding every expert tensor over all ranks, no all-to-all: remove the section or "
+                           "set expert_parallel.enabled false"),
 }
 for _k in ("topk_ratio", "select_strategy", "select_interval", "update_interval", "overlap_step", "offload",
            "auto_ratio", "full_warm_up_rounds", "pt_reserved_cores_perc", "steps_per_epoch"):
@@ -614,8 +619,11 @@ CONDITIONAL: tuple[Rule, ...] = (
     Rule("compile.backend", COMPILE_ON, M, "torch.compile(backend=...) per block"),
     Rule("compile.kwargs", COMPILE_ON, M, "torch.compile keyword arguments (mode, dynamic, fullgraph, options) per "
                                           "block"),
-    *(Rule(k, ABSENT, N, "not used") for k in ("pipeline", "expert_parallel", "weight_quantization",
-                                                _Z + "zenflow")),
+    Rule("pipeline", ABSENT, N, "not used"),
+    Rule("expert_parallel", ABSENT | When("expert_parallel.enabled false", lambda c: isinstance(c.value, dict)
+                                          and not c.value.get("enabled")), N,
+         "AutoEP is off: DeepSpeed 0.19.8 reads the section's other keys (autoep_size, ...) only when enabled is true"),
+    *(Rule(k, ABSENT, N, "not used") for k in ("weight_quantization", _Z + "zenflow")),
     Rule("activation_checkpointing.partition_activations", ON, A,
          "needs tensor parallelism: activations are checkpointed whole"),
     # ---- precision

@@ -76,3 +76,42 @@ def test_moe_sharded_loading_equals_plain_load(tmp_path, world):
                 assert set(loaded) == set(ref), (name, mode, set(loaded) ^ set(ref))
                 unequal = [n for n in ref if not torch.equal(ref[n].detach(), loaded[n])]
                 assert not unequal, (name, mode, unequal)
+
+
+# ---- expert_parallel (DeepSpeed 0.19.8's AutoEP): an honest `unsupported` when enabled ---------------------------
+
+def _autoep_job(rank, world, path):
+    import torch.distributed as dist
+
+    import fsdpzero
+    model = transformers.MixtralForCausalLM.from_pretrained(path)
+    cfg = {**ZERO3, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}}
+    try:
+        fsdpzero.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    touched = dist.is_initialized()   # the refusal comes before any process group
+    off = {**cfg, "expert_parallel": {"enabled": False, "autoep_size": 2}}   # DeepSpeed reads nothing else then
+    engine = fsdpzero.initialize(model=model, model_parameters=model.parameters(), config=off)[0]
+    ids = torch.randint(0, 64, (1, 8))
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    return refused, touched, float(loss)
+
+
+def test_autoep_enabled_is_unsupported_with_the_reason(tmp_path):
+    from fsdpzero.plan import Env
+    from fsdpzero.plan.translate import build_plan
+    on = build_plan({**ZERO3, "expert_parallel": {"enabled": True, "autoep_size": 2}}, Env(world_size=2, nodes=1))
+    (fate,) = [d for d in on.decisions if d.key == "expert_parallel"]
+    assert fate.status == "unsupported" and "all-to-all" in fate.detail and "enabled false" in fate.detail
+    off = build_plan({**ZERO3, "expert_parallel": {"enabled": False, "autoep_size": 2}}, Env(world_size=2, nodes=1))
+    (fate,) = [d for d in off.decisions if d.key == "expert_parallel"]
+    assert fate.status == "noop" and not off.unsupported
+    refused, touched, loss = run_distributed(_autoep_job, 1, str(_save(tmp_path, "mixtral")), init_pg=False,
+                                             timeout=300)[0]
+    assert refused is not None and "expert_parallel" in refused and "AutoEP" in refused and not touched
+    assert loss == loss   # the same model and config with enabled false trains
