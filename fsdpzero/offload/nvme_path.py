@@ -1,13 +1,13 @@
 """The engine's gradient path for `offload_optimizer.device: nvme`: fsdpzero.offload.path's OffloadGradPath with
 fsdpzero.offload.nvme_adam.NVMeAdam as the optimizer (and, with `offload_param: nvme`, each FSDP unit swapped in by
-fsdpzero.offload.param_swapper.ParamSwapper while NVMeAdam steps it). Built by
-fsdpzero.offload.build.build_offload_path."""
+fsdpzero.offload.param_swapper.ParamSwapper while NVMeAdam steps it). Built by OffloadGradPath.build, with the
+optimizer of step_optimizer below."""
 from __future__ import annotations
 
 import torch
 
 from fsdpzero.checkpoint.stream import streamed, streamed_state
-from fsdpzero.offload.nvme_adam import state_segments
+from fsdpzero.offload.nvme_adam import nvme_optimizer, state_segments
 from fsdpzero.offload.chunks import shard_like, on_stream
 from fsdpzero.offload.path import OffloadGradPath
 from fsdpzero.dist import local_tensor
@@ -18,6 +18,20 @@ class NVMeGradPath(OffloadGradPath):
     `offload_optimizer: cpu` (pinned buffers, or the CPU shards), one NVMeAdam.step() swaps the states through
     per sub-group, then the updated shards go back. Checkpoints have the cpu path's layout, so a run can resume
     from one into the other."""
+
+    on_disk = True
+
+    @classmethod
+    def step_optimizer(cls, hyper, masters, plan, knobs):
+        """NVMeAdam over the stand-ins: the fp32 masters are written to disk now, while `masters.initial` still
+        holds the fp32 weights (the build casts the shards next)."""
+        optimizer = nvme_optimizer(hyper, plan, masters.initial)
+        masters.initial.clear()
+        return optimizer
+
+    @staticmethod
+    def fill_out_buffers(entries) -> None:
+        """Nothing: a staged out buffer is the stand-in NVMeAdam steps (prepare.nvme_stand_in), not a copy."""
 
     def _step_chunks(self, work, factor) -> None:
         swapper = self.param_swapper   # offload_param nvme: each unit is swapped in when its first slice steps

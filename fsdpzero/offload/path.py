@@ -1,5 +1,38 @@
-"""The offload gradient path (fsdpzero.optim.GradPath): fp32 masters and Adam states on the CPU, stepped chunk by
-chunk by the fused CPU Adam while copies run on side streams. How it is built from a plan: fsdpzero/offload/build.py."""
+"""ZeRO-Offload on FSDP2: `offload_optimizer.device: cpu` (stages 1-3) and, with it, `offload_param.device: cpu`.
+
+The gradient path for the engine (contract: fsdpzero.optim.GradPath). The model arrives fully_shard-ed (lay_out is
+GradPath's); OffloadGradPath.build (below; its steps in fsdpzero/offload/prepare.py) keeps, for every local shard,
+an fp32 master and the Adam states in CPU memory, and the path steps them with the fused CPU Adam of
+ops/csrc/cpu_adam.cpp, which reads the low-precision gradient and writes the low-precision param in the same pass. The device keeps only low-precision shards (`model.to(param_dtype)` after the masters are taken).
+
+One optimizer step, with params on an accelerator:
+    backward          as each FSDP unit's reduce-scatter is issued (its post-backward), D2H of its sharded grads on
+                      a side stream behind it, one event per chunk (a chunk: one FSDP unit's params,
+                      <= sub_group_size and <= CHUNK elements; units in forward order, root first). Stage-2 units
+                      have already freed their device shards after forward (the pinned out buffers hold them).
+    finish_gradients  D2H of whatever was not hooked
+    grad_norm         from the device grads (global, collective) while the copies run
+    scale_grads_      nothing is touched: 1/loss_scale and the clip coefficient are folded into the kernel's read
+    step              device-stepped chunks (offload_optimizer.ratio < 1) first, with torch's fused Adam; then for
+                      each CPU chunk: wait its D2H, CPU step into pinned low-precision buffers, queue the H2D on a
+                      second side stream, so the copy of chunk k overlaps the step of chunk k+1
+Clipping and fp16 overflow: the norm is taken on the device from the reduced shards *before* any CPU step, so a
+skipped step (inf/nan) never touches the masters and clipping is exact; the cost is that the CPU step cannot start
+until backward has finished (no speculative stepping).
+
+With `offload_param: cpu` (stage 3, FSDP2 CPUOffloadPolicy, set by sharding.shard_model) the shards and their grads
+already live on the CPU: nothing is copied, the kernel reads the CPU grad and writes the param shard in place. The
+shards are cast to the low-precision dtype, so FSDP2's per-all-gather H2D carries 2 bytes/param instead of 4.
+
+Overlap (the default, knob offload_overlap): step() returns at once and a worker thread steps the chunks while the
+next forward runs; a pre-forward hook on each FSDP unit waits for that unit's chunks, and every read of the weights
+outside a forward waits for the whole step (fsdpzero/offload/access.py). Exact: the clip factor and the skip
+decision are known before step() starts it.
+
+Threads: torchrun sets OMP_NUM_THREADS=1, which makes the CPU step ~6x slower. With an accelerator the CPU step gets
+usable cores / local ranks threads (knob offload_threads overrides); offload_bind also pins each local rank to its
+own slice of cores. Knobs: fsdpzero/tuning.py (FSDPZERO_OFFLOAD_*).
+"""
 from __future__ import annotations
 
 import contextlib
@@ -12,12 +45,18 @@ from torch import nn
 
 from fsdpzero import fsdp2_internals
 from fsdpzero.offload import device_step
+from fsdpzero.offload import prepare
 from fsdpzero.offload.access import guard_reads
 from fsdpzero.offload.chunks import (Chunk, Entry, on_stream, chunk_layout, load_offload_state_dict,
                                      offload_state_dict)
+from fsdpzero.offload.prepare import Masters, Pipeline, Speculation
 from fsdpzero.offload.timeline import Timeline
 from fsdpzero.dist import local_tensor
+from fsdpzero.optim.factory import OptimizerFactory
 from fsdpzero.optim.grad_path import GradPath
+from fsdpzero.plan import Plan
+from fsdpzero.precision import DTYPES
+from fsdpzero.tuning import Tuning, resolve
 
 log = logging.getLogger("fsdpzero")
 
@@ -29,11 +68,73 @@ class OffloadGradPath(GradPath):
     waits for that unit's chunks (and those of the units it prefetches), so the next forward starts as soon as
     its first parameters are updated while the CPU steps the rest."""
 
+    name = "offload"
+    on_disk = False   # masters and moments in memory (NVMeGradPath: on disk)
+
+    @classmethod
+    def build(cls, model: nn.Module, plan: Plan, make_optimizer: OptimizerFactory, mesh=None, *,
+              tuning: Tuning | None = None, stage: bool | None = None,
+              overlap: bool | None = None) -> "OffloadGradPath":
+        """The path over the fully_shard-ed model, in named steps (fsdpzero/offload/prepare.py). `stage` forces
+        (True) or forbids (False) staging through pinned CPU buffers; default: stage exactly when the shards live on
+        an accelerator. `overlap`: step the CPU side in a worker thread while the next forward runs (default: the
+        offload_overlap knob, on). `tuning`: the engine's knobs (called without them: the process defaults)."""
+        knobs = tuning if tuning is not None else resolve()
+        if prepare.check_plan(plan) != cls.on_disk:
+            raise ValueError(f"{cls.__name__} cannot run offload_optimizer.device = "
+                             f"{plan.offload.optimizer_device!r}: build the path fsdpzero.api.grad_path_type names")
+        named = prepare.trainable(model)
+        prepare.build_cpu_adam_op(knobs)
+        on_accel = local_tensor(named[0][1]).device.type != "cpu"   # else CPU-only, or offload_param's CPU shards
+        stage = on_accel if stage is None else stage
+        threads = prepare.cpu_step_threads(knobs)
+        pin, low = prepare.copy_buffers_pinned(), DTYPES[plan.precision.param_dtype]
+        hyper = prepare.adam_groups(make_optimizer, [p for _, p in named])   # params in model order
+        units = prepare.forward_order(model, named)                           # then stepped in forward order
+        chunk = prepare.chunk_size(plan)
+        on_device = prepare.device_stepped_names(named, units, chunk, float(plan.offload.ratio), hyper)
+        masters = prepare.take_masters(named, on_device, cls.on_disk, stage, on_accel, low, pin)
+        master_of = {id(e.param): e.master for e in masters.entries}
+        for g in hyper:
+            g["params"] = [master_of[id(p)] for p in g["params"]]
+        optimizer = cls.step_optimizer(hyper, masters, plan, knobs)
+        if low != torch.float32 and (on_accel or not stage):
+            prepare.cast_shards(model, masters.entries, low)
+        cls.fill_out_buffers(masters.entries)
+        by_name = {e.name: e for e in masters.entries}
+        swap_params = prepare.swaps_params(plan, units)
+        path = cls(model, optimizer, [(m, [by_name[n] for n in ns]) for m, ns in units], chunk,
+                   prepare.pipeline(plan, knobs, threads=threads, staged=stage, on_disk=cls.on_disk,
+                                    swap_params=swap_params, overlap=overlap),
+                   prepare.speculation(plan, knobs, masters.entries, optimizer,
+                                       no_speculation=cls.on_disk or swap_params))
+        if swap_params:
+            path.param_swapper = prepare.swap_params_to_disk(model, plan, masters.entries, knobs)
+        prepare.log_built(path, plan, pin)
+        return path
+
+    @classmethod
+    def step_optimizer(cls, hyper: list[dict], masters: Masters, plan: Plan, knobs: Tuning):
+        """The optimizer the path steps, over the masters: the fused CPU Adam (fsdpzero_ops.CPUAdam). It only holds
+        the device-stepped masters' states (ratio < 1: state_dict, schedulers' groups); torch's Adam steps them."""
+        from fsdpzero_ops import cpu_adam
+        optimizer = cpu_adam.CPUAdam(hyper)
+        for master, st in masters.device_states.items():
+            optimizer.state[master] = st
+        return optimizer
+
+    @staticmethod
+    @torch.no_grad()
+    def fill_out_buffers(entries: list[Entry]) -> None:
+        """The out buffer always holds the exact current (cast) shard: DroppableShards restores from it."""
+        for e in entries:
+            if e.out_buf is not None:
+                e.out_buf.copy_(local_tensor(e.param))
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, units: list[tuple[nn.Module | None,
-                 list[Entry]]], chunk_size: int, *, threads: int, overlap: bool = False,
-                 drop_shards: bool = False, early_d2h: bool = True, speculate_max_norm: float | None = None,
-                 speculate_budget: int | None = None, speculate_threads: int | None = None,
-                 norm_threads: int | None = None, profile: bool = False, profile_file: str | None = None):
+                 list[Entry]]], chunk_size: int, pipeline: Pipeline, speculation: Speculation | None = None):
+        threads, overlap, drop_shards = pipeline.threads, pipeline.overlap, pipeline.drop_shards
+        norm_threads = pipeline.norm_threads
         self.model = model
         self.optimizer = optimizer          # a CPUAdam over the masters: schedulers drive its param_groups
         self.entries = [e for _, es in units for e in es]
@@ -67,20 +168,21 @@ class OffloadGradPath(GradPath):
         self._refresh_on_load = True        # off while a checkpoint with masters loads (keep_masters_on_load)
         model.register_load_state_dict_post_hook(lambda *_: self.refresh_masters() if self._refresh_on_load else None)
         self.overlap = overlap and all(m is not None for m, _ in units)
-        # speculate_max_norm (gradient_clipping; None: no speculation): step chunks during backward
-        # (fsdpzero.offload.speculate)
+        # speculation (None: none): step chunks during backward (fsdpzero.offload.speculate)
         self.spec = None
-        if speculate_max_norm is not None and self.staged and self.cpu_chunks:
+        if speculation is not None and self.staged and self.cpu_chunks:
             from fsdpzero.offload.speculate import Speculator
-            self.spec = Speculator(self.cpu_chunks, optimizer, max_norm=speculate_max_norm, threads=threads,
+            self.spec = Speculator(self.cpu_chunks, optimizer, max_norm=speculation.max_norm, threads=threads,
                                    device=self.h2d.device if self.h2d is not None else None,
-                                   budget_bytes=speculate_budget, spec_threads=speculate_threads)
+                                   budget_bytes=speculation.budget_bytes, spec_threads=speculation.threads)
             if not self.spec.covered:
                 self.spec = None
         # norm_threads (offload_param: grads land on the host during backward): their sums of squares are taken
         # there, by a worker with that many threads (device_step.CpuNormPrefetch)
-        self.norm_cache = device_step.CpuNormPrefetch(norm_threads) if norm_threads and not self.staged else None
-        self.tl = Timeline(threads, len(units), profile_file) if profile else None   # knob offload_profile
+        self.norm_cache = (device_step.CpuNormPrefetch(norm_threads)
+                           if norm_threads and not self.staged else None)
+        self.tl = (Timeline(threads, len(units), pipeline.profile_file)   # knob offload_profile
+                   if pipeline.profile else None)
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
         self._index = {id(c): k for k, c in enumerate(self.cpu_chunks)}
@@ -99,7 +201,7 @@ class OffloadGradPath(GradPath):
             ahead = [index[id(m)] for m in fsdp2_internals.forward_prefetch_modules(module) if id(m) in index]
             aheads[i] = ahead
             mine = [c for c in unit_chunks[i] if not c.entries[0].on_device]
-            if self.staged and mine and early_d2h:   # D2H as soon as the unit's reduce-scatter is done
+            if self.staged and mine and pipeline.early_d2h:   # D2H as soon as the unit's reduce-scatter is done
                 fsdp2_internals.after_reduce(module, lambda event, cs=mine: self._d2h_unit(cs, event))
             if self.norm_cache is not None:
                 fsdp2_internals.after_reduce(module, lambda event, m=module: self._sum_unit(m))

@@ -129,10 +129,8 @@ def make_optimizer_factory(plan: Plan, client: Any = None, *, device_type: str =
         adamw = opt.adam_w_mode if name == "adam" else True
         if not opt.torch_adam:   # DeepSpeed's FusedAdam / CPUAdam default to no weight decay; torch's AdamW to 0.01
             kwargs.setdefault("weight_decay", 0.0)
-        if not opt.params.get("bias_correction", True):
-            return lambda params: AdamNoBiasCorrection(remap(params), adamw=adamw, **kwargs)
-        cls = torch.optim.AdamW if adamw else torch.optim.Adam
-        return lambda params: cls(remap(params), **_fast_impl(kwargs, device_type, fused_ok=True))
+        return AdamSection(remap, kwargs, adamw=adamw, bias_correction=opt.params.get("bias_correction", True),
+                           device_type=device_type)
     if name == "muon":   # DeepSpeed's MuonWithAuxAdam: tag_muon_params tagged the originals before sharding
         from fsdpzero.optim.muon import MuonWithAuxAdam, muon_param_groups
         flags = [bool(getattr(p, "use_muon", p.ndim >= 2)) for p in original_params or []]
@@ -155,6 +153,37 @@ def make_optimizer_factory(plan: Plan, client: Any = None, *, device_type: str =
     cls = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}.get(name) or getattr(torch.optim, name)
     fast = name in ("sgd", "adagrad")
     return lambda params: cls(remap(params), **(_fast_impl(kwargs, device_type) if fast else kwargs))
+
+
+class AdamSection:
+    """The `optimizer` section's Adam / AdamW as an OptimizerFactory (`params -> optimizer`: torch's Adam/AdamW, or
+    AdamNoBiasCorrection for `bias_correction: false`) that also gives its param groups with every hyper-parameter
+    resolved, without building an optimizer (`groups`): the offload paths step their own CPU/NVMe Adam over fp32
+    masters from them."""
+
+    def __init__(self, remap: Callable, kwargs: dict, *, adamw: bool, bias_correction: bool, device_type: str):
+        self.remap, self.kwargs, self.device_type = remap, kwargs, device_type
+        self.adamw, self.bias_correction = adamw, bool(bias_correction)
+
+    def __call__(self, params) -> torch.optim.Optimizer:
+        if not self.bias_correction:
+            return AdamNoBiasCorrection(self.remap(params), adamw=self.adamw, **self.kwargs)
+        cls = torch.optim.AdamW if self.adamw else torch.optim.Adam
+        return cls(self.remap(params), **_fast_impl(self.kwargs, self.device_type, fused_ok=True))
+
+    def groups(self, params) -> list[dict]:
+        """What __call__'s optimizer would have in its param_groups (its defaults under each group's own keys), plus
+        `decoupled_weight_decay` and `bias_correction`; `params` as for __call__. The defaults are the classes':
+        lr 1e-3, betas (0.9, 0.999), eps 1e-8; weight decay 0.01 for torch's AdamW (torch_adam), else the section's
+        (0 when absent: DeepSpeed's FusedAdam / CPUAdam default, set by make_optimizer_factory)."""
+        wd = 1e-2 if self.adamw and self.bias_correction else 0.0   # torch.optim.AdamW's default; Adam's is 0
+        defaults = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": wd, "amsgrad": False,
+                    "decoupled_weight_decay": self.adamw, **self.kwargs, "bias_correction": self.bias_correction}
+        groups = self.remap(params)
+        if not groups or not isinstance(groups[0], dict):
+            groups = [{"params": list(groups)}]
+        return [{**defaults, **{k: v for k, v in g.items() if k != "bias_correction"}, "params": list(g["params"])}
+                for g in groups]
 
 
 def _fast_impl(kwargs: dict, device_type: str, fused_ok: bool = False) -> dict:

@@ -11,23 +11,27 @@ consumes them". The engine never touches gradients itself; per optimizer step it
 `path.optimizer` is what LR schedulers drive (its `param_groups` carry lr and betas); `state_dict()` /
 `load_state_dict()` give the optimizer state in a form DCP can save (DTensors or plain local tensors).
 
-Each path also owns, so that nothing outside it names a path:
+Each path type owns, so that nothing outside it names a path (the engine, fsdpzero.checkpoint and fsdpzero.hf call
+only what GradPath declares):
 - how the model's parameters are laid out for it (`lay_out`, a classmethod run before the path is built, and for a
   forward-only engine of the same plan): FSDP2 per block by default; stage 1 leaves the module unwrapped
   (replicated plain tensors; its path reduces gradients in `finish_gradients`);
+- how it is built from the plan (`build`, a classmethod run after `lay_out`: its optimizer over *its* tensors, from
+  the engine's OptimizerFactory);
 - what it saves and restores: `state_dict` / `load_state_dict`; a path that keeps its own fp32 masters stores them
   in each parameter's state under MASTER, and `keep_masters_on_load` keeps the masters a checkpoint load just read
   from being refreshed from the 16-bit weights loaded after them.
 
-Implementations, chosen by one explicit dispatch from the plan (`fsdpzero.api.grad_path_type`, which
-`build_grad_path` follows): `FSDPGradPath` here (ZeRO 0/2/3 on FSDP2: reduction happens inside backward),
-`fsdpzero.optim.stage1.Stage1GradPath` (stage 1 over fsdpzero_ops.stage1) and the CPU/NVMe offload paths of
-`fsdpzero.offload`.
+The path type is chosen by one explicit function of the plan, `fsdpzero.api.grad_path_type`; its types:
+`FSDPGradPath` here (ZeRO 0/2/3 on FSDP2: reduction happens inside backward),
+`fsdpzero.optim.stage1.Stage1GradPath` (stage 1 over fsdpzero_ops.stage1) and the CPU/NVMe offload paths
+`fsdpzero.offload.path.OffloadGradPath` / `fsdpzero.offload.nvme_path.NVMeGradPath`. Adding a path: docs/engine.md.
 """
 from __future__ import annotations
 
+import abc
 import contextlib
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -46,10 +50,12 @@ MASTER = "master"
 UNSTEPPED = "unstepped"
 
 
-class GradPath:
-    """What the engine (and the checkpoint and export code) may call on a gradient path; nothing else is reached
-    for. All calls are collective where noted. Subclasses implement the abstract ones."""
+class GradPath(abc.ABC):
+    """What the engine (and the checkpoint, export and HF code) may call on a gradient path; nothing else is reached
+    for. All calls are collective where noted. A path type implements the abstract methods (`build` included) and
+    overrides the others where its default does not fit."""
 
+    name: str = "fsdp"                 # what the startup block calls the path (grad_path ...)
     optimizer: torch.optim.Optimizer   # schedulers set lr/betas on optimizer.param_groups
     param_swapper = None               # offload_param nvme: the ParamSwapper that export and checkpoints read through
     streams_checkpoints = False        # state_dict(streaming=True) gives on-disk states for DCP to stream
@@ -62,34 +68,43 @@ class GradPath:
         (fsdpzero.sharding.shard_model)."""
         return shard_model(model, plan, mesh, mp_policy, device_type=device_type, blocks=blocks)
 
+    @classmethod
+    def build(cls, model: nn.Module, plan, make_optimizer: Callable, mesh=None, *, tuning=None) -> "GradPath":
+        """The path over `model` as lay_out left it, from the plan: `make_optimizer` (fsdpzero.optim.OptimizerFactory)
+        builds the configured or client optimizer over the tensors the path steps (in model order); `mesh` is the
+        engine's DeviceMesh; `tuning` the engine's knobs (fsdpzero.tuning.Tuning). Collective where the path's setup
+        is (stage 1 lays out its flat shards across ranks). Every type the dispatch (fsdpzero.api.grad_path_type)
+        returns implements it; a path that wraps another (fsdpzero.optim.muon.MuonGradPath) is built around it."""
+        raise NotImplementedError(f"{cls.__name__} is not built from a plan")
+
+    @abc.abstractmethod
     def set_sync(self, sync: bool) -> None:
         """Before each micro-step's backward: False on off-boundary micro-steps (accumulate locally, no comm)."""
-        raise NotImplementedError
 
     def finish_gradients(self) -> None:
         """After the boundary backward: make the gradients the optimizer will read complete (collective)."""
 
+    @abc.abstractmethod
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of all gradients across all ranks, as a 0-dim fp32 tensor; inf/nan on overflow
         (collective: every rank gets the same value, so the skip decision agrees)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def scale_grads_(self, factor: torch.Tensor | float) -> None:
         """grads *= factor, a float or a 0-dim device tensor (unscale by 1/loss_scale and clip, in one pass)."""
-        raise NotImplementedError
 
     def can_skip_on_device(self) -> bool:
         """True when step(found_inf) skips an overflowed step on the device, so the engine needs no host sync."""
         return False
 
+    @abc.abstractmethod
     def step(self, found_inf: torch.Tensor | None = None) -> None:
         """Optimizer step (after it, the model's parameters hold the updated weights, or will once wait() returns).
         found_inf: a 0-dim tensor, 1.0 to skip; given only when can_skip_on_device()."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def zero_grad(self) -> None:
         """Drop the gradients (set to None)."""
-        raise NotImplementedError
 
     def wait(self) -> None:
         """Afterwards the model's parameters hold the last step's values (a path may still be moving them)."""
@@ -99,14 +114,14 @@ class GradPath:
         and interpreter exit call it, once. Not collective. The default waits for the parameters."""
         self.wait()
 
+    @abc.abstractmethod
     def state_dict(self, streaming: bool = False) -> dict[str, Any]:
         """Optimizer state for checkpoints (DCP-saveable). streaming (only when streams_checkpoints): on-disk
         states as entries DCP reads and writes a tensor at a time (fsdpzero.checkpoint.stream)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Inverse of state_dict."""
-        raise NotImplementedError
 
     def async_save(self) -> contextlib.AbstractContextManager:
         """Around the state_dict() of an async save, whose tensors DCP stages (deep-copies, on the CPU) and writes
@@ -129,6 +144,11 @@ class FSDPGradPath(GradPath):
         self.model = model
         self.optimizer = optimizer
         self._params = [p for p in model.parameters() if p.requires_grad]
+
+    @classmethod
+    def build(cls, model: nn.Module, plan, make_optimizer: Callable, mesh=None, *, tuning=None) -> "FSDPGradPath":
+        """The optimizer over the FSDP2 shards (DTensors) that lay_out made."""
+        return cls(model, make_optimizer([p for p in model.parameters() if p.requires_grad]))
 
     def set_sync(self, sync: bool) -> None:
         # FSDP2: skip reduce-scatter/all-reduce on off-boundary micro-steps; grads accumulate unsharded locally.
@@ -181,6 +201,11 @@ class ForwardOnlyPath(GradPath):
 
     def __init__(self, model: nn.Module):
         self.model = model
+
+    @classmethod
+    def build(cls, model: nn.Module, plan=None, make_optimizer: Callable | None = None, mesh=None, *,
+              tuning=None) -> "ForwardOnlyPath":
+        return cls(model)
 
     def _refuse(self, *_args, **_kwargs):
         raise RuntimeError("this engine was initialized without an optimizer (no \"optimizer\" section and none "

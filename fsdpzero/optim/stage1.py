@@ -1,6 +1,6 @@
 """Stage 1 in the engine: fsdpzero.optim's GradPath over ops/fsdpzero_ops/stage1/optimizer.py's Stage1Optimizer.
 
-`zero_optimization.stage: 1` routes here (fsdpzero.api.build_grad_path). The model stays unwrapped: parameters are
+`zero_optimization.stage: 1` routes here (fsdpzero.api.grad_path_type). The model stays unwrapped: parameters are
 replicated, and the stage-1 optimizer reduce-scatters gradients at the boundary, steps its shard and all-gathers.
 """
 from __future__ import annotations
@@ -13,15 +13,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdpzero_ops import CPUAdam
 from fsdpzero_ops.stage1 import Stage1Optimizer
+from fsdpzero.optim.factory import AdamNoBiasCorrection
 from fsdpzero.optim.grad_path import UNSTEPPED, GradPath, MASTER, drop_unstepped_state, skips_on_device
 from fsdpzero.precision import DTYPES, cast_forward_inputs
 from fsdpzero.sharding import checkpoint_activations, find_blocks
 from fsdpzero.tuning import Tuning, env_name, resolve
 
 
-_ELEMENTWISE = {"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta",
-                "AdamNoBiasCorrection", "CPUAdam", "DeepSpeedCPUAdam"}   # update of an element needs only that element
+# The optimizers whose update of an element needs only that element (and its state): a flat shard per rank gives
+# them what whole tensors give. AdamW is an Adam; CPUAdamW (and the compat DeepSpeedCPUAdam) a CPUAdam.
+ELEMENTWISE = (torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adamax,
+               torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta, AdamNoBiasCorrection, CPUAdam)
 
 
 # Speed-ups, the stage1_* knobs of fsdpzero.tuning (A/B runs: bench/stage1.py's *_legacy configs turn them off). All
@@ -41,6 +45,8 @@ class Stage1GradPath(GradPath):
     """fsdpzero.optim.GradPath over a Stage1Optimizer: the engine drives the reduce / norm / scale / update steps
     (clipping, loss scaling and the skip decision stay in the engine)."""
 
+    name = "stage1"
+
     def __init__(self, stage1: Stage1Optimizer):
         self.stage1, self.optimizer = stage1, stage1.optimizer
         self.refresh_on_load = True   # off while a checkpoint with masters loads (keep_masters_on_load)
@@ -53,6 +59,50 @@ class Stage1GradPath(GradPath):
         applied; Stage1Optimizer reduces the gradients and shards the optimizer state itself."""
         checkpoint_activations(model, plan, blocks if blocks is not None else find_blocks(model))
         return model, []
+
+    @classmethod
+    def build(cls, model: nn.Module, plan, make_optimizer: Callable, mesh=None, *,
+              tuning: Tuning | None = None) -> "Stage1GradPath":
+        """`zero_optimization.stage: 1`: the engine's optimizer (config section or client) over the whole parameters,
+        then sharded by Stage1Optimizer.wrap. The model stays unwrapped; its parameters are cast to the plan's
+        param_dtype after the fp32 masters are taken."""
+        if plan.offload.optimizer_device not in ("none", "cpu"):
+            raise ValueError(f"zero_optimization.offload_optimizer.device = {plan.offload.optimizer_device!r} with "
+                             "stage 1 is not supported: use \"cpu\", or stage 2/3 for NVMe offload")
+        if plan.offload.optimizer_device == "cpu" and plan.offload.ratio < 1.0:   # a Plan built by hand (the
+            raise ValueError(f"zero_optimization.offload_optimizer.ratio = {plan.offload.ratio} with stage 1: "
+                             "partial offload needs stage 2 or 3 (set ratio to 1.0)")   # config refuses it first)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        dtype = DTYPES[plan.precision.param_dtype]
+        for p in model.parameters():   # frozen weights compute in the same dtype (DeepSpeed casts the whole module)
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(dtype)
+        optimizer = make_optimizer([p for _, p in named])
+        if not isinstance(optimizer, ELEMENTWISE) and not hasattr(optimizer, "bind_flat_shards") \
+                and (not dist.is_initialized() or dist.get_rank() == 0):
+            logging.getLogger("fsdpzero").warning(
+                "ZeRO stage 1 gives %s one flat tensor per param group and rank, as DeepSpeed's ZeRO 1/2 do; "
+                "per-tensor quantities (LAMB trust ratios, ...) are then taken over that flat shard and results "
+                "differ from stage 0", type(optimizer).__name__)
+        shard, precision, offload = plan.shard, plan.precision, plan.offload
+        knobs = stage1_knobs(tuning if tuning is not None else resolve())
+        forward_allgather = knobs.pop("forward_allgather")
+        stage1 = Stage1Optimizer.wrap(
+            optimizer, {id(p): n for n, p in named}, process_group=mesh.get_group() if mesh is not None else None,
+            param_dtype=dtype, reduce_dtype=DTYPES[precision.reduce_dtype],
+            reduce_bucket_size=shard.reduce_bucket_size, allgather_bucket_size=shard.allgather_bucket_size,
+            overlap_comm=bool(shard.overlap_comm),
+            master_device="cpu" if offload.optimizer_device == "cpu" else None, **knobs)
+        if hasattr(optimizer, "bind_flat_shards"):   # Muon (fsdpzero.optim.muon): where each matrix lies in shards
+            optimizer.bind_flat_shards(stage1.flat_groups, stage1.group)
+        cast_forward_inputs(model, plan)   # fp32 inputs meet fp16/bf16 weights, as at stages 0/2/3 (fp16.auto_cast)
+        if forward_allgather:   # the model's forward pre-hooks wait for their buckets; saving and loading wait
+            stage1.defer_allgather_to_forward(model)
+        # weights loaded without the optimizer (load_module_only, load_optimizer_states=False) become the masters;
+        # a checkpoint with masters keeps the ones DCP read (keep_masters_on_load)
+        path = cls(stage1)
+        model.register_load_state_dict_post_hook(lambda *_: path.refresh_masters())
+        return path
 
     def refresh_masters(self) -> None:
         """The model's load_state_dict post-hook: weights loaded without the optimizer become the masters."""
@@ -133,47 +183,3 @@ class Stage1GradPath(GradPath):
         self.stage1.load_state_dict(state)
         if unstepped:   # saved before its first step: the inner optimizer is as new
             self.optimizer.state.clear()
-
-
-def build_stage1_path(model: nn.Module, plan, make_optimizer: Callable, mesh=None, *,
-                      tuning: Tuning | None = None) -> Stage1GradPath:
-    """`zero_optimization.stage: 1`: the engine's optimizer (config section or client) over the whole parameters,
-    then sharded by Stage1Optimizer.wrap. The model stays unwrapped; its parameters are cast to the plan's
-    param_dtype after the fp32 masters are taken."""
-    if plan.offload.optimizer_device not in ("none", "cpu"):
-        raise ValueError(f"zero_optimization.offload_optimizer.device = {plan.offload.optimizer_device!r} with stage "
-                         "1 is not supported: use \"cpu\", or stage 2/3 for NVMe offload")
-    if plan.offload.optimizer_device == "cpu" and plan.offload.ratio < 1.0:   # a Plan built by hand (the config
-        raise ValueError(f"zero_optimization.offload_optimizer.ratio = {plan.offload.ratio} with stage 1: partial "
-                         "offload needs stage 2 or 3 (set ratio to 1.0)")   # refuses it before this)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    dtype = DTYPES[plan.precision.param_dtype]
-    for p in model.parameters():   # frozen weights compute in the same dtype (DeepSpeed casts the whole module)
-        if not p.requires_grad and p.is_floating_point():
-            p.data = p.data.to(dtype)
-    optimizer = make_optimizer([p for _, p in named])
-    if type(optimizer).__name__ not in _ELEMENTWISE and not hasattr(optimizer, "bind_flat_shards") \
-            and (not dist.is_initialized() or dist.get_rank() == 0):
-        logging.getLogger("fsdpzero").warning(
-            "ZeRO stage 1 gives %s one flat tensor per param group and rank, as DeepSpeed's ZeRO 1/2 do; "
-            "per-tensor quantities (LAMB trust ratios, ...) are then taken over that flat shard and results differ "
-            "from stage 0", type(optimizer).__name__)
-    shard, precision, offload = plan.shard, plan.precision, plan.offload
-    knobs = stage1_knobs(tuning if tuning is not None else resolve())
-    forward_allgather = knobs.pop("forward_allgather")
-    stage1 = Stage1Optimizer.wrap(
-        optimizer, {id(p): n for n, p in named}, process_group=mesh.get_group() if mesh is not None else None,
-        param_dtype=dtype, reduce_dtype=DTYPES[precision.reduce_dtype],
-        reduce_bucket_size=shard.reduce_bucket_size, allgather_bucket_size=shard.allgather_bucket_size,
-        overlap_comm=bool(shard.overlap_comm), master_device="cpu" if offload.optimizer_device == "cpu" else None,
-        **knobs)
-    if hasattr(optimizer, "bind_flat_shards"):   # Muon (fsdpzero.optim.muon): where each matrix lies in the shards
-        optimizer.bind_flat_shards(stage1.flat_groups, stage1.group)
-    cast_forward_inputs(model, plan)   # fp32 inputs meet fp16/bf16 weights, as at stages 0/2/3 (fp16.auto_cast)
-    if forward_allgather:   # the model's forward pre-hooks wait for their buckets; saving and loading wait for all
-        stage1.defer_allgather_to_forward(model)
-    # weights loaded without the optimizer (load_module_only, load_optimizer_states=False) become the masters; a
-    # checkpoint with masters keeps the ones DCP read (Stage1GradPath.keep_masters_on_load)
-    path = Stage1GradPath(stage1)
-    model.register_load_state_dict_post_hook(lambda *_: path.refresh_masters())
-    return path

@@ -10,10 +10,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel
-
-from fsdpzero.config.sections import Aio
-
 Status = Literal["mapped", "approximated", "noop", "unsupported"]
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -78,18 +74,14 @@ class PrecisionPlan:
     autocast_dtype: DType | None = None     # torch_autocast section
 
 
-def section_plan(name: str, section: type[BaseModel], doc: str) -> type:
-    """A frozen plan dataclass with a schema section's keys, types and defaults: the section is declared once, in
-    fsdpzero/config (a key added there is a plan field here, with its default)."""
-    spec = [(key, f.annotation, field() if f.is_required() else field(default_factory=f.default_factory)
-             if f.default_factory else field(default=f.default)) for key, f in section.model_fields.items()]
-    cls = dataclasses.make_dataclass(name, spec, frozen=True, kw_only=True)
-    cls.__module__, cls.__doc__ = __name__, doc
-    return cls
-
-
-AioPlan = section_plan("AioPlan", Aio, "DeepSpeed's `aio` section as validated (fsdpzero.config.sections.Aio); "
-                       "the NVMe swaps hand its values to fsdpzero_ops.aio.AioConfig.")
+@dataclass(frozen=True, kw_only=True)
+class AioPlan:
+    block_size: int = 1_048_576
+    queue_depth: int = 8
+    intra_op_parallelism: int = 1
+    single_submit: bool = False
+    overlap_events: bool = True
+    use_gds: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,23 +167,6 @@ class MonitorPlan:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TensorParallelPlan:
-    """DeepSpeed's AutoTP training (`tensor_parallel` section): DTensor tensor parallelism over the mesh's "tp"
-    dimension (fsdpzero/parallel/tensor_parallel.py), FSDP2 over the data-parallel dimensions. size 1: off."""
-    size: int = 1                                    # tensor_parallel.autotp_size (DeepSpeed's 0 and 1: off)
-    preset_model: str | None = None                  # one of DeepSpeed's AutoTPPresets (validated)
-    partition_config: dict[str, Any] | None = None   # DeepSpeed's AutoTPConfig as JSON (validated)
-
-
-@dataclass(frozen=True, kw_only=True)
-class SequenceParallelPlan:
-    """DeepSpeed's Ulysses / ALST (`sequence_parallel_size`): each sequence split over `size` consecutive ranks,
-    all-to-all attention over heads (fsdpzero/parallel/ulysses.py); ZeRO shards over all ranks, dp x sp, as
-    DeepSpeed's sequence-data-parallel group; the batch triad counts world / size. size 1: off."""
-    size: int = 1
-
-
-@dataclass(frozen=True, kw_only=True)
 class Plan:
     env: Env = field(default_factory=Env)
     shard: ShardPlan = field(default_factory=ShardPlan)
@@ -204,8 +179,6 @@ class Plan:
     compile: CompilePlan = field(default_factory=CompilePlan)
     checkpoint: CheckpointPlan = field(default_factory=CheckpointPlan)
     monitor: MonitorPlan = field(default_factory=MonitorPlan)
-    sequence_parallel: SequenceParallelPlan = field(default_factory=SequenceParallelPlan)
-    tensor_parallel: TensorParallelPlan = field(default_factory=TensorParallelPlan)
     decisions: tuple[Decision, ...] = ()
 
     @property
@@ -239,7 +212,7 @@ CONSUMERS: dict[str, tuple[str, ...]] = {
         "min_loss_scale")},
     **{f"MonitorPlan.{f}": ("fsdpzero.monitor",) for f in (   # the Engine's Monitor(plan.monitor)
         "tensorboard", "csv_monitor", "wandb", "comet")},
-    "OffloadPlan.optimizer_device": ("fsdpzero.api:grad_path_name",),
+    "OffloadPlan.optimizer_device": ("fsdpzero.api:grad_path_type",),
     "OffloadPlan.param_device": ("fsdpzero.sharding:offload_policy",),
     "OffloadPlan.pin_memory": ("fsdpzero.sharding:offload_policy",),
     "OffloadPlan.optimizer_nvme_path": ("fsdpzero.offload.nvme_adam:nvme_optimizer_from_plan",),
@@ -248,8 +221,8 @@ CONSUMERS: dict[str, tuple[str, ...]] = {
                         "fsdpzero.offload.param_swapper:param_swapper_from_plan"),
     **{f"OffloadPlan.{f}": ("fsdpzero.offload.param_swapper:param_swapper_from_plan",) for f in (
         "param_nvme_path", "param_buffer_count", "param_buffer_size", "max_in_cpu")},
-    "OffloadPlan.ratio": ("fsdpzero.offload.build:build_offload_path",),
-    "OffloadPlan.sub_group_size": ("fsdpzero.offload.build:build_offload_path",),
+    "OffloadPlan.ratio": ("fsdpzero.offload.path:OffloadGradPath.build",),
+    "OffloadPlan.sub_group_size": ("fsdpzero.offload.prepare:chunk_size",),
     "OptimizerPlan.type": ("fsdpzero.optim.factory:make_optimizer_factory",),
     "OptimizerPlan.params": ("fsdpzero.optim.factory:make_optimizer_factory",),
     "OptimizerPlan.torch_adam": ("fsdpzero.optim.factory:make_optimizer_factory",),
@@ -265,11 +238,7 @@ CONSUMERS: dict[str, tuple[str, ...]] = {
     "ShardPlan.reshard_after_forward": ("fsdpzero.sharding:reshard_policy",),
     "ShardPlan.prefetch_depth": ("fsdpzero.sharding:prefetch_depth",),
     "ShardPlan.param_persistence_threshold": ("fsdpzero.sharding:shard_model",),
-    "ShardPlan.reduce_bucket_size": ("fsdpzero.optim.stage1:build_stage1_path",),
-    "ShardPlan.allgather_bucket_size": ("fsdpzero.optim.stage1:build_stage1_path",),
+    "ShardPlan.reduce_bucket_size": ("fsdpzero.optim.stage1:Stage1GradPath.build",),
+    "ShardPlan.allgather_bucket_size": ("fsdpzero.optim.stage1:Stage1GradPath.build",),
     "ShardPlan.gather_16bit_weights_on_model_save": ("fsdpzero.hf.trainer:Trainer.save_model",),
-    "SequenceParallelPlan.size": ("fsdpzero.parallel.ulysses:apply_sequence_parallel",),
-    "TensorParallelPlan.size": ("fsdpzero.sharding:build_mesh", "fsdpzero.parallel.tp_plan:resolve_tp_plan"),
-    "TensorParallelPlan.preset_model": ("fsdpzero.parallel.tp_plan:resolve_tp_plan",),
-    "TensorParallelPlan.partition_config": ("fsdpzero.parallel.tp_plan:resolve_tp_plan",),
 }

@@ -103,7 +103,7 @@ MUTATIONS = [
              ".copy_(s.param.detach().view(-1)[start: start + s.local])",
              ".copy_(s.param.detach().view(-1)[start: start + s.local].to(torch.bfloat16))",
              (f"{STAGE1}::test_stage1_matches_reference[llama-bf16]",)),
-    Mutation("master_cast_offload", "CPU offload's separate fp32 masters taken rounded to bf16", "offload/build.py",
+    Mutation("master_cast_offload", "CPU offload's separate fp32 masters taken rounded to bf16", "offload/prepare.py",
              'master = local.detach().to("cpu", torch.float32, copy=True)',
              'master = local.detach().to("cpu", torch.bfloat16, copy=True).float()',
              ("tests/offload/test_offload.py::test_offload_matches_fsdp_fp32[staged-1-0.0-False]",)),
