@@ -24,7 +24,8 @@ overlaps the next forward, the default; with the default speculation, offload_sp
 (offload_speculate=false); *_spec (offload_speculate=true: shadows for all that fit in half the host's memory); *_noclip
 (gradient_clipping 0, both implementations); ours_z3_ratio_overlap / ds_z3_ratio (stage 3, offload_optimizer.ratio = FSDPZERO_BENCH_RATIO, default 0.5:
 the rest steps on the GPU); ours_z2_ratio<NN> (stage 2, ratio NN/100: an fsdpzero extension, DeepSpeed rejects
-ratio < 1 below stage 3, so it has no DeepSpeed twin); ds_z2_offload, ds_z3_offload_both (DeepSpeed, when importable). --layers/--hidden/--vocab/--seq/--micro shrink the model for a smoke run;
+ratio < 1 below stage 3, so it has no DeepSpeed twin); ds_z2_offload, ds_z3_offload_both (DeepSpeed, when importable;
+*_bind1: each rank pinned to its own cores first, as `deepspeed --bind_cores_to_rank` runs it). --layers/--hidden/--vocab/--seq/--micro shrink the model for a smoke run;
 ref_gpu_noopt (FSDP2 stage 2, bf16: forward + backward + grad norm, no optimizer step) and ref_cpu_adam (the fused
 CPU Adam over this model's parameters per rank, chunked as the offload path steps them, bf16 grads in, bf16 out) are
 the two terms of issue 24's limit max(GPU step without optimizer, CPU Adam step).
@@ -58,7 +59,7 @@ CONFIGS = ["fsdp_z2", "fsdp_z3", "fsdp_z3_cpuoffload", "ours_z2", "ours_z2_seria
            "ours_z2_overlap_nospec", "ours_z2_overlap_noclip_nospec", "ours_z2_overlap_noclip_t16",
            "ours_z2_overlap_noclip_st8", "ours_z2_overlap_noclip_st13", "ours_z2_overlap_noclip_st15",
            "ours_z2_ratio70", "ours_z2_ratio80", "ours_z2_ratio70_noclip", "ours_z2_bind0", "ours_z3_both_bind0",
-           "ours_z2_bind1", "ours_z3_both_bind1"]
+           "ours_z2_bind1", "ours_z3_both_bind1", "ds_z2_offload_bind1", "ds_z3_offload_both_bind1"]
 # issue 24: per size, the shape (micro-batch per GPU) and the configs, cheapest reference first
 SIZES = {"0.89b": dict(layers=16, hidden=2048, micro=4), "2.8b": dict(layers=26, hidden=3072, micro=2),
          "tiny": dict(layers=2, hidden=64, micro=2, vocab=512, seq=32)}   # tiny: the CPU smoke test
@@ -253,6 +254,11 @@ def run_one(args):
         torch.use_deterministic_algorithms(True, warn_only=True)
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(max(1, cores // local_world))   # torchrun sets 1; every config gets the same share
+    if args.config.startswith("ds_") and args.config.endswith("_bind1"):   # DeepSpeed as `deepspeed
+        from fsdpzero.host import bind_process, launcher_binding         # --bind_cores_to_rank` would run it
+        placement = launcher_binding(local_rank, local_world)
+        bind_process(placement.cores)
+        torch.set_num_threads(placement.threads)
     if args.config.startswith("ds_"):
         from common import prepare_deepspeed_build
         prepare_deepspeed_build()

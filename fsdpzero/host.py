@@ -177,12 +177,12 @@ class Placement:
     slices: tuple = ()
 
     def describe(self) -> str:
-        """The startup block's line: 'cpu: 16 threads/rank, cores 0-15, numa 0 (bound: ...); ranks 0-15 | 16-31'."""
-        threads = "torch's default" if self.threads is None else f"{self.threads}"
+        """The startup block's line: 'cpu: 16 threads/rank, cores 0-15, numa 0 (bound, ...); ranks 0-15 / 16-31'."""
+        threads = "threads/rank unchanged" if self.threads is None else f"{self.threads} threads/rank"
         nodes = ",".join(map(str, self.nodes)) or "?"
-        line = f"{threads} threads/rank, cores {format_cpulist(self.cores)}, numa {nodes} ({self.why})"
+        line = f"{threads}, cores {format_cpulist(self.cores)}, numa {nodes} ({self.why})"
         if len(self.slices) > 1:
-            line += "; ranks " + " | ".join(format_cpulist(s) for s in self.slices)
+            line += "; ranks " + " / ".join(format_cpulist(s) for s in self.slices)
         return line
 
 
@@ -252,29 +252,30 @@ def plan_placement(peers: list[Peer], local_rank: int, topo: Topology, *, thread
     all_cpus = tuple(tuple(sorted(p.cpus)) for p in sorted(peers, key=lambda p: p.local_rank))
     quota_share = math.floor(topo.quota / local_world) if topo.quota and topo.quota < len(pool) else None
 
-    def fit(n_cpus: int) -> tuple[int, str]:
+    def fit(n_cpus: int, label: str = "one per CPU of the slice") -> tuple[int, str]:
         """Threads for a slice of n_cpus: the user's, else the slice capped by the quota's share."""
         if chosen[0] is not None:
             return chosen[0], chosen[1]
         if quota_share is not None and quota_share < n_cpus:
             return max(1, quota_share), f"cgroup quota {topo.quota:g} CPUs / {local_world} ranks"
-        return n_cpus, "one per CPU of the slice"
+        return n_cpus, label
 
     def unbound(why: str, n_threads: int | None, reason: str) -> Placement:
         return Placement(local_rank, n_threads, tuple(pool), node_set(pool), False, f"{reason}; {why}" if why
                          else reason, all_cpus)
 
+    off = "not bound: offload_bind=0" if bind is False else "not bound: a CPU-only run, offload_bind=1 binds it"
     if bind is None:
         bind = accelerator
     others = [p for p in peers if p is not me]
     if local_world > 1 and all(not (p.cpus & q.cpus) for i, p in enumerate(peers) for q in peers[i + 1:]):
-        n, why = fit(len(pool))     # a launcher gave each rank its own CPUs: keep them
+        n, why = fit(len(pool), "one per CPU it has")   # a launcher gave each rank its own CPUs: keep them
         return unbound(why, n, "not re-bound: each local rank has CPUs of its own already")
     if not bind:                    # no pinning: the share of the usable cores, as before binding existed
         if chosen[0] is None and not accelerator:
-            return unbound("", None, "not bound (CPU-only run; offload_bind=1 binds)")
-        n, why = fit(max(1, len(pool) // local_world))
-        return unbound(why, n, "not bound (offload_bind=0)" if bind is False else "not bound")
+            return unbound("", None, off)
+        n, why = fit(max(1, len(pool) // local_world), f"{len(pool)} usable CPUs / {local_world} local ranks")
+        return unbound(why, n, off)
     sharers = [me] + [p for p in others if p.cpus == me.cpus]
     sharers.sort(key=lambda p: p.local_rank)
     units = _units(pool, topo)

@@ -54,7 +54,7 @@ def test_two_numa_nodes_of_32_cores_four_ranks_on_their_gpus_nodes():
     assert [p.nodes for p in plans] == [(1,), (1,), (0,), (0,)]
     assert [p.threads for p in plans] == [16] * 4
     assert plans[0].describe().startswith("16 threads/rank, cores 32-47, numa 1 (bound, on its GPU's NUMA node")
-    assert plans[0].describe().endswith("; ranks 32-47 | 48-63 | 0-15 | 16-31")
+    assert plans[0].describe().endswith("; ranks 32-47 / 48-63 / 0-15 / 16-31")
     # all four GPUs on node 0: node 1 would sit idle, so the split is contiguous (two ranks per node)
     plans = plan_all(topo, [cpus] * 4, gpu_nodes=[0, 0, 0, 0])
     assert [p.nodes for p in plans] == [(0,), (0,), (1,), (1,)]
@@ -126,8 +126,12 @@ def test_bind_off_is_the_old_share_and_cpu_only_is_left_alone():
     topo = numa_host(1, 16)
     old = plan_all(topo, [range(16)] * 4, bind=False)
     assert [(p.bind, p.threads, len(p.cores)) for p in old] == [(False, 4, 16)] * 4
+    assert old[0].describe() == "4 threads/rank, cores 0-15, numa 0 (not bound: offload_bind=0; 16 usable CPUs / " \
+                                "4 local ranks); ranks 0-15 / 0-15 / 0-15 / 0-15"
     cpu_only = plan_all(topo, [range(16)] * 2, accelerator=False)
     assert [(p.bind, p.threads) for p in cpu_only] == [(False, None)] * 2
+    assert "threads/rank unchanged" in cpu_only[0].describe() and "CPU-only run" in cpu_only[0].why
+    assert plan_all(topo, [range(16)] * 2, accelerator=False, threads=3)[0].threads == 3
     forced = plan_all(topo, [range(16)] * 2, accelerator=False, bind=True)
     assert_disjoint_within(forced, range(16))
 
@@ -246,4 +250,4 @@ def test_two_ranks_cpu_adam_threads_run_on_disjoint_cores():
         assert g["threads"] == g["torch_threads"] and 1 <= g["threads"] <= len(mine)
     assert f"cpu: {got[0]['threads']} threads/rank, cores {format_cpulist(cores[0])}" in got[0]["startup"], \
         got[0]["startup"]
-    assert "ranks " + " | ".join(format_cpulist(c) for c in cores) in got[0]["startup"]
+    assert "ranks " + " / ".join(format_cpulist(c) for c in cores) in got[0]["startup"]
