@@ -23,6 +23,11 @@ from fsdpzero.log import log_startup, setup_logging
 from fsdpzero.optim.muon import tag_muon_params
 from fsdpzero.optim import FSDPGradPath, GradPath, OptimizerFactory, check_optimizer, make_optimizer_factory
 from fsdpzero.optim.grad_path import ForwardOnlyPath
+from fsdpzero.parallel import data_mesh, data_rank_and_size, model_mesh
+from fsdpzero.parallel.tensor_parallel import apply_tensor_parallel
+from fsdpzero.parallel.tp_plan import resolve_tp_plan, style_counts
+from fsdpzero.parallel.ulysses import apply_sequence_parallel
+from fsdpzero.parallel.ulysses import check_model as check_sequence_parallel
 from fsdpzero.plan import Env, Plan
 from fsdpzero.plan.translate import build_plan
 from fsdpzero.precision import make_scaler, mp_policy, upcast_to_master
@@ -80,12 +85,16 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
         check_optimizer(plan, optimizer)
     plan = compile_knob(plan, knobs.compile)
     check_compile(plan)
+    tp_styles = resolve_tp_plan(model, plan.tensor_parallel)   # AutoTP: its errors before any process group
+    if plan.sequence_parallel.size > 1:   # Ulysses: heads, KV heads and attention checked before any process group
+        check_sequence_parallel(model, plan.sequence_parallel.size)
     info = init_distributed_env(env.device_type)
     # before the first collective: ranks started with different configs or models would otherwise meet in
     # mismatched collectives (a gloo abort or a hang) with nothing saying what differs
     check_same_on_all_ranks(run_facts(plan, model), "configs or models")
     mesh = mesh if mesh is not None else build_mesh(plan, info.world_size, info.device_type)
 
+    sequence_parallel = apply_sequence_parallel(model, plan)   # its groups, and the model's attention over them
     fill = take_deferred(model)   # zero.Init / HfDeepSpeedConfig: built without full weights; filled per shard
     meta = is_meta(model)
     if not meta:
@@ -97,9 +106,10 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
         tag_muon_params(model)   # DeepSpeed's split is by name and layer shape: taken before sharding changes both
     groups = _param_groups(model_parameters)
     all_blocks = find_blocks(model, block_classes, block_predicate)
+    apply_tensor_parallel(model, tp_styles, model_mesh(mesh, "tp"))   # before AC and fully_shard, as torchtitan
     path_type = grad_path_type(plan)
-    model, blocks = path_type.lay_out(model, plan, mesh, mp_policy(plan), device_type=info.device_type,
-                                                 blocks=all_blocks)
+    model, blocks = path_type.lay_out(model, plan, data_mesh(mesh), mp_policy(plan), device_type=info.device_type,
+                                      blocks=all_blocks)
     if meta:
         materialize(model, info.device, full_state_dict, param_device=shard_home(plan, info.device),
                     filled_later=fill is not None)
@@ -110,17 +120,20 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
     else:
         factory = make_optimizer_factory(plan, optimizer, device_type=info.device_type, original_params=original,
                                          param_groups=groups)
-        path = build_grad_path(path_type, model, plan, factory, mesh, knobs)
+        path = build_grad_path(path_type, model, plan, factory, data_mesh(mesh), knobs)
         if isinstance(optimizer, torch.optim.Optimizer) and path.optimizer is not optimizer:
             share_param_groups(optimizer, path.optimizer)
     scheduler = _scheduler(plan, lr_scheduler, path.optimizer)
     engine = Engine(model, plan, path, lr_scheduler=scheduler, scaler=make_scaler(plan), device=info.device,
                     mesh=mesh, local_rank=info.local_rank, tuning=knobs, blocks=all_blocks, explicit_tuning=tuning)
+    engine.sequence_parallel = sequence_parallel
     if plan.compile.enabled:   # after fully_shard: each block's forward, inside FSDP2's hooks (fsdpzero/compile.py)
         engine.compile(plan.compile.backend, plan.compile.kwargs)
     log_startup(plan, {"world_size": info.world_size, "mesh": str(mesh),
                        "grad_path": path_type.name if not forward_only else "none (forward only)",
                        "blocks_sharded": len(blocks), "master_weights": plan.precision.master_dtype,
+                       **({"tensor_parallel": f"{plan.tensor_parallel.size} ranks: {style_counts(tp_styles)}"}
+                          if tp_styles else {}),
                        **({"compile": f"{plan.compile.backend} per block ({plan.compile.source})"}
                           if plan.compile.enabled else {}),
                        "optimizer": type(path.optimizer).__name__ if path.optimizer is not None else "none"})
@@ -160,7 +173,7 @@ def grad_path_type(plan: Plan) -> type[GradPath]:
     """The one place the gradient path is chosen (see fsdpzero.optim.grad_path for the contract): its type lays the
     model out (GradPath.lay_out) and builds the path from the plan (GradPath.build). Each branch imports its wing
     only when taken: a plain FSDP run never loads the offload or stage-1 code."""
-    if plan.shard.stage == 1:
+    if plan.shard.stage == 1 and plan.tensor_parallel.size <= 1:   # with tp: FSDP2 over dp (fate: approximated)
         from fsdpzero.optim.stage1 import Stage1GradPath   # reduces gradients itself; offloads its own shards (cpu)
         return Stage1GradPath
     if plan.offload.optimizer_device == "cpu":
@@ -253,9 +266,14 @@ def make_dataloader(dataset, engine: Engine, collate_fn: Callable | None = None)
     """Like DeepSpeed's: micro-batch size per rank, a DistributedSampler over the data-parallel ranks."""
     import torch.distributed as dist
     from torch.utils.data import DataLoader, DistributedSampler
-    sampler = DistributedSampler(dataset, num_replicas=dist.get_world_size(), rank=dist.get_rank())
-    return DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
-                      collate_fn=collate_fn, drop_last=engine.plan.batch.dataloader_drop_last)
+    rank, replicas = (data_rank_and_size(engine.mesh) if engine.mesh is not None    # tp ranks read the same samples
+                      else (dist.get_rank(), dist.get_world_size()))
+    sampler = DistributedSampler(dataset, num_replicas=replicas, rank=rank)
+    loader = DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
+                        collate_fn=collate_fn, drop_last=engine.plan.batch.dataloader_drop_last)
+    # sequence parallelism: DeepSpeed's UlyssesSPDataLoaderAdapter over it (each group trains on its ranks' batches
+    # one after another, each split along the sequence)
+    return engine.sequence_parallel.dataloader(loader, engine.device) if engine.sequence_parallel else loader
 
 
 def init_distributed(dist_backend: str | None = None, **_ignored: Any):

@@ -29,9 +29,9 @@ next forward runs; a pre-forward hook on each FSDP unit waits for that unit's ch
 outside a forward waits for the whole step (fsdpzero/offload/access.py). Exact: the clip factor and the skip
 decision are known before step() starts it.
 
-Threads: torchrun sets OMP_NUM_THREADS=1, which makes the CPU step ~6x slower. With an accelerator the CPU step gets
-usable cores / local ranks threads (knob offload_threads overrides); offload_bind also pins each local rank to its
-own slice of cores. Knobs: fsdpzero/tuning.py (FSDPZERO_OFFLOAD_*).
+Threads: torchrun sets OMP_NUM_THREADS=1, which makes the CPU step ~6x slower. With an accelerator each local rank
+gets its own slice of whole cores and one CPU step thread per CPU of it (fsdpzero/host.py; knobs offload_threads and
+offload_bind override). Knobs: fsdpzero/tuning.py (FSDPZERO_OFFLOAD_*).
 """
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ from fsdpzero.dist import local_tensor
 from fsdpzero.log import count
 from fsdpzero.precision import DTYPES
 from fsdpzero.tuning import Tuning
+from fsdpzero.host import place_this_rank
 
 log = logging.getLogger("fsdpzero")
 
@@ -58,14 +59,6 @@ def cpu_threads(local_world_size: int, override: int | None = None) -> int:
         return max(1, int(override))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // max(1, local_world_size))
-
-
-def bind_cores(local_rank: int, local_world_size: int) -> None:
-    """Pin this rank to its own contiguous slice of the usable cores (DeepSpeed's --bind_cores_to_rank)."""
-    cores = sorted(os.sched_getaffinity(0))
-    per = max(1, len(cores) // max(1, local_world_size))
-    mine = cores[local_rank * per:(local_rank + 1) * per] or cores
-    os.sched_setaffinity(0, mine)
 
 
 def hyper_groups_of(optimizer: torch.optim.Optimizer) -> list[dict]:
@@ -268,13 +261,11 @@ def check_plan(plan: Plan) -> bool:
 
 
 def cpu_step_threads(knobs: Tuning) -> int:
-    """The CPU step's threads: with a GPU always set (auto: cores / local ranks); on a CPU-only run only when a knob
-    asks (the user's OMP setting otherwise stands)."""
-    if torch.cuda.is_available() or knobs.offload_threads is not None or knobs.offload_bind:
-        local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        if knobs.offload_bind:
-            bind_cores(local_rank, local_world)
-        torch.set_num_threads(cpu_threads(local_world, knobs.offload_threads))
+    """The CPU step's threads and this rank's cores (fsdpzero/host.py, knobs offload_threads and offload_bind): with a
+    GPU, a slice of whole cores of its own per local rank and one thread per CPU of it; on a CPU-only run only what a
+    knob asks (the user's OMP setting otherwise stands). Collective where a process group exists."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    place_this_rank(threads=knobs.offload_threads, bind=knobs.offload_bind, device=device)
     return torch.get_num_threads()
 
 

@@ -10,6 +10,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pydantic import BaseModel
+
+from fsdpzero.config.sections import Aio
+
 Status = Literal["mapped", "approximated", "noop", "unsupported"]
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -74,14 +78,18 @@ class PrecisionPlan:
     autocast_dtype: DType | None = None     # torch_autocast section
 
 
-@dataclass(frozen=True, kw_only=True)
-class AioPlan:
-    block_size: int = 1_048_576
-    queue_depth: int = 8
-    intra_op_parallelism: int = 1
-    single_submit: bool = False
-    overlap_events: bool = True
-    use_gds: bool = False
+def section_plan(name: str, section: type[BaseModel], doc: str) -> type:
+    """A frozen plan dataclass with a schema section's keys, types and defaults: the section is declared once, in
+    fsdpzero/config (a key added there is a plan field here, with its default)."""
+    spec = [(key, f.annotation, field() if f.is_required() else field(default_factory=f.default_factory)
+             if f.default_factory else field(default=f.default)) for key, f in section.model_fields.items()]
+    cls = dataclasses.make_dataclass(name, spec, frozen=True, kw_only=True)
+    cls.__module__, cls.__doc__ = __name__, doc
+    return cls
+
+
+AioPlan = section_plan("AioPlan", Aio, "DeepSpeed's `aio` section as validated (fsdpzero.config.sections.Aio); "
+                       "the NVMe swaps hand its values to fsdpzero_ops.aio.AioConfig.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,6 +175,23 @@ class MonitorPlan:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TensorParallelPlan:
+    """DeepSpeed's AutoTP training (`tensor_parallel` section): DTensor tensor parallelism over the mesh's "tp"
+    dimension (fsdpzero/parallel/tensor_parallel.py), FSDP2 over the data-parallel dimensions. size 1: off."""
+    size: int = 1                                    # tensor_parallel.autotp_size (DeepSpeed's 0 and 1: off)
+    preset_model: str | None = None                  # one of DeepSpeed's AutoTPPresets (validated)
+    partition_config: dict[str, Any] | None = None   # DeepSpeed's AutoTPConfig as JSON (validated)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SequenceParallelPlan:
+    """DeepSpeed's Ulysses / ALST (`sequence_parallel_size`): each sequence split over `size` consecutive ranks,
+    all-to-all attention over heads (fsdpzero/parallel/ulysses.py); ZeRO shards over all ranks, dp x sp, as
+    DeepSpeed's sequence-data-parallel group; the batch triad counts world / size. size 1: off."""
+    size: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     env: Env = field(default_factory=Env)
     shard: ShardPlan = field(default_factory=ShardPlan)
@@ -179,6 +204,8 @@ class Plan:
     compile: CompilePlan = field(default_factory=CompilePlan)
     checkpoint: CheckpointPlan = field(default_factory=CheckpointPlan)
     monitor: MonitorPlan = field(default_factory=MonitorPlan)
+    sequence_parallel: SequenceParallelPlan = field(default_factory=SequenceParallelPlan)
+    tensor_parallel: TensorParallelPlan = field(default_factory=TensorParallelPlan)
     decisions: tuple[Decision, ...] = ()
 
     @property
@@ -241,4 +268,8 @@ CONSUMERS: dict[str, tuple[str, ...]] = {
     "ShardPlan.reduce_bucket_size": ("fsdpzero.optim.stage1:Stage1GradPath.build",),
     "ShardPlan.allgather_bucket_size": ("fsdpzero.optim.stage1:Stage1GradPath.build",),
     "ShardPlan.gather_16bit_weights_on_model_save": ("fsdpzero.hf.trainer:Trainer.save_model",),
+    "SequenceParallelPlan.size": ("fsdpzero.parallel.ulysses:apply_sequence_parallel",),
+    "TensorParallelPlan.size": ("fsdpzero.sharding:build_mesh", "fsdpzero.parallel.tp_plan:resolve_tp_plan"),
+    "TensorParallelPlan.preset_model": ("fsdpzero.parallel.tp_plan:resolve_tp_plan",),
+    "TensorParallelPlan.partition_config": ("fsdpzero.parallel.tp_plan:resolve_tp_plan",),
 }
