@@ -297,8 +297,10 @@ def plan_placement(peers: list[Peer], local_rank: int, topo: Topology, *, thread
 
 # -- this process -----------------------------------------------------------------------------------------------------
 def host_id() -> int:
-    """This host, as a signed 63-bit number (ranks with equal ids share a host)."""
-    return int.from_bytes(hashlib.sha1(socket.gethostname().encode()).digest()[:8], "little") >> 1
+    """This host, as a 63-bit number: ranks with equal ids share its CPUs. The kernel's boot id (containers on one
+    machine share it, even with other host names), else the host name."""
+    name = _read(os.path.join(PROC, "sys/kernel/random/boot_id")) or socket.gethostname()
+    return int.from_bytes(hashlib.sha1(name.encode()).digest()[:8], "little") >> 1
 
 
 def gather_local_peers(local_rank: int, gpu_node: int | None) -> list[Peer]:
@@ -307,9 +309,11 @@ def gather_local_peers(local_rank: int, gpu_node: int | None) -> list[Peer]:
     import torch
     import torch.distributed as dist
     mine = sorted(os.sched_getaffinity(0))
-    if not dist.is_initialized() or dist.get_world_size() == 1:   # LOCAL_WORLD_SIZE ranks as started by a launcher
-        local_world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        return [Peer(r, frozenset(mine), gpu_node if r == local_rank else None) for r in range(local_world)]
+    # without the others' answers: LOCAL_WORLD_SIZE ranks with this rank's CPUs, as a launcher starts them
+    assumed = [Peer(r, frozenset(mine), gpu_node if r == local_rank else None)
+               for r in range(max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))]
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return assumed
     backend = str(dist.get_backend())
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend and "gloo" not in backend \
         else torch.device("cpu")
@@ -325,8 +329,8 @@ def gather_local_peers(local_rank: int, gpu_node: int | None) -> list[Peer]:
         if int(r[0]) == int(row[0]):
             cpus = frozenset(int(i) for i in torch.nonzero(r[3:]).flatten())
             peers.append(Peer(int(r[1]), cpus, None if int(r[2]) < 0 else int(r[2])))
-    if len({p.local_rank for p in peers}) != len(peers):   # LOCAL_RANK not unique per host: split nothing
-        return [Peer(local_rank, frozenset(mine), gpu_node)]
+    if len({p.local_rank for p in peers}) != len(peers):   # LOCAL_RANK not unique among them (separate jobs or
+        return assumed                                      # containers on one machine)
     return peers
 
 
