@@ -14,6 +14,7 @@ from fsdpzero.config import ConfigError, DSConfig, Problem, load_config, resolve
 from fsdpzero.config.autotp import effective_partition_config
 from fsdpzero.config.load import model_of
 from fsdpzero.config.rules import SCHEDULERS, canonical_optimizer, optimizer_kind
+from fsdpzero.config.schema import Aio, OffloadOptimizer, OffloadParam
 from fsdpzero.plan.fates import UNKNOWN_FATE, decide
 from fsdpzero.plan import (ActivationCheckpointPlan, AioPlan, BatchPlan, CheckpointPlan, CompilePlan, Decision, Env,
                            LossScalePlan, MonitorPlan, OffloadPlan, OptimizerPlan, Plan, PrecisionPlan,
@@ -146,16 +147,16 @@ def _precision(cfg: DSConfig) -> PrecisionPlan:
 
 def _offload(cfg: DSConfig) -> OffloadPlan:
     z = cfg.zero_optimization
-    op, oo = z.offload_param, z.offload_optimizer
-    aio = cfg.aio
+    # an absent section is the schema's defaults (DeepSpeed's), declared there only
+    op, oo, aio = z.offload_param or OffloadParam(), z.offload_optimizer or OffloadOptimizer(), cfg.aio or Aio()
     return OffloadPlan(
-        optimizer_device=oo.device if oo else "none", param_device=op.device if op else "none",
-        pin_memory=op.pin_memory if op else True,   # offload_param's: FSDP2's CPUOffloadPolicy is its one reader
-        optimizer_nvme_path=oo.nvme_path if oo else None, param_nvme_path=op.nvme_path if op else None,
-        buffer_count=oo.buffer_count if oo else 4, param_buffer_count=op.buffer_count if op else 5,
-        param_buffer_size=op.buffer_size if op else 100_000_000, max_in_cpu=op.max_in_cpu if op else 1_000_000_000,
-        ratio=oo.ratio if oo else 1.0, sub_group_size=z.sub_group_size,
-        aio=AioPlan(**aio.model_dump(include=set(AioPlan.__dataclass_fields__))) if aio else AioPlan())
+        optimizer_device=oo.device, param_device=op.device,
+        pin_memory=op.pin_memory,   # offload_param's: FSDP2's CPUOffloadPolicy is its one reader
+        optimizer_nvme_path=oo.nvme_path, param_nvme_path=op.nvme_path,
+        buffer_count=oo.buffer_count, param_buffer_count=op.buffer_count,
+        param_buffer_size=op.buffer_size, max_in_cpu=op.max_in_cpu,
+        ratio=oo.ratio, sub_group_size=z.sub_group_size,
+        aio=AioPlan(**aio.model_dump(include=set(AioPlan.__dataclass_fields__))))
 
 
 def _optimizer(cfg: DSConfig) -> OptimizerPlan:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from fsdpzero.config.schema import OffloadOptimizer, OffloadParam, ZeroOptimization
 from fsdpzero.config.sections import Aio
 
 Status = Literal["mapped", "approximated", "noop", "unsupported"]
@@ -92,19 +93,26 @@ AioPlan = section_plan("AioPlan", Aio, "DeepSpeed's `aio` section as validated (
                        "the NVMe swaps hand its values to fsdpzero_ops.aio.AioConfig.")
 
 
+def schema_default(section: type[BaseModel], key: str) -> Any:
+    """A key's default as the schema declares it (DeepSpeed's), for a plan field that renames or merges sections."""
+    return section.model_fields[key].get_default(call_default_factory=True)
+
+
 @dataclass(frozen=True, kw_only=True)
 class OffloadPlan:
-    optimizer_device: Literal["none", "cpu", "nvme"] = "none"
-    param_device: Literal["none", "cpu", "nvme"] = "none"
-    pin_memory: bool = True
-    optimizer_nvme_path: str | None = None
-    param_nvme_path: str | None = None
-    buffer_count: int = 4                   # optimizer swap buffers
-    param_buffer_count: int = 5
-    param_buffer_size: int = 100_000_000
-    max_in_cpu: int = 1_000_000_000
-    ratio: float = 1.0
-    sub_group_size: int = 1_000_000_000
+    """zero_optimization.offload_optimizer and offload_param (its keys as param_*), sub_group_size and the aio
+    section. Every default is the schema's: a plan built without those sections equals the translated one."""
+    optimizer_device: Literal["none", "cpu", "nvme"] = schema_default(OffloadOptimizer, "device")
+    param_device: Literal["none", "cpu", "nvme"] = schema_default(OffloadParam, "device")
+    pin_memory: bool = schema_default(OffloadParam, "pin_memory")
+    optimizer_nvme_path: str | None = schema_default(OffloadOptimizer, "nvme_path")
+    param_nvme_path: str | None = schema_default(OffloadParam, "nvme_path")
+    buffer_count: int = schema_default(OffloadOptimizer, "buffer_count")   # optimizer swap buffers
+    param_buffer_count: int = schema_default(OffloadParam, "buffer_count")
+    param_buffer_size: int = schema_default(OffloadParam, "buffer_size")
+    max_in_cpu: int = schema_default(OffloadParam, "max_in_cpu")
+    ratio: float = schema_default(OffloadOptimizer, "ratio")
+    sub_group_size: int = schema_default(ZeroOptimization, "sub_group_size")
     aio: AioPlan = field(default_factory=AioPlan)
 
 

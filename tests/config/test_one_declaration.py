@@ -1,14 +1,16 @@
 """Each config section is declared once, in the schema (fsdpzero/config): the plan's type for it is derived from
-the schema model, and the docs that list its keys print them from the schema."""
+the schema model (or, where the plan renames and merges sections, its defaults are read from it), and the docs that
+list its keys print them from the schema."""
 import dataclasses
 from pathlib import Path
 
 from fsdpzero.cli.migrate import section_keys_markdown, with_section_keys
 from fsdpzero.config import load_config
+from fsdpzero.config.schema import OffloadOptimizer, OffloadParam, ZeroOptimization
 from fsdpzero.config.sections import Aio
 from fsdpzero.plan import Env
 from fsdpzero.plan.translate import translate
-from fsdpzero.plan.types import AioPlan
+from fsdpzero.plan.types import AioPlan, OffloadPlan
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 # every aio key away from DeepSpeed's default (use_gds=true is refused, so it stays false)
@@ -35,3 +37,35 @@ def test_docs_print_the_aio_keys_from_the_schema():
     assert [line.split("`")[1] for line in keys.splitlines()] == list(Aio.model_fields)
     assert keys in doc, "docs/nvme.md's aio keys differ from the schema: python -m fsdpzero.cli.migrate --write-docs"
     assert with_section_keys(doc) == doc
+
+
+# OffloadPlan's fields renamed from their sections (the plan merges offload_optimizer, offload_param and
+# zero_optimization.sub_group_size): each default must be the schema's
+OFFLOAD_KEYS = {"optimizer_device": (OffloadOptimizer, "device"), "param_device": (OffloadParam, "device"),
+                "pin_memory": (OffloadParam, "pin_memory"), "optimizer_nvme_path": (OffloadOptimizer, "nvme_path"),
+                "param_nvme_path": (OffloadParam, "nvme_path"), "buffer_count": (OffloadOptimizer, "buffer_count"),
+                "param_buffer_count": (OffloadParam, "buffer_count"),
+                "param_buffer_size": (OffloadParam, "buffer_size"), "max_in_cpu": (OffloadParam, "max_in_cpu"),
+                "ratio": (OffloadOptimizer, "ratio"), "sub_group_size": (ZeroOptimization, "sub_group_size")}
+
+
+def test_offload_plan_defaults_are_the_schemas():
+    plan = OffloadPlan()
+    assert {f.name for f in dataclasses.fields(OffloadPlan)} == set(OFFLOAD_KEYS) | {"aio"}
+    assert {k: getattr(plan, k) for k in OFFLOAD_KEYS} == {k: m.model_fields[key].default
+                                                           for k, (m, key) in OFFLOAD_KEYS.items()}
+    # a config without the offload sections is translated to the schema's defaults, not to a copy of them
+    assert translate(load_config({"train_batch_size": 8, "zero_optimization": {"stage": 3}}), Env()).offload == plan
+
+
+def test_translate_carries_every_offload_key():
+    opt = {"device": "nvme", "nvme_path": "/tmp/a", "buffer_count": 6, "ratio": 0.5}
+    par = {"device": "nvme", "nvme_path": "/tmp/b", "buffer_count": 7, "buffer_size": 12_345_678,
+           "max_in_cpu": 7_654_321, "pin_memory": False}
+    cfg = {"train_batch_size": 8, "zero_optimization": {"stage": 3, "sub_group_size": 4321, "offload_optimizer": opt,
+                                                        "offload_param": par}}
+    got = translate(load_config(cfg), Env()).offload
+    sections = {OffloadOptimizer: opt, OffloadParam: par, ZeroOptimization: {"sub_group_size": 4321}}
+    assert {k: getattr(got, k) for k in OFFLOAD_KEYS} == {k: sections[m][key] for k, (m, key) in OFFLOAD_KEYS.items()
+                                                          if key in sections[m]} | {
+        k: m.model_fields[key].default for k, (m, key) in OFFLOAD_KEYS.items() if key not in sections[m]}
