@@ -22,6 +22,7 @@ on the slice's node. `python -m fsdpzero.host --bind_cores_to_rank -- CMD...` is
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import os
@@ -368,7 +369,12 @@ def place_this_rank(*, threads: int | None = None, bind: bool | None = None, dev
     placement = plan_placement(peers, local_rank, read_topology(), threads=threads, bind=bind,
                                accelerator=accelerator, omp_num_threads=os.environ.get("OMP_NUM_THREADS"))
     if placement.bind:
-        bind_process(placement.cores)
+        try:
+            bind_process(placement.cores)
+        except OSError as e:   # a sandbox that refuses sched_setaffinity: run unpinned, and say so
+            placement = dataclasses.replace(placement, bind=False, cores=tuple(sorted(os.sched_getaffinity(0))),
+                                            why=f"not bound: sched_setaffinity failed ({e.strerror}); "
+                                                + placement.why.split("; ", 1)[-1])
     if placement.threads is not None:
         torch.set_num_threads(placement.threads)
     _applied = placement

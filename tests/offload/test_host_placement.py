@@ -251,3 +251,24 @@ def test_two_ranks_cpu_adam_threads_run_on_disjoint_cores():
     assert f"cpu: {got[0]['threads']} threads/rank, cores {format_cpulist(cores[0])}" in got[0]["startup"], \
         got[0]["startup"]
     assert "ranks " + " / ".join(format_cpulist(c) for c in cores) in got[0]["startup"]
+
+
+def test_a_refused_binding_runs_unpinned_and_says_so(monkeypatch):
+    import torch
+
+    from fsdpzero import host
+
+    def refuse(*_):
+        raise PermissionError(1, "Operation not permitted")
+    monkeypatch.setattr(os, "sched_setaffinity", refuse)
+    monkeypatch.setattr(host, "_applied", None)   # restored after: this process's record stays as it was
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    before = torch.get_num_threads()
+    try:
+        placement = host.place_this_rank(bind=True)
+    finally:
+        torch.set_num_threads(before)
+    assert not placement.bind and placement.cores == tuple(sorted(os.sched_getaffinity(0)))
+    assert "not bound: sched_setaffinity failed (Operation not permitted)" in placement.describe()
+    assert host.applied() is placement
