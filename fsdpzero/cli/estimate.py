@@ -10,6 +10,12 @@ on the meta device by transformers (no weights, no download). Two numbers per op
   This is the column the GPU test checks against measured `max_memory_allocated`, and the one "fits" uses.
 Both exclude activations and the CUDA context: leave headroom for them (they grow with micro-batch x sequence).
 
+With `--tp T` (tensor_parallel.autotp_size): the counts are one tp rank's (the plan's Linear layers split T ways,
+as fsdpzero/parallel/tp_plan.py splits them: for Llama every block projection and an untied head; embeddings and
+norms whole), ZeRO shards them over N / T data-parallel ranks, stage 1 counts as stage 2 (its layout under tp), and the
+offload rows and DeepSpeed's columns are left out (fsdpzero refuses offload with tp; DeepSpeed's estimators know no
+tp).
+
 Symbols: P parameters; N = gpus x nodes ranks; B the largest transformer block (FSDP2 unit); R the parameters outside
 blocks (embeddings, head, final norm: the root unit); L DeepSpeed's largest layer; c the compute dtype's bytes (2 for
 bf16/fp16, 4 for fp32).
@@ -87,6 +93,47 @@ def example_counts(d: dict) -> ModelCounts:
     raise ValueError(f"no parameter count for model_type {d['model_type']!r}")
 
 
+def example_tp_counts(d: dict, tp: int) -> ModelCounts:
+    """One tp rank's counts of an EXAMPLES entry under transformers' tp_plan (tests/cli/test_estimate.py checks them
+    against the meta-device model's plan, fsdpzero.parallel.tp_plan)."""
+    if d["model_type"] != "llama":
+        raise ValueError(f"--tp {tp}: {d['model_type']} has no transformers tp_plan (fsdpzero would refuse it "
+                         "without tensor_parallel.partition_config); estimate a config.json with one")
+    H, I, V, L = d["hidden_size"], d["intermediate_size"], d["vocab_size"], d["num_hidden_layers"]
+    tied = d["tie_word_embeddings"]
+    for name, value in (("num_attention_heads", d["num_attention_heads"]), ("num_key_value_heads",
+                        d["num_key_value_heads"]), ("intermediate_size", I)) + ((("vocab_size", V),) if not tied else ()):
+        if value % tp:
+            raise ValueError(f"--tp {tp}: {name} = {value} does not split evenly over {tp} tp ranks")
+    hd = H // d["num_attention_heads"]
+    attn = H * hd * (2 * d["num_attention_heads"] + 2 * d["num_key_value_heads"]) // tp
+    block = attn + 3 * H * I // tp + 2 * H
+    root = V * H + H + (0 if tied else V * H // tp)
+    return ModelCounts(root + L * block, max(V * H, H * I // tp), block, root)
+
+
+def tp_counts_of(model, tp: int) -> ModelCounts:
+    """One tp rank's counts of a (meta-device) model: the Linear layers fsdpzero's plan shards divide by tp."""
+    from fsdpzero.parallel.tp_plan import resolve_tp_plan
+    from fsdpzero.plan.types import TensorParallelPlan
+    styles = resolve_tp_plan(model, TensorParallelPlan(size=tp), allow_meta=True)
+    modules = dict(model.named_modules())
+    split = {}
+    for name, style in styles.items():
+        lin = modules[name]
+        split[id(lin.weight)] = tp
+        if lin.bias is not None and style != "row":   # a row layer's bias is added once, after the all-reduce
+            split[id(lin.bias)] = tp
+    size = {id(p): p.numel() // split.get(id(p), 1) for p in model.parameters()}
+    largest_layer = max((sum(size[id(p)] for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    block_names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in block_names]
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    largest_block = max((sum(size[id(p)] for p in b.parameters()) for b in blocks), default=0)
+    total = sum(size.values())
+    return ModelCounts(total, largest_layer, largest_block, total - sum(size[i] for i in in_blocks))
+
+
 # Configs whose layer or expert count is beyond any released model are refused before a module is built: the count
 # builds every module on the meta device (100,000 layers took minutes).
 MAX_MODULES = {"num_hidden_layers": 1024, "num_local_experts": 1024, "num_experts": 1024, "n_routed_experts": 1024}
@@ -131,9 +178,11 @@ def load_model_config(name_or_path: str):
         raise ValueError(f"{name_or_path}: not a usable transformers config: {one_line(e)}") from None
 
 
-def count_model(name_or_path: str) -> ModelCounts:
+def count_model(name_or_path: str, tp: int = 1) -> ModelCounts:
+    """The model's counts; with tp > 1, one tensor-parallel rank's."""
     if name_or_path in EXAMPLES and not Path(name_or_path).expanduser().exists():
-        return example_counts(EXAMPLES[name_or_path])
+        d = EXAMPLES[name_or_path]
+        return example_counts(d) if tp == 1 else example_tp_counts(d, tp)
     config = load_model_config(name_or_path)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for key, limit in MAX_MODULES.items():
@@ -149,7 +198,7 @@ def count_model(name_or_path: str) -> ModelCounts:
     except Exception as e:   # negative sizes, heads that do not divide the width, an unknown architecture, ...
         raise ValueError(f"{name_or_path}: transformers cannot build a model from this config: {one_line(e)}") \
             from None
-    return counts_of(model)
+    return counts_of(model) if tp == 1 else tp_counts_of(model, tp)
 
 
 # DeepSpeed's formulas (runtime/zero/stage_1_and_2.py and stage3.py, 0.19.8), restated: bytes.
@@ -237,10 +286,14 @@ def fsdpzero_bytes(c: ModelCounts, stage: int, option: str, n: int, gpus: int, c
 
 
 def table(c: ModelCounts, gpus: int = 1, nodes: int = 1, compute_bytes: int = 2, buf: float = 1.5,
-          ratio: float = 1.0) -> list[Row]:
+          ratio: float = 1.0, tp: int = 1) -> list[Row]:
     """Every stage and offload option; with `ratio` < 1 also partial optimizer offload at stages 2 and 3 (no
-    DeepSpeed figure: its estimators ignore ratio)."""
+    DeepSpeed figure: its estimators ignore ratio). With tp > 1 (c: one tp rank's counts): stages 0-3 without
+    offload, sharded over the gpus x nodes / tp data-parallel ranks, stage 1 on stage 2's layout."""
     n = gpus * nodes
+    if tp > 1:
+        return [Row(stage, "none", None, *fsdpzero_bytes(c, 2 if stage == 1 else stage, "none", n // tp, gpus,
+                                                         compute_bytes)) for stage in (0, 1, 2, 3)]
     rows = []
     g, h = fsdpzero_bytes(c, 0, "none", n, gpus, compute_bytes)
     rows.append(Row(0, "none", None, g, h))
@@ -280,6 +333,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--ratio", type=fraction, default=1.0,
                         help="offload_optimizer.ratio (the CPU's fraction, in [0, 1]) < 1: also show partial "
                         "optimizer offload (stages 2 and 3)")
+    parser.add_argument("--tp", type=positive_int, default=1,
+                        help="tensor_parallel.autotp_size: tensor-parallel ranks (divides gpus x nodes)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -289,12 +344,17 @@ def run(args) -> int:
         print(f"fsdpzero estimate: error: --gpus {args.gpus} --nodes {args.nodes}: both must be >= 1",
               file=sys.stderr)
         return 2
+    if (args.gpus * args.nodes) % args.tp:
+        print(f"fsdpzero estimate: error: --tp {args.tp} does not divide the {args.gpus * args.nodes} GPUs "
+              "(gpus x nodes)", file=sys.stderr)
+        return 2
     try:
-        c = count_model(args.model)
+        c = count_model(args.model, args.tp)
     except (ValueError, OSError) as e:
         print(f"fsdpzero estimate: error: {one_line(str(e))}", file=sys.stderr)
         return 2
-    rows = table(c, args.gpus, args.nodes, 4 if args.dtype == "fp32" else 2, args.buffer_factor, args.ratio)
+    rows = table(c, args.gpus, args.nodes, 4 if args.dtype == "fp32" else 2, args.buffer_factor, args.ratio,
+                 args.tp)
 
     def fits(r: Row) -> bool | None:
         if args.gpu_memory is None and args.cpu_memory is None:
@@ -304,12 +364,14 @@ def run(args) -> int:
 
     if args.json:
         print(json.dumps({"model": args.model, "counts": c.__dict__, "gpus": args.gpus, "nodes": args.nodes,
+                          "tp": args.tp,
                           "rows": [dict(r.__dict__, fits=fits(r)) for r in rows]}, indent=2))
         return 0
     gb = lambda x: "      -" if x is None else f"{x / GiB:7.2f}"  # noqa: E731
     print(f"{args.model}: {c.total / 1e6:.1f}M params (largest layer {c.largest_layer / 1e6:.1f}M, largest block "
           f"{c.largest_block / 1e6:.1f}M, outside blocks {c.root / 1e6:.1f}M); {args.nodes} node(s) x {args.gpus} "
-          f"GPU(s); compute {args.dtype}; GiB, model states only (no activations)")
+          f"GPU(s)" + (f", tp {args.tp} x dp {args.gpus * args.nodes // args.tp} (counts per tp rank)"
+                        if args.tp > 1 else "") + f"; compute {args.dtype}; GiB, model states only (no activations)")
     print(" stage | option                            | init | fsdpzero GPU | host/node | DeepSpeed GPU | host/node"
           + (" | fits" if fits(rows[0]) is not None else ""))
     for r in rows:

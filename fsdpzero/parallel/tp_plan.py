@@ -79,13 +79,14 @@ def _text_config(model: nn.Module) -> Any:
     return getattr(config, "text_config", None) or config
 
 
-def resolve_tp_plan(model: nn.Module, tp) -> dict[str, str]:
+def resolve_tp_plan(model: nn.Module, tp, allow_meta: bool = False) -> dict[str, str]:
     """{module name: style in STYLES} for `tp` (a TensorParallelPlan); {} when tp.size is 1. Raises ValueError (one
     line naming the key, the value and the fix) for what cannot run: no plan, an unsupported spec, a plan that shards
-    nothing, heads or features that do not divide over tp."""
+    nothing, heads or features that do not divide over tp. allow_meta: a meta-device model only to count its shards
+    (`fsdpzero estimate --tp`); training one is refused."""
     if tp.size <= 1:
         return {}
-    if any(p.is_meta for p in model.parameters()):
+    if not allow_meta and any(p.is_meta for p in model.parameters()):
         raise ValueError(f"{KEY} = {tp.size}: the model was built on the meta device (zero.Init, HfDeepSpeedConfig); "
                          "tensor parallelism of such a model is not implemented -> build it on the CPU")
     cls = type(model).__name__

@@ -204,6 +204,8 @@ def _tp_runs(rank, world, ckpt, export_dir):
     out["dp4 -> tp2"] = _loop(engine, rank, data, first_step=2)
     # DeepSpeed's first-forward check: the two ranks of a tp group reading different rows is an error on all ranks
     engine = fsdpzero.initialize(model=build_model("llama"), config=ds_config(2))[0]
+    sampler = fsdpzero.api.make_dataloader(list(range(16)), engine).sampler   # the loader users get shards over dp
+    out["sampler"] = (sampler.num_replicas, sampler.rank)
     x = data[0, 0, rank % 2 * MICRO:(rank % 2 + 1) * MICRO]
     try:
         engine(input_ids=x, labels=x)
@@ -227,6 +229,7 @@ def test_tp2_dp2_zero_stages_match_unsharded_and_checkpoints_reshard(tmp_path):
     resumed = run_distributed(_dp4_resume, WORLD, str(ckpt), timeout=300)[0]
     ref = reference_trace("llama", batches(STEPS, GAS, MICRO * DP), clip=1.0)
     assert "ranks of one tensor-parallel group got different batches" in out.pop("mixed batch")
+    assert out.pop("sampler") == (DP, 0)   # rank 0: data replica 0 of 2
     out["tp2 -> dp4"] = resumed
     report = {}
     for name, (losses, norms) in out.items():
@@ -241,3 +244,46 @@ def test_tp2_dp2_zero_stages_match_unsharded_and_checkpoints_reshard(tmp_path):
     assert set(exported) == set(ref["params"]) - {"lm_head.weight"} or set(exported) == set(ref["params"])
     worst = max((exported[k] - ref["params"][k]).abs().max().item() for k in exported)
     assert worst <= TOL, worst
+    # `fsdpzero convert` of the checkpoint saved at tp 2 x dp 2 (after step 2): whole weights, the reference's
+    from fsdpzero.cli import main
+    assert main(["convert", str(ckpt), "--tag", "tp2", "--to", "fp32", "--out", str(tmp_path / "conv")]) == 0
+    converted = load_file(tmp_path / "conv" / "model.safetensors")
+    ref2 = reference_trace("llama", batches(2, GAS, MICRO * DP), clip=1.0)["params"]
+    assert set(converted) == set(ref2)
+    assert max((converted[k] - ref2[k]).abs().max().item() for k in converted) <= TOL
+
+
+# ---------------------------------------------------------------------------------------------------- estimate --tp
+def test_estimate_counts_one_tp_rank():
+    """`fsdpzero estimate --tp`: the shape formula (no torch) and the meta-device model's plan agree, and equal the
+    hand count of the tiny Llama (per block: q, k, v, o, gate, up, down halved, norms whole; the head halved)."""
+    from fsdpzero.cli import estimate as est
+    tiny = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=128, tie_word_embeddings=False)
+    block = (64 * 16 * 12 + 3 * 64 * 128) // 2 + 2 * 64
+    root = 128 * 64 + 64 + 128 * 64 // 2
+    assert est.example_tp_counts(tiny, 2) == est.ModelCounts(root + 2 * block, 128 * 64, block, root)
+    with torch.device("meta"):
+        meta = _llama()
+    assert est.tp_counts_of(meta, 2) == est.example_tp_counts(tiny, 2)
+    cfg = est.load_model_config("llama-0.9b")
+    with torch.device("meta"):
+        big = transformers.AutoModelForCausalLM.from_config(cfg)
+    assert est.tp_counts_of(big, 2) == est.example_tp_counts(est.EXAMPLES["llama-0.9b"], 2)
+
+
+def test_estimate_cli_tp(capsys):
+    from fsdpzero.cli import main
+    from fsdpzero.cli import estimate as est
+    assert main(["estimate", "llama-0.9b", "--gpus", "4", "--tp", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    c = est.example_tp_counts(est.EXAMPLES["llama-0.9b"], 2)
+    rows = {r["stage"]: r for r in out["rows"]}
+    assert sorted(rows) == [0, 1, 2, 3] and all(r["option"] == "none" and r["ds_gpu"] is None for r in out["rows"])
+    assert rows[3]["gpu"] == est.fsdpzero_bytes(c, 3, "none", 2, 4, 2)[0]    # sharded over dp = 4 / 2
+    assert rows[1]["gpu"] == rows[2]["gpu"]                                   # stage 1 runs on stage 2's layout
+    assert rows[3]["gpu"] < est.fsdpzero_bytes(est.example_counts(est.EXAMPLES["llama-0.9b"]), 3, "none", 2, 4, 2)[0]
+    assert main(["estimate", "llama-0.9b", "--gpus", "4", "--tp", "3"]) == 2
+    assert "--tp 3 does not divide the 4 GPUs" in capsys.readouterr().err
+    assert main(["estimate", "gpt2", "--gpus", "2", "--tp", "2"]) == 2
+    assert "gpt2 has no transformers tp_plan" in capsys.readouterr().err
