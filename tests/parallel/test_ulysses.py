@@ -155,10 +155,9 @@ def reference(attn: str, gas: int, sp: int = SP, clip: float = 1.0) -> tuple[lis
     return losses, norms
 
 
-def _train(rank, world, names, clip=1.0):
+def _train(rank, world, cases, clip=1.0):
     out = {}
-    for name in names:
-        stage, attn, gas, ac, sp = CASES[name]
+    for name, (stage, attn, gas, ac, sp) in cases.items():
         engine, _, loader, _ = fsdpzero.initialize(model=model(attn), config=ds_config(stage, gas, ac, sp, clip),
                                                    training_data=dataset(n_samples(gas, sp)))
         assert isinstance(loader, ulysses.UlyssesSPDataLoaderAdapter)
@@ -182,7 +181,7 @@ def _train(rank, world, names, clip=1.0):
 
 @pytest.mark.slow
 def test_sp2_matches_unsharded():
-    results = run_distributed(_train, WORLD, tuple(CASES), timeout=600)
+    results = run_distributed(_train, WORLD, CASES, timeout=600)
     for name, (_, attn, gas, _, sp) in CASES.items():
         ref_losses, ref_norms = reference(attn, gas, sp)
         ranks, dp = [r[name] for r in results], WORLD // sp
