@@ -2,7 +2,7 @@
 
 Parity: 4 forked gloo ranks, sp 2 x dp 2, a real transformers Llama (4 heads, 2 KV heads) in fp32, through
 `fsdpzero.initialize(training_data=...)` (the engine's DataLoader: a DistributedSampler over the world, then the
-Ulysses adapter), ZeRO 1 (eager attention), 2 (sdpa, GA 2) and 3 (sdpa, activation checkpointing), and sp 4 x dp 1
+Ulysses adapter), ZeRO 0, 1 (eager attention), 2 (sdpa, GA 2) and 3 (sdpa, activation checkpointing), and sp 4 x dp 1
 at ZeRO 3 (the 2 KV heads replicated over 4 ranks, as DeepSpeed), 3 optimizer steps with clipping; against the unsharded single-process torch run of the same global batch (AdamW + clip_grad_norm_),
 whose samples have right padding, -100 prompt labels and micro-batches whose second half holds no real label (a rank
 with no token to average, asserted to occur): per-step losses and pre-clip grad norms within 1e-5 (measured: <= 2.4e-7 both).
@@ -27,7 +27,7 @@ STEPS, MICRO, WORLD, SP = 3, 2, 4, 2
 DP = WORLD // SP
 TOL = 1e-5
 # name -> (ZeRO stage, attention, gradient accumulation, activation checkpointing, sp); sp 4 replicates the 2 KV heads
-CASES = {"z1": (1, "eager", 1, False, SP), "z2": (2, "sdpa", 2, False, SP), "z3": (3, "sdpa", 1, True, SP),
+CASES = {"z0": (0, "sdpa", 1, False, SP), "z1": (1, "eager", 1, False, SP), "z2": (2, "sdpa", 2, False, SP), "z3": (3, "sdpa", 1, True, SP),
          "z3_sp4": (3, "sdpa", 1, False, 4)}
 
 
