@@ -462,10 +462,18 @@ _AUTOTP_RULES = (   # first: what AutoTP changes or cannot run with, before the 
     Rule(_TP + "kernel_inject", ON & TP_ON, U, "DeepSpeed's inference kernels are not carried"),
     Rule(_TP + "*", TP_ON, N, "DeepSpeed reads it for inference or tp_model_init only; training precision comes "
          "from fp16 / bf16"),
+    Rule("train_batch_size", TP_ON, M, "BatchPlan.train_batch_size: micro x GA x world, the tp ranks counted as "
+         "DeepSpeed 0.19.8 counts them (a step reads train_batch_size / autotp_size distinct samples)"),
     Rule(_Z + "stage", value_is(1) & TP_ON, A,
          "with tensor_parallel.autotp_size: FSDP2 over dp with stage 2's layout (fully_shard, "
          "reshard_after_forward=False): the same update; parameters and gradients are sharded over dp too, not only "
          "the optimizer state (less memory than DeepSpeed's stage 1)"),
+    *(Rule(_Z + k, stage_in(1) & TP_ON, N, "stage 1 with tensor_parallel.autotp_size runs on FSDP2, which "
+           "reduces and gathers per wrapped block") for k in ("reduce_bucket_size", "allgather_bucket_size",
+                                                              "overlap_comm")),
+    *(Rule(k, ON & TP_ON, U, k.split(".")[1] + " " + _TP_WITHOUT) for k in (
+        "fp16.fp16_master_weights_and_grads", "bf16.bf16_master_weights_and_grads", "bf16.bf16_optimizer_states")),
+    Rule("optimizer.type", MUON & TP_ON, U, "Muon (whole-matrix Newton-Schulz on one rank) " + _TP_WITHOUT),
     Rule(_OO + "device", value_in("cpu", "nvme") & TP_ON, U, "offload_optimizer " + _TP_WITHOUT),
     Rule(_OP + "device", value_in("cpu", "nvme") & TP_ON, U, "offload_param " + _TP_WITHOUT),
     Rule(_Z + "mics_shard_size", value_above(0) & TP_ON, U, "MiCS / hybrid sharding " + _TP_WITHOUT),

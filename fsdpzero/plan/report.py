@@ -42,7 +42,9 @@ def summary_line(plan: Plan, show_all: bool = False) -> str:
     counts = fate_counts(plan, show_all)
     fates = ", ".join(f"{n} {s}" for s, n in counts.items())
     b = plan.batch
+    tp = plan.tensor_parallel.size
     return (f"{sum(counts.values())} keys: {fates}. ZeRO stage {plan.shard.stage} on mesh {plan.shard.mesh_shape} "
-            f"{plan.shard.mesh_dim_names}, {plan.precision.param_dtype} params, batch {b.train_batch_size} = "
+            f"{plan.shard.mesh_dim_names}" + (f" x tp {tp}" if tp > 1 else "") + f", {plan.precision.param_dtype} "
+            f"params, batch {b.train_batch_size} = "
             f"{b.micro_batch_size} x {b.gradient_accumulation_steps} x "
             f"{b.train_batch_size // max(1, b.micro_batch_size * b.gradient_accumulation_steps)}.")
