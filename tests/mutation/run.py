@@ -117,6 +117,14 @@ MUTATIONS = [
     Mutation("muon_split_takes_head", "the output head gets Muon (DeepSpeed gives it AdamW)", "optim/muon.py",
              'for word in ("embed", "lm_head")', 'for word in ("embed",)',
              ("tests/optim/test_muon.py::test_muon_matches_deepspeed[3]",)),
+    Mutation("ulysses_labels_shifted_per_slice", "Ulysses shifts each rank's slice of the labels, not the whole "
+             "sequence's (the token at each slice boundary is lost)", "parallel/ulysses.py",
+             '        labels = torch.nn.functional.pad(batch.pop("labels"), (0, 1), value=-100)\n'
+             '        batch["shift_labels"] = labels[..., 1:].contiguous()\n',
+             '        labels = batch.pop("labels").reshape(*batch["input_ids"].shape[:1], sp_size, -1)\n'
+             '        labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]\n'
+             '        batch["shift_labels"] = labels.reshape(batch["input_ids"].shape).contiguous()\n',
+             ("tests/parallel/test_ulysses.py::test_sp2_matches_unsharded",)),
 ]
 
 
