@@ -125,7 +125,7 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
             share_param_groups(optimizer, path.optimizer)
     scheduler = _scheduler(plan, lr_scheduler, path.optimizer)
     engine = Engine(model, plan, path, lr_scheduler=scheduler, scaler=make_scaler(plan), device=info.device,
-                    mesh=mesh, local_rank=info.local_rank, tuning=knobs, blocks=all_blocks, explicit_tuning=tuning)
+                    mesh=mesh, local_rank=info.local_rank, tuning=knobs, blocks=all_blocks)
     engine.sequence_parallel = sequence_parallel
     if plan.compile.enabled:   # after fully_shard: each block's forward, inside FSDP2's hooks (fsdpzero/compile.py)
         engine.compile(plan.compile.backend, plan.compile.kwargs)

@@ -23,7 +23,7 @@ from fsdpzero.monitor import TIMER_TAGS, Monitor
 from fsdpzero.optim import GradPath, clip_factor
 from fsdpzero.plan import Plan
 from fsdpzero.precision import DTYPES, autocast, checks_overflow
-from fsdpzero.tuning import Tuning, resolve as resolve_tuning
+from fsdpzero.tuning import Tuning, or_defaults
 
 log = logging.getLogger("fsdpzero")
 
@@ -35,7 +35,7 @@ class Engine(nn.Module):
 
     def __init__(self, module: nn.Module, plan: Plan, path: GradPath, *, lr_scheduler=None, scaler=None,
                  device: torch.device = torch.device("cpu"), mesh=None, local_rank: int = 0, tuning=None,
-                 blocks: list[nn.Module] | None = None, explicit_tuning=None):
+                 blocks: list[nn.Module] | None = None):
         super().__init__()
         self.module = module
         self.blocks = list(blocks or [])      # the transformer blocks (what compile() compiles one by one)
@@ -49,11 +49,10 @@ class Engine(nn.Module):
         self.device = device
         self.mesh = mesh
         self.local_rank = local_rank
-        # fsdpzero/tuning.py: this engine's knobs, never the process's. `tuning`: resolved once at wrap (build-time
-        # knobs); `explicit_tuning`: what wrap(tuning=...) was given, over which tuning_now() resolves the
-        # environment again for the knobs read when used (checkpoints)
-        self.explicit_tuning = explicit_tuning
-        self.tuning = tuning if tuning is not None else resolve_tuning(explicit_tuning)
+        # fsdpzero/tuning.py: this engine's settings, built once at wrap (defaults < environment < wrap(tuning=));
+        # the wings and the checkpoint code get them from here, never from the process, so two engines in one
+        # process each keep theirs (TRL's policy and reference model)
+        self.tuning: Tuning = or_defaults(tuning)
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -327,11 +326,6 @@ class Engine(nn.Module):
         self.grad_path.wait()
 
     # -- state for checkpoints ---------------------------------------------------------------------------------
-    def tuning_now(self) -> Tuning:
-        """The knobs read when used (ckpt_stream, ckpt_writer_threads, ckpt_convert_dir, ckpt_crash_at): the
-        environment as it is now, under this engine's explicit settings; the checkpoint code gets them from here."""
-        return resolve_tuning(self.explicit_tuning)
-
     def client_state(self) -> dict:
         """The engine's own counters plus the scheduler/scaler state (the checkpoint layer saves these)."""
         self._settle()
@@ -341,7 +335,8 @@ class Engine(nn.Module):
                 "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, **options):
-        """DeepSpeed's signature; options: keep_last, async_save (see fsdpzero.checkpoint.dcp)."""
+        """DeepSpeed's signature; options: keep_last, async_save, tuning (this save's settings, default
+        self.tuning: e.g. tuning=engine.tuning.replace(ckpt_stream=False)); see fsdpzero.checkpoint.dcp."""
         from fsdpzero.checkpoint.engine_state import save_engine
         self.wait_for_params()
         with self.grad_path.async_save() if options.get("async_save") else contextlib.nullcontext():

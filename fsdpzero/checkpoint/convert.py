@@ -128,9 +128,9 @@ def conversion_dir(tag_dir: str | Path, tuning=None) -> Path:
     when this process may write there (shared storage: every node sees it); else, a read-only source,
     <$XDG_CACHE_HOME or ~/.cache>/fsdpzero/deepspeed/<tag>-<hash>/ (node-local unless the home is shared). Whether a
     copy there may be reused is decided by its stamp, and it is loaded like any checkpoint of ours.
-    tuning: the engine's settings (Engine.tuning_now()); by default the environment now."""
-    from fsdpzero.tuning import resolve
-    tuning = tuning if tuning is not None else resolve()
+    tuning: the engine's settings (Engine.tuning); called without them: the process defaults."""
+    from fsdpzero.tuning import or_defaults
+    tuning = or_defaults(tuning)
     source = Path(tag_dir).resolve()
     if not tuning.ckpt_convert_dir and _writable(source.parent):
         return source.parent / f"{CONVERTED_PREFIX}{source.name}"
@@ -202,7 +202,8 @@ def _json_plain(value) -> bool:
 
 
 def deepspeed_to_ours(ds_dir: str | Path, tag: str | None = None, out: str | Path | None = None, *, to: str = "dcp",
-                      dtype=None, max_shard_size: int | str = "5GB", trainable_names: list[str] | None = None) -> Path:
+                      dtype=None, max_shard_size: int | str = "5GB", trainable_names: list[str] | None = None,
+                      tuning=None) -> Path:
     from fsdpzero.checkpoint import deepspeed as ds_checkpoint
     st = ds_checkpoint.training_state(ds_dir, tag, trainable_names)
     tag = st["tag"]
@@ -239,7 +240,8 @@ def deepspeed_to_ours(ds_dir: str | Path, tag: str | None = None, out: str | Pat
     out = Path(out) if out else Path(ds_dir) / "fsdpzero"
     # DeepSpeed's client_state may hold anything; keep what JSON can carry
     client = {k: v for k, v in st["client_state"].items() if isinstance(v, (int, float, str, bool, type(None)))}
-    ck.save_checkpoint(out, tag, state, client, save_rng=False, no_dist=True)  # this process writes it all
+    ck.save_checkpoint(out, tag, state, client, save_rng=False, no_dist=True,   # this process writes it all
+                       tuning=tuning)
     return out
 
 

@@ -47,7 +47,7 @@ from fsdpzero.checkpoint.stream import StreamingLoadPlanner, StreamingSavePlanne
 from fsdpzero.checkpoint.trust import (ChecksumWriter, SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError,
                                        checksum_problems, read_dcp_metadata, tensor_entries)
 from fsdpzero.dist import agreed_errors
-from fsdpzero.tuning import Tuning, resolve as resolve_tuning
+from fsdpzero.tuning import Tuning, or_defaults
 
 _SEP = "/"  # joins nested keys; FQNs contain dots, never slashes
 _pending: "PendingSave | None" = None
@@ -171,8 +171,8 @@ def _set_rng_state(st: dict[str, torch.Tensor]) -> None:
 # ---- save -----------------------------------------------------------------------------------------------------
 
 def writer_threads(tuning: Tuning | None = None) -> int:
-    """The ckpt_writer_threads knob of `tuning` (an engine's settings; default: the environment now)."""
-    return (tuning if tuning is not None else resolve_tuning()).ckpt_writer_threads
+    """The ckpt_writer_threads knob of `tuning` (an engine's settings; called without one: the process defaults)."""
+    return or_defaults(tuning).ckpt_writer_threads
 
 
 class PendingSave:
@@ -227,12 +227,13 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
     CheckpointError on every rank, after removing this save's temp dir; `latest` keeps naming the previous one. So
     does a tag that names something fsdpzero did not write (a file; a directory is written into, its other files left
     alone), and losing to another job that committed the same tag while this save was writing (files.SaveSlot).
-    tuning: the knobs this save reads (ckpt_writer_threads): the engine's (Engine.tuning_now()); by default the
-    environment now. (The ckpt_crash_at test hook is read from the environment at each point: files.crash_point.)
+    tuning: this save's settings (ckpt_writer_threads, the ckpt_crash_at test hook): an engine passes its own
+    (Engine.tuning); a call without an engine builds them here, once, from the process defaults
+    (fsdpzero.tuning.or_defaults: defaults < FSDPZERO_* environment), and passes them down.
     """
     global _pending
     wait_for_pending_save()
-    knobs = tuning if tuning is not None else resolve_tuning()
+    knobs = or_defaults(tuning)
     if tag is None:
         if step is None:
             raise ValueError("save_checkpoint: pass tag=... or step=N (the default tag is f'global_step{N}')")
@@ -246,7 +247,8 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
     save_dir = Path(save_dir)
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     token = f"{secrets.randbits(64):016x}" if rank == 0 else ""
-    slot = SaveSlot(save_dir, tag, broadcast_text(token) if distributed else token)   # rank 0's token on every rank
+    slot = SaveSlot(save_dir, tag, broadcast_text(token) if distributed else token,   # rank 0's token on every rank
+                    crash_at=knobs.ckpt_crash_at)
     tmp = slot.tmp
     tensors: dict[str, torch.Tensor] = {}
     rest = _split(_materialize(state), "state", tensors, "state")
@@ -285,7 +287,7 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
         except Exception as e:   # safetensors raises its own SafetensorError for I/O errors
             error = f"cannot write {tmp / f'rng_{rank}.safetensors'} ({describe(e)})"
     agreed(error)
-    crash_point("before_data")
+    crash_point("before_data", knobs.ckpt_crash_at)
     # several writer threads per rank (a file each): one thread left a ~1B-model save disk-latency bound.
     # ChecksumWriter: each data file's CRC-32 as it is written, for the manifest
     writer = ChecksumWriter(tmp, sync_files=True, thread_count=knobs.ckpt_writer_threads)
@@ -297,7 +299,7 @@ def save_checkpoint(save_dir: str | Path, tag: str | None, state: dict, client_s
         raise CheckpointError(f"{what} failed: {describe(e)}{undone}") from None
 
     def finish(agree_across_ranks: bool = True) -> Path:
-        crash_point("mid_write")
+        crash_point("mid_write", knobs.ckpt_crash_at)
         error = message = None
         if rank == 0:
             try:

@@ -44,8 +44,9 @@ class EngineState(Stateful):
     flat per-parameter states): fsdpzero.checkpoint.dcp.load_checkpoint reads those whole and cuts them to the live
     layout. So any stage's checkpoint resumes on any other stage."""
 
-    def __init__(self, engine, with_optimizer: bool = True, saved_masters: bool | None = None):
+    def __init__(self, engine, with_optimizer: bool = True, saved_masters: bool | None = None, tuning=None):
         self.engine, self.with_optimizer, self.saved_masters = engine, with_optimizer, saved_masters
+        self.tuning = tuning if tuning is not None else engine.tuning   # this save's settings (ckpt_stream)
         self._crossed: str | None = None   # "to_masters" / "to_weights": how the last state_dict() moved masters
         self._live_groups: list[dict] = []
         self._swapper = None               # offload_param nvme's ParamSwapper when the shards stream
@@ -55,7 +56,7 @@ class EngineState(Stateful):
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
         path = self.engine.grad_path   # NVMe states stream through DCP instead of being read into memory here
-        stream = path.streams_checkpoints and self.engine.tuning_now().ckpt_stream   # knob ckpt_stream
+        stream = path.streams_checkpoints and self.tuning.ckpt_stream   # knob ckpt_stream
         # offload_param nvme: the param shards stream too, so no unit is brought back for the checkpoint (with
         # the optimizer only: a module-only load must refresh the masters through load_state_dict's hooks)
         self._swapper = path.param_swapper if stream and self.with_optimizer else None
@@ -179,8 +180,8 @@ def save_engine(engine, save_dir, tag=None, client_state=None, save_latest=True,
     options.setdefault("async_save", plan.async_save)
     if plan.keep_last is not None:
         options.setdefault("keep_last", plan.keep_last)
-    state = {"train": EngineState(engine), "engine": engine.client_state()}
-    options.setdefault("tuning", engine.tuning_now())   # this engine's knobs, not the last engine's
+    options.setdefault("tuning", engine.tuning)   # this engine's settings (or this save's), never the process's
+    state = {"train": EngineState(engine, tuning=options["tuning"]), "engine": engine.client_state()}
     return save_checkpoint(save_dir, tag, state, client_state, step=engine.global_steps, save_latest=save_latest,
                            **options)
 
@@ -217,13 +218,14 @@ def from_deepspeed(engine, load_dir: Path, tag: str | None) -> tuple[Path, str |
     from fsdpzero.checkpoint.convert import KNOB_HINT, conversion_dir, convert_into, deepspeed_to_ours
     error, out = None, ""
     if _rank0():   # rank 0 decides where (beside the source if it may write there) and every rank uses that
-        out = str(conversion_dir(path, engine.tuning_now()))
+        out = str(conversion_dir(path, engine.tuning))
     out = Path(broadcast_text(out))
     if _rank0():
         names = [clean_fqn(n) for n, p in engine.module.named_parameters() if p.requires_grad]
         try:
             convert_into(out, _source_stamp(path), path.name,
-                         lambda tmp: deepspeed_to_ours(path, None, tmp, to="dcp", trainable_names=names))
+                         lambda tmp: deepspeed_to_ours(path, None, tmp, to="dcp", trainable_names=names,
+                                                       tuning=engine.tuning))
         except (OSError, CheckpointError) as e:   # could not write there (CheckpointError: the copy's save)
             error = f"converting DeepSpeed checkpoint {path} into {out} failed: {describe(e)}; {KNOB_HINT}"
         except (Exception, CheckpointException) as e:

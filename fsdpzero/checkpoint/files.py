@@ -66,12 +66,11 @@ def check_tag(tag, what: str = "tag") -> str:
     return tag
 
 
-def crash_point(name: str) -> None:
-    """Fault injection for the crash-safety tests: FSDPZERO_CKPT_CRASH_AT=<name> (the ckpt_crash_at knob, read from
-    the environment when the point is reached: a test hook, set by the test's process) kills the process here.
+def crash_point(name: str, crash_at: str | None) -> None:
+    """Fault injection for the crash-safety tests: a save whose settings say ckpt_crash_at=<name>
+    (FSDPZERO_CKPT_CRASH_AT, read into the save's settings when the save starts) kills the process here.
     Tests replace this function to pause a save at its points (tests/checkpoint/test_checkpoint_concurrency.py)."""
-    from fsdpzero.tuning import resolve
-    if resolve().ckpt_crash_at == name:
+    if crash_at == name:
         os._exit(17)
 
 
@@ -300,9 +299,10 @@ class SaveSlot:
     save can tell an abandoned one from one in progress) and commits it: under the save directory's lock, only if
     <tag> still holds what it held at the start (else SaveRefused: another save committed it meanwhile)."""
 
-    def __init__(self, save_dir: Path, tag: str, token: str):
+    def __init__(self, save_dir: Path, tag: str, token: str, crash_at: str | None = None):
         self.save_dir, self.tag = Path(save_dir), tag
         self.token = token
+        self.crash_at = crash_at   # the save's ckpt_crash_at knob (test hook): crash_point
         self.tmp = self.save_dir / f"{TMP_PREFIX}{tag}.{token}"
         self.final = self.save_dir / tag
         self._expected: str | None = None
@@ -349,7 +349,7 @@ class SaveSlot:
                             "sequence": sequence, "save_id": self.token, "saved_at_ns": time.time_ns(),
                             "files": files, "checksums": {name: sums[name] for name in files}}
                 write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
-                crash_point("before_rename")
+                crash_point("before_rename", self.crash_at)
                 old = save_dir / f"{OLD_PREFIX}{self.tag}"
                 if identity is None:
                     os.rename(tmp, final)
@@ -362,7 +362,7 @@ class SaveSlot:
                     _commit_into(final, tmp, old_manifest, old)
                 fsync_path(save_dir)
                 shutil.rmtree(old, ignore_errors=True)
-                crash_point("before_latest")
+                crash_point("before_latest", self.crash_at)
                 if save_latest:
                     _write_latest(save_dir, self.tag)
                 if keep_last:   # best-effort: the save is committed whatever happens to older checkpoints

@@ -12,16 +12,17 @@ from fsdpzero.optim import global_grad_norm
 from fsdpzero.dist import local_tensor
 
 
-def grad_norm(params, cached: dict | None = None) -> torch.Tensor:
+def grad_norm(params, cached: dict | None = None, build: bool = True) -> torch.Tensor:
     """global_grad_norm, but each tensor's norm in fp32 when the grads are low precision: the device keeps bf16
     grads here (the shards are bf16), and torch's foreach norm of bf16 tensors returns bf16 norms, a clip
     coefficient off by up to ~0.4%. DeepSpeed takes the norm in fp32; so does this. fp32 grads: global_grad_norm.
-    `cached` (CPU grads only): sums of squares already taken during backward (CpuNormPrefetch.take)."""
+    `cached` (CPU grads only): sums of squares already taken during backward (CpuNormPrefetch.take). build: the
+    engine's no_build knob, negated (False: the ops' reference sum, never a compiled op)."""
     grads = [p.grad for p in params if p.grad is not None]
     if all(g.dtype == torch.float32 for g in grads):
         return global_grad_norm(params)
     if grads[0].device.type == "cpu":   # offload_param: asking torch for fp32 would first copy every grad to fp32
-        return _cpu_norm(grads, cached)
+        return _cpu_norm(grads, cached, build)
     norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
@@ -32,7 +33,7 @@ def _tensor_key(t: torch.Tensor) -> tuple:
     return t.data_ptr(), t.numel(), t.dtype
 
 
-def _cpu_norm(grads, cached: dict | None = None) -> torch.Tensor:
+def _cpu_norm(grads, cached: dict | None = None, build: bool = True) -> torch.Tensor:
     """The norm of CPU grads from the ops' fp32 sum of squares of each local shard (2 bytes read per element),
     reduced over the mesh dims the grads are sharded on (one collective per distinct placement). `cached`:
     _tensor_key(local grad) -> its sum of squares, for the ones summed during backward; the sums are added in the
@@ -46,7 +47,7 @@ def _cpu_norm(grads, cached: dict | None = None) -> torch.Tensor:
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
         loc = local_tensor(g)
         hit = cached.get(_tensor_key(loc))
-        sums[key] = sums.get(key, 0.0) + (hit if hit is not None else cpu_adam.grad_sumsq(loc))
+        sums[key] = sums.get(key, 0.0) + (hit if hit is not None else cpu_adam.grad_sumsq(loc, build))
     total = torch.zeros((), dtype=torch.float64)
     for key, value in sums.items():
         local = torch.tensor(value, dtype=torch.float64)
@@ -116,8 +117,8 @@ class CpuNormPrefetch:
     the same tensor, added in the same order by _cpu_norm. One worker takes the submissions in order, so a grad
     submitted again (a later micro-step's post-backward) ends with the sum of its latest state."""
 
-    def __init__(self, threads: int):
-        self.threads = threads
+    def __init__(self, threads: int, build: bool = True):
+        self.threads, self.build = threads, build   # build: as grad_norm's
         self.hits = 0                   # grads whose sum came from the worker (tests)
         self._queue: queue.Queue = queue.Queue()
         self._sums: dict[int, tuple] = {}          # id(param) -> (local grad, sum of squares)
@@ -137,7 +138,7 @@ class CpuNormPrefetch:
             try:
                 if event is not None:
                     event.synchronize()
-                self._sums[id(param)] = (loc, cpu_adam.grad_sumsq(loc))
+                self._sums[id(param)] = (loc, cpu_adam.grad_sumsq(loc, self.build))
             except Exception:   # noqa: BLE001  the norm then sums this grad itself
                 self._sums.pop(id(param), None)
             finally:

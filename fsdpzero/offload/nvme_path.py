@@ -25,7 +25,7 @@ class NVMeGradPath(OffloadGradPath):
     def step_optimizer(cls, hyper, masters, plan, knobs):
         """NVMeAdam over the stand-ins: the fp32 masters are written to disk now, while `masters.initial` still
         holds the fp32 weights (the build casts the shards next)."""
-        optimizer = nvme_optimizer(hyper, plan, masters.initial)
+        optimizer = nvme_optimizer(hyper, plan, masters.initial, knobs)
         masters.initial.clear()
         return optimizer
 

@@ -56,7 +56,7 @@ from fsdpzero.optim.factory import OptimizerFactory
 from fsdpzero.optim.grad_path import GradPath
 from fsdpzero.plan import Plan
 from fsdpzero.precision import DTYPES
-from fsdpzero.tuning import Tuning, resolve
+from fsdpzero.tuning import Tuning, or_defaults
 
 log = logging.getLogger("fsdpzero")
 
@@ -79,7 +79,7 @@ class OffloadGradPath(GradPath):
         (True) or forbids (False) staging through pinned CPU buffers; default: stage exactly when the shards live on
         an accelerator. `overlap`: step the CPU side in a worker thread while the next forward runs (default: the
         offload_overlap knob, on). `tuning`: the engine's knobs (called without them: the process defaults)."""
-        knobs = tuning if tuning is not None else resolve()
+        knobs = or_defaults(tuning)
         if prepare.check_plan(plan) != cls.on_disk:
             raise ValueError(f"{cls.__name__} cannot run offload_optimizer.device = "
                              f"{plan.offload.optimizer_device!r}: build the path fsdpzero.api.grad_path_type names")
@@ -118,7 +118,7 @@ class OffloadGradPath(GradPath):
         """The optimizer the path steps, over the masters: the fused CPU Adam (fsdpzero_ops.CPUAdam). It only holds
         the device-stepped masters' states (ratio < 1: state_dict, schedulers' groups); torch's Adam steps them."""
         from fsdpzero_ops import cpu_adam
-        optimizer = cpu_adam.CPUAdam(hyper)
+        optimizer = cpu_adam.CPUAdam(hyper, **knobs.cpu_adam_args())   # this engine's kernel choice
         for master, st in masters.device_states.items():
             optimizer.state[master] = st
         return optimizer
@@ -179,7 +179,7 @@ class OffloadGradPath(GradPath):
                 self.spec = None
         # norm_threads (offload_param: grads land on the host during backward): their sums of squares are taken
         # there, by a worker with that many threads (device_step.CpuNormPrefetch)
-        self.norm_cache = (device_step.CpuNormPrefetch(norm_threads)
+        self.norm_cache = (device_step.CpuNormPrefetch(norm_threads, optimizer.build)
                            if norm_threads and not self.staged else None)
         self.tl = (Timeline(threads, len(units), pipeline.profile_file)   # knob offload_profile
                    if pipeline.profile else None)
@@ -385,10 +385,10 @@ class OffloadGradPath(GradPath):
         # in the model's parameter order, as FSDPGradPath: the same norm bits, so the same clip coefficient
         params = [e.param for e in sorted(self.entries, key=lambda e: self._model_order[e.name])]
         if self.tl is None:
-            return device_step.grad_norm(params, self._sums())
+            return device_step.grad_norm(params, self._sums(), self.optimizer.build)
         rec, t0 = self.tl.cur, time.perf_counter()
         self.tl.gpu(rec, "norm_start")
-        norm = device_step.grad_norm(params, self._sums())
+        norm = device_step.grad_norm(params, self._sums(), self.optimizer.build)
         self.tl.gpu(rec, "norm_end")
         self.tl.host(rec, "grad_norm_host", t0)
         return norm

@@ -242,7 +242,7 @@ def swap_params_to_disk(model: nn.Module, plan: Plan, entries: list[Entry], knob
             local = local_tensor(e.param)
             if e.master is not local and e.master.dtype == local.dtype and e.grad_buf is None:
                 e.master.set_(local)
-    return param_swapper_from_plan(model, plan)
+    return param_swapper_from_plan(model, plan, **knobs.aio_args())
 
 
 def check_plan(plan: Plan) -> bool:

@@ -246,7 +246,7 @@ class Speculator:
                     chunk.d2h_done.synchronize()
                 t1 = time.perf_counter()
                 if self.bound is not None:
-                    sumsq += sum(cpu_adam.grad_sumsq(e.grad_buf) for e in items)
+                    sumsq += sum(cpu_adam.grad_sumsq(e.grad_buf, self.optimizer.build) for e in items)
                     if sumsq > self.bound * (1 + 1e-3):   # margin: this sum and the engine's round differently
                         self._stopped = True
                         continue

@@ -19,7 +19,7 @@ from fsdpzero.optim.factory import AdamNoBiasCorrection
 from fsdpzero.optim.grad_path import UNSTEPPED, GradPath, MASTER, drop_unstepped_state, skips_on_device
 from fsdpzero.precision import DTYPES, cast_forward_inputs
 from fsdpzero.sharding import checkpoint_activations, find_blocks
-from fsdpzero.tuning import Tuning, env_name, resolve
+from fsdpzero.tuning import Tuning, env_name, or_defaults
 
 
 # The optimizers whose update of an element needs only that element (and its state): a flat shard per rank gives
@@ -85,7 +85,7 @@ class Stage1GradPath(GradPath):
                 "per-tensor quantities (LAMB trust ratios, ...) are then taken over that flat shard and results "
                 "differ from stage 0", type(optimizer).__name__)
         shard, precision, offload = plan.shard, plan.precision, plan.offload
-        knobs = stage1_knobs(tuning if tuning is not None else resolve())
+        knobs = stage1_knobs(or_defaults(tuning))
         forward_allgather = knobs.pop("forward_allgather")
         stage1 = Stage1Optimizer.wrap(
             optimizer, {id(p): n for n, p in named}, process_group=mesh.get_group() if mesh is not None else None,

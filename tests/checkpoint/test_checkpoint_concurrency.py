@@ -39,7 +39,7 @@ def _wait(events: Path, name: str, timeout: float = 60.0) -> None:
 
 def _pause_at(point: str, events: Path, me: str, until: str):
     """A crash_point stand-in: at `point`, announce it (<me>_at_<point>) and wait for `until`."""
-    def hook(name: str) -> None:
+    def hook(name: str, crash_at: str | None = None) -> None:
         if name == point:
             (events / f"{me}_at_{point}").touch()
             _wait(events, until)
@@ -339,10 +339,8 @@ class _LoadingEngine:
         self.module = GPT2LMHeadModel(GPT2Config.from_pretrained(_DS_ASSETS))
         self.module.transformer.wpe.weight.requires_grad_(False)
         self.plan = types.SimpleNamespace(checkpoint=types.SimpleNamespace(load_universal=False))
-
-    def tuning_now(self):
         from fsdpzero.tuning import resolve
-        return resolve()
+        self.tuning = resolve()   # as wrap builds an engine's settings, once (the ckpt_convert_dir knob)
 
 
 def _converting_job(ds, start, results, i):

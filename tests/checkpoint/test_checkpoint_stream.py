@@ -194,9 +194,8 @@ def _param_run(rank, world, nvme_path, save_dir, shards, mode):
         swapper.read_shard = lambda k, i: (seen.append(resident(engine)), read_shard(k, i))[1]
         engine.save_checkpoint(save_dir, tag="a")
         out["save_resident"] = max(seen + [resident(engine)])
-        os.environ["FSDPZERO_CKPT_STREAM"] = "0"          # the in-memory path: every unit brought back
-        engine.save_checkpoint(save_dir, tag="ref")
-        del os.environ["FSDPZERO_CKPT_STREAM"]
+        # the in-memory path: every unit brought back (the ckpt_stream knob, for this save)
+        engine.save_checkpoint(save_dir, tag="ref", tuning=engine.tuning.replace(ckpt_stream=False))
         out["after"] = engine_losses(engine, data[2:], rank, world)
         out["params"] = full_params(engine.module)
         resumed = wrap(model(7), _param_cfg(nvme_path, world))

@@ -6,7 +6,10 @@
 - no private name (`_x`) is imported from another module: a name that crosses modules is public in its wing;
 - FSDP2's private state is touched in one module only (fsdpzero/fsdp2_internals.py);
 - no module but fsdpzero/tuning.py reads the process-wide knob state (tuning.current(), the last engine's explicit
-  settings): an engine's settings are passed down, so two engines in one process keep theirs.
+  settings): an engine's settings are passed down, so two engines in one process keep theirs;
+- the process defaults (the FSDPZERO_* environment) are read only where settings are built, once: wrap (the
+  engine's), the `fsdpzero env` report, and `or_defaults(<a parameter>)` for a call made without an engine;
+- fsdpzero_ops keeps no settings (no module global rebound but a warning latch, none set from the library).
 """
 from __future__ import annotations
 
@@ -216,8 +219,6 @@ def test_every_module_is_in_a_package():
 
 
 # The modules that may read the process's knob state (fsdpzero.tuning.current), each with why it is process-wide.
-# Still process-wide but not a read of that state: the ops' defaults (no_build, cpu_adam_impl, aio_backend), which
-# tuning.use hands to fsdpzero_ops (apply_to_ops) because ops never imports the library; the last wrap's win.
 PROCESS_TUNING_READERS = {
     "fsdpzero.cli.env": "`fsdpzero env` reports the process's environment; no engine exists there",
 }
@@ -255,4 +256,128 @@ def test_no_module_reads_process_wide_knob_state():
            if name != "fsdpzero.tuning" and name not in PROCESS_TUNING_READERS
            for line in _process_tuning_reads(path.read_text())]
     assert not bad, ("process-wide knob state (fsdpzero.tuning.current) read outside fsdpzero/tuning.py; pass the "
-                     "engine's settings (engine.tuning, engine.tuning_now()) instead:\n" + "\n".join(bad))
+                     "engine's settings (engine.tuning) instead:\n" + "\n".join(bad))
+
+
+# Where the process defaults (defaults < FSDPZERO_* environment) are read, each with why: the places settings are
+# built, once. Everything else is handed an engine's settings; a function that may be called without an engine
+# takes `tuning=None` and calls or_defaults(tuning) on that parameter (its call builds them, once, and passes them
+# down). So an engine never sees the environment after wrap, and two engines in one process keep their own.
+SETTINGS_BUILDERS = {
+    ("fsdpzero.api", "wrap"): "builds the engine's settings (tuning.use), once, before any process group",
+    ("fsdpzero.cli.env", "report"): "`fsdpzero env` reports the process's environment; no engine exists there",
+}
+PROCESS_DEFAULTS = {"resolve", "from_env", "use", "sources", "current", "_explicit"}
+
+
+def _settings_reads(source: str) -> list[tuple[int, str, str]]:
+    """(line, enclosing function, what) for each read of the process defaults through fsdpzero.tuning (a name of
+    PROCESS_DEFAULTS imported from it or reached through it), and each or_defaults(x) whose x is not a parameter
+    of the enclosing function."""
+    tree = ast.parse(source)
+    modules, names = {"fsdpzero.tuning"}, {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "fsdpzero.tuning":
+            names.update({a.asname or a.name: a.name for a in node.names})
+        elif isinstance(node, ast.ImportFrom) and node.module == "fsdpzero":
+            modules |= {a.asname or a.name for a in node.names if a.name == "tuning"}
+        elif isinstance(node, ast.Import):
+            modules |= {a.asname for a in node.names if a.name == "fsdpzero.tuning" and a.asname}
+    out = []
+
+    def visit(node, func: str, params: set[str]) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = node.args
+            params = {x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg] if x is not None}
+            func = getattr(node, "name", func)
+        target = None
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in names:
+            target = names[node.id]
+        elif isinstance(node, ast.Attribute) and ast.unparse(node.value) in modules:
+            target = node.attr
+        if target in PROCESS_DEFAULTS:
+            out.append((node.lineno, func, target))
+        if isinstance(node, ast.Call):
+            callee = (names.get(node.func.id) if isinstance(node.func, ast.Name) else
+                      node.func.attr if isinstance(node.func, ast.Attribute) and ast.unparse(node.func.value) in modules
+                      else None)
+            if callee == "or_defaults" and not (len(node.args) == 1 and isinstance(node.args[0], ast.Name)
+                                                and node.args[0].id in params):
+                out.append((node.lineno, func, "or_defaults(<not a parameter>)"))
+        for child in ast.iter_child_nodes(node):
+            visit(child, func, params)
+    visit(tree, "<module>", set())
+    return sorted(out)
+
+
+def test_the_settings_finder_sees_each_read():
+    assert _settings_reads("from fsdpzero.tuning import resolve as r\ndef f():\n    return r()\n") == \
+        [(3, "f", "resolve")]
+    assert _settings_reads("from fsdpzero import tuning\ndef g():\n    tuning.from_env()\n") == \
+        [(3, "g", "from_env")]
+    assert _settings_reads("import fsdpzero.tuning as t\nx = t.use\n") == [(2, "<module>", "use")]
+    ok = "from fsdpzero.tuning import or_defaults\ndef f(tuning=None):\n    return or_defaults(tuning)\n"
+    assert _settings_reads(ok) == []
+    late = "from fsdpzero.tuning import or_defaults\ndef f(engine):\n    return or_defaults(None)\n"
+    assert _settings_reads(late) == [(3, "f", "or_defaults(<not a parameter>)")]
+    assert _settings_reads("def f(engine):\n    return engine.tuning.resolve\n") == []
+
+
+def test_process_defaults_are_read_only_where_settings_are_built():
+    bad = [f"{path.relative_to(ROOT)}:{line} {func}: {what}" for name, path in MODULES.items()
+           if name != "fsdpzero.tuning"
+           for line, func, what in _settings_reads(path.read_text()) if (name, func) not in SETTINGS_BUILDERS]
+    assert not bad, ("the process's knob defaults read where no settings are built; pass the engine's settings "
+                     "(engine.tuning), or take tuning=None and call or_defaults(tuning) at the entry:\n"
+                     + "\n".join(bad))
+    for (name, func), why in SETTINGS_BUILDERS.items():   # each entry still names a place that reads them
+        assert any(f == func for _, f, _ in _settings_reads(MODULES[name].read_text())), (name, func, why)
+
+
+# A module global of fsdpzero_ops that may be rebound, with why it is not a setting.
+OPS_LATCHES = {"_warned_fallback": "the no_build warning, given once per process"}
+
+
+def _ops_state_writes(name: str, source: str) -> list[tuple[int, str]]:
+    """In module `name`: `global x` statements of fsdpzero_ops (x not a latch), and assignments to an attribute of
+    an fsdpzero_ops module it imported (`cpu_adam.DEFAULT_IMPL = ...`, `setattr(build, ...)`)."""
+    tree = ast.parse(source)
+    out = []
+    if name.startswith("fsdpzero_ops"):
+        out += [(node.lineno, f"global {', '.join(node.names)}") for node in ast.walk(tree)
+                if isinstance(node, ast.Global) and set(node.names) - set(OPS_LATCHES)]
+    ops_names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fsdpzero_ops"):
+            ops_names |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            ops_names |= {a.asname or a.name for a in node.names if a.name.startswith("fsdpzero_ops")}
+    for node in ast.walk(tree):
+        targets = (node.targets if isinstance(node, ast.Assign) else
+                   [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        hits = [t for t in targets if isinstance(t, ast.Attribute) and ast.unparse(t.value) in ops_names]
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                and node.args and ast.unparse(node.args[0]) in ops_names):
+            hits.append(node)
+        out += [(node.lineno, ast.unparse(h)[:60]) for h in hits]
+    return out
+
+
+def test_the_ops_state_finder_sees_each_write():
+    assert _ops_state_writes("fsdpzero_ops.x", "D = 1\ndef set_d(v):\n    global D\n    D = v\n") == \
+        [(3, "global D")]
+    assert _ops_state_writes("fsdpzero_ops.x", "def warn():\n    global _warned_fallback\n") == []
+    assert _ops_state_writes("fsdpzero.t", "from fsdpzero_ops import cpu_adam\ncpu_adam.DEFAULT_IMPL = 'x'\n") == \
+        [(2, "cpu_adam.DEFAULT_IMPL")]
+    assert _ops_state_writes("fsdpzero.t", "import fsdpzero_ops.build as b\nsetattr(b, 'NO_BUILD', 1)\n") == \
+        [(2, "setattr(b, 'NO_BUILD', 1)")]
+    assert _ops_state_writes("fsdpzero.t", "from fsdpzero_ops import cpu_adam\nopt = cpu_adam.CPUAdam([])\n"
+                                           "opt.impl = 'x'\n") == []
+
+
+def test_ops_keep_no_settings():
+    """The ops take each choice (CPU Adam kernel, aio engine, build) as an argument: a module default set by the
+    library (the old apply_to_ops) would be the last engine's, read by every engine in the process."""
+    bad = [f"{path.relative_to(ROOT)}:{line}: {what}" for name, path in MODULES.items()
+           for line, what in _ops_state_writes(name, path.read_text())]
+    assert not bad, ("fsdpzero_ops state set or rebound (pass the value as an argument instead):\n" + "\n".join(bad))
