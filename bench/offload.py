@@ -9,7 +9,8 @@ its own torchrun, skipped with a row when the time budget would be exceeded, so 
     python bench/offload.py --suite issue24 --sizes 2.8b --out out/offload24_2p8    # one size per call
 Issue 31's (item 4) on N GPUs: stage 2 + CPU offload and stage 3 + full offload, fsdpzero's default CPU placement
 (fsdpzero/host.py), the old unpinned share (*_bind0: knob offload_bind=0) and DeepSpeed, median of 12 timed steps,
-slowest step / median, per-step page faults and new pinned blocks, JSON (issue31.json) + table:
+slowest step / median, per-step page faults, new pinned blocks and pages placed off their CPU's NUMA node, JSON
+(issue31.json) + table:
     PYTHONPATH=$PWD/.dsdist python bench/offload.py --suite issue31 --sizes 0.89b --nproc 2 --out out/offload31 \
         --budget-s 450
 
@@ -289,7 +290,7 @@ def run_one(args):
         sync()
         t0 = time.perf_counter()
         if i == args.warmup:
-            t_loop = t0
+            t_loop, remote0 = t0, numa_other_node_pages()
         flt0, pin0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, pinned_blocks()
         loss = step(x)
         sync()
@@ -304,11 +305,13 @@ def run_one(args):
     finish()   # an overlapped CPU step ends after step() returns: count its tail in the mean
     sync()
     mean_incl_tail = (time.perf_counter() - t_loop) / args.steps
+    remote = numa_other_node_pages() - remote0
     med = statistics.median(times)
     tokens = args.micro * args.seq
     result = {"config": args.config, "world": world, "threads": torch.get_num_threads(), "step_s": med, "step_s_mean_incl_tail": mean_incl_tail,
               "step_min": min(times), "step_max": max(times), "slowest_over_median": max(times) / med,
               "step_times": times, "minor_faults_per_step": faults, "pinned_blocks_created_per_step": pinned,
+              "numa_other_node_pages_timed_host": remote,
               "cpus": format_cpulist(os.sched_getaffinity(0)), "tokens_per_s_per_gpu": tokens / med,
               "peak_alloc_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
               "peak_reserved_GiB": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
@@ -343,6 +346,16 @@ def run_one(args):
             Path(args.json).write_text(json.dumps(result, indent=2))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def numa_other_node_pages() -> int:
+    """Pages the kernel placed on a node other than the allocating CPU's, host-wide (numastat other_node)."""
+    total = 0
+    for stat in Path("/sys/devices/system/node").glob("node*/numastat"):
+        for line in stat.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            total += int(value) if name == "other_node" else 0
+    return total
 
 
 def pinned_blocks() -> int:
@@ -491,7 +504,7 @@ def derive(rows: list[dict]) -> None:
 def suite_table(rows: list[dict]) -> str:
     lines = ["| size | config | s/step median (min-max) | slowest / median | vs DeepSpeed | / limit | target | "
              "max loss diff vs serial | peak alloc GiB | host RSS GiB | timed steps: max page faults, new pinned "
-             "blocks | CPU threads, placement | loss first -> last | exit |", "|---" * 14 + "|"]
+             "blocks, other-node pages (host) | CPU threads, placement | loss first -> last | exit |", "|---" * 14 + "|"]
 
     def f(v, fmt):
         return format(v, fmt) if isinstance(v, (int, float)) else "-"
@@ -507,7 +520,8 @@ def suite_table(rows: list[dict]) -> str:
                      f"{f(r.get('over_limit'), '.2f')} | "
                      f"{f(r.get('target_s'), '.2f')} | {f(r.get('max_loss_diff_vs_serial'), '.2e')} | "
                      f"{r['peak_alloc_GiB_max_over_ranks']:.2f} | {r['host_rss_GiB']:.2f} | "
-                     f"{max(r.get('minor_faults_per_step') or [0]):,}, {sum(r.get('pinned_blocks_created_per_step') or [0])} | "
+                     f"{max(r.get('minor_faults_per_step') or [0]):,}, {sum(r.get('pinned_blocks_created_per_step') or [0])}, "
+                     f"{r.get('numa_other_node_pages_timed_host', '-')} | "
                      f"{r.get('threads')}, {where} | "
                      f"{r['loss_first']:.4f} -> {r['loss_last']:.4f} | {r['exit_code']} |")
     return "\n".join(lines)

@@ -284,7 +284,7 @@ def plan_placement(peers: list[Peer], local_rank: int, topo: Topology, *, thread
     if planned is None and len(pool) >= len(sharers):   # fewer physical cores than ranks: split the CPUs instead
         planned = _split([(c,) for c in pool], len(sharers)), "split by CPU (fewer cores than ranks)"
     if planned is None:
-        n, why = fit(1)
+        n, why = fit(1, "one each")
         return unbound(why, n, f"not bound: {len(sharers)} local ranks share {len(pool)} CPUs")
     parts, where = planned
     slices = {s.local_rank: tuple(sorted(c for u in part for c in u)) for s, part in zip(sharers, parts)}
