@@ -173,6 +173,9 @@ def grad_path_type(plan: Plan) -> type[GradPath]:
     """The one place the gradient path is chosen (see fsdpzero.optim.grad_path for the contract): its type lays the
     model out (GradPath.lay_out) and builds the path from the plan (GradPath.build). Each branch imports its wing
     only when taken: a plain FSDP run never loads the offload or stage-1 code."""
+    if plan.zenflow is not None:   # ZenFlow's own CPU offload (stages 1-3, laid out by FSDP2)
+        from fsdpzero.optim.zenflow import ZenFlowGradPath
+        return ZenFlowGradPath
     if plan.shard.stage == 1 and plan.tensor_parallel.size <= 1:   # with tp: FSDP2 over dp (fate: approximated)
         from fsdpzero.optim.stage1 import Stage1GradPath   # reduces gradients itself; offloads its own shards (cpu)
         return Stage1GradPath

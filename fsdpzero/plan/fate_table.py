@@ -116,7 +116,7 @@ FATES: dict[str, tuple[str, str]] = {
     _Z + "elastic_checkpoint": (N, "DCP reshards natively on load"),
     _Z + "offload_param": (M, "OffloadPlan.param_device"),
     _Z + "offload_optimizer": (M, "OffloadPlan.optimizer_device"),
-    _Z + "zenflow": (U, "ZenFlow's stale top-k CPU updates are not implemented"),
+    _Z + "zenflow": (A, "fsdpzero.optim.zenflow.ZenFlowGradPath (see the conditional rows)"),
     _Z + "sub_group_size": (M, "OffloadPlan.sub_group_size: CPU Adam step tile (offload only)"),
     _Z + "stage3_prefetch_bucket_size": (M, "ShardPlan.prefetch_depth: FSDPModule.set_modules_to_forward_prefetch "
                                             "within this element budget"),
@@ -368,6 +368,7 @@ OFF = When("false (off)", lambda c: not c.on)
 ABSENT = When("absent or off", lambda c: c.value is None or c.value is False or c.value == {})
 SECTION_ENABLED = When("the section is enabled", lambda c: isinstance(c.value, dict) and bool(c.value.get("enabled")))
 OFFLOADED_OPT = device_is("offload_optimizer", "cpu", "nvme")
+ZENFLOW = When("the section is given", lambda c: isinstance(c.value, dict))
 MUON = When("Muon", lambda c: (c.value or "").lower() == "muon")
 ONEBIT_ADAM = When("OneBitAdam", lambda c: (c.value or "").lower() == "onebitadam")
 OPT_IS_ONEBIT_ADAM = When("optimizer.type OneBitAdam", lambda c: c.cfg.optimizer is not None
@@ -556,6 +557,37 @@ CONDITIONAL: tuple[Rule, ...] = (
     Rule(_OO + "super_offload", ON, A, "SuperOffload's overlap: fsdpzero's CPU step overlaps the next forward by "
          "default (exact), and its speculative step during backward is on by default on a GPU (knob "
          "offload_speculate; exact: shadow buffers, not rollback); no superchip-specific placement"),
+    # ---- ZenFlow (one row for the section: fsdpzero.optim.zenflow; refusals of the section's values: translate.py)
+    Rule(_Z + "zenflow", ZENFLOW & When('update_interval "auto" (the default)', lambda c: isinstance(
+        c.cfg.zero_optimization.zenflow.update_interval, str)), U,
+         'update_interval "auto": DeepSpeed 0.19.8 divides the loss by gradient_accumulation_steps, which '
+         "configure_zenflow sets to update_interval = 0 under auto: inf gradients and NaN weights from the first step "
+         "(seen on CPU); set update_interval to a number"),
+    Rule(_Z + "zenflow", ZENFLOW & When("fp16 on", lambda c: bool(c.cfg.fp16.enabled)), U,
+         "ZenFlow with fp16 is not implemented (the selective step would need the loss scale); use bf16 or fp32"),
+    Rule(_Z + "zenflow", ZENFLOW & When("optimizer not Adam/AdamW", lambda c: c.cfg.optimizer is None or (
+        c.cfg.optimizer.type or "").lower() not in ("adam", "adamw")), U,
+         "ZenFlow's two steps are AdamW (DeepSpeed: ZenFlowSelectiveAdamW and ZenFlowCPUAdam); use optimizer.type "
+         "Adam or AdamW"),
+    Rule(_Z + "zenflow", ZENFLOW & device_is("offload_param", "cpu", "nvme"), U,
+         "offload_param with zenflow: the selective step updates the parameters on the device; remove "
+         "offload_param"),
+    Rule(_Z + "zenflow", ZENFLOW, A,
+         "fsdpzero.optim.zenflow.ZenFlowGradPath, DeepSpeed 0.19.8's algorithm on FSDP2 (stages 1-3; stage 1 is "
+         "laid out as stage 2): each micro-batch is one step with its loss scaled by 1/update_interval; at a "
+         "selection boundary the top topk_ratio columns of each matrix by |gradient| sum, chosen per ZeRO-1/2 "
+         "partition piece as DeepSpeed's flat partitions cut them, and their AdamW moments restart; the selected "
+         "columns and the 1-D parameters take an unclipped AdamW step on the device every step; every gradient "
+         "accumulates on the CPU and update_interval steps later (and at select_interval) the clipped accumulated "
+         "gradient takes a CPU Adam step (bias correction at the step count, as DeepSpeed's step_id) whose result "
+         "replaces the unselected part on the device; full_warm_up_rounds full CPU steps first; overlap_step: the CPU "
+         "step runs in a thread beside the next interval's forward/backward and lands one interval late, with "
+         "DeepSpeed's two alternating moment sets; offload keeps the selective moments on the CPU between steps; "
+         "pt_reserved_cores_perc: the overlapped CPU step's threads are the cores it leaves. Differs: select_strategy "
+         "\"epoch\"/\"auto\" select once after the warm-up (DeepSpeed: once per len(training_dataloader) steps when "
+         "initialize got training_data); global_steps and the reported grad norm count every ZenFlow step (DeepSpeed: "
+         "update boundaries, the accumulated gradient's norm); DeepSpeed's stage-1 ZenFlow and a CPU step still "
+         "running when a selection resyncs the masters are not reproduced"),
     # ---- optimizer and scheduler
     Rule("optimizer.type", ONEBIT_ADAM & stage_in(0), A,
          "{value}: 1-bit Adam's uncompressed warm-up math on every step (Adam without bias correction, decoupled "

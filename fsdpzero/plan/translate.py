@@ -19,7 +19,7 @@ from fsdpzero.plan.fates import UNKNOWN_FATE, decide
 from fsdpzero.plan import (ActivationCheckpointPlan, AioPlan, BatchPlan, CheckpointPlan, CompilePlan, Decision, Env,
                            LossScalePlan, MonitorPlan, OffloadPlan, OptimizerPlan, Plan, PrecisionPlan,
                            SchedulerPlan, ShardPlan)
-from fsdpzero.plan.types import SequenceParallelPlan
+from fsdpzero.plan.types import SequenceParallelPlan, ZenFlowPlan
 from fsdpzero.plan.types import TensorParallelPlan
 
 _DT = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", None: None}
@@ -64,7 +64,7 @@ def translate(cfg: DSConfig, env: Env) -> Plan:
                                     cfg.flops_profiler and cfg.flops_profiler.enabled),
                                 dataloader_drop_last=cfg.dataloader_drop_last),
                 activation_checkpointing=_activation(cfg), checkpoint=_checkpoint(cfg), monitor=_monitor(cfg),
-                compile=_compile(cfg), decisions=tuple(decisions(cfg, env)))
+                compile=_compile(cfg), zenflow=_zenflow(cfg, ga), decisions=tuple(decisions(cfg, env)))
     return plan
 
 
@@ -157,6 +157,58 @@ def _offload(cfg: DSConfig) -> OffloadPlan:
         param_buffer_size=op.buffer_size, max_in_cpu=op.max_in_cpu,
         ratio=oo.ratio, sub_group_size=z.sub_group_size,
         aio=AioPlan(**aio.model_dump(include=set(AioPlan.__dataclass_fields__))))
+
+
+def _zenflow(cfg: DSConfig, ga: int) -> ZenFlowPlan | None:
+    """DeepSpeed 0.19.8's configure_zenflow / ZenFlowZeroOptimizer._configure_zenflow: the strategy and intervals
+    resolved, its refusals raised here (before any process group)."""
+    z = cfg.zero_optimization
+    zf = z.zenflow
+    if zf is None:
+        return None
+    key = "zero_optimization.zenflow."
+    if zf.select_strategy not in ("auto", "step", "epoch"):
+        raise ConfigError(Problem(key + "select_strategy", f"{zf.select_strategy!r} is not a selection strategy",
+                                  'use "auto", "step" or "epoch"'))
+    for name in ("select_interval", "update_interval"):
+        v = getattr(zf, name)
+        if isinstance(v, str) and v != "auto":
+            raise ConfigError(Problem(key + name, f"{v!r}: a string must be \"auto\"", 'use "auto" or a number'))
+    if isinstance(zf.update_interval, int) and zf.update_interval < 1:
+        raise ConfigError(Problem(key + "update_interval", f"{zf.update_interval} is below 1", "use 1 or more"))
+    if zf.select_strategy == "auto":
+        if isinstance(zf.select_interval, int):   # DeepSpeed raises (a Warning, as an exception)
+            raise ConfigError(Problem(key + "select_interval", f"{zf.select_interval} with select_strategy \"auto\" "
+                                      "(which selects once per epoch)", 'remove it, or set select_strategy "step"'))
+        strategy, interval = "epoch", 1
+    else:
+        if isinstance(zf.select_interval, str):
+            raise ConfigError(Problem(key + "select_interval", f"\"auto\" with select_strategy "
+                                      f"{zf.select_strategy!r}", "give the interval as a number"))
+        strategy, interval = zf.select_strategy, int(zf.select_interval)
+    if strategy == "epoch":   # DeepSpeed: interval * len(training_dataloader) when one was given, else 0 (once)
+        interval = interval * zf.steps_per_epoch if zf.steps_per_epoch else 0
+    update = None if isinstance(zf.update_interval, str) else int(zf.update_interval)
+    if update is not None and interval != 0 and interval < update:
+        raise ConfigError(Problem(key + "select_interval", f"{interval} is below update_interval {update}",
+                                  "select at most as often as the CPU updates"))
+    if ga > 1:   # each micro-batch is one ZenFlow step: DeepSpeed sets gradient_accumulation_steps = update_interval
+        raise ConfigError(Problem("gradient_accumulation_steps", f"{ga} with zero_optimization.zenflow (DeepSpeed "
+                                  "replaces it with update_interval: every micro-batch is one ZenFlow step)",
+                                  "set gradient_accumulation_steps to 1 (train_batch_size = micro batch x ranks)"))
+    oo = z.offload_optimizer
+    if oo is None or oo.device != "cpu":
+        raise ConfigError(Problem("zero_optimization.offload_optimizer.device",
+                                  f"{oo.device if oo else 'none'!r} with zero_optimization.zenflow (DeepSpeed: "
+                                  "\"Zenflow must be used with cpu offload\")", 'set it to "cpu"'))
+    if zf.offload and not z.overlap_comm:
+        raise ConfigError(Problem(key + "offload", "true without zero_optimization.overlap_comm (DeepSpeed asserts "
+                                  "\"offload selective optimizer should be used with overlap_comm\")",
+                                  "set overlap_comm true, or zenflow.offload false"))
+    return ZenFlowPlan(topk_ratio=zf.topk_ratio, select_strategy=strategy, select_interval=interval,
+                       update_interval=update, overlap_step=zf.overlap_step, offload=zf.offload,
+                       auto_ratio=zf.auto_ratio, full_warm_up_rounds=zf.full_warm_up_rounds,
+                       pt_reserved_cores_perc=zf.pt_reserved_cores_perc)
 
 
 def _optimizer(cfg: DSConfig) -> OptimizerPlan:

@@ -183,6 +183,22 @@ class MonitorPlan:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ZenFlowPlan:
+    """`zero_optimization.zenflow`, resolved as DeepSpeed 0.19.8's configure_zenflow does (fsdpzero.optim.zenflow):
+    select_interval in steps (0: select once, after the warm-up rounds; "auto" is the "epoch" strategy, 1 epoch);
+    update_interval None for "auto"."""
+    topk_ratio: float = 0.1
+    select_strategy: str = "epoch"          # "step" or "epoch" ("auto" resolves to "epoch")
+    select_interval: int = 0
+    update_interval: int | None = None
+    overlap_step: bool = False
+    offload: bool = False
+    auto_ratio: float = 0.99
+    full_warm_up_rounds: int = 0
+    pt_reserved_cores_perc: float = 0.5
+
+
+@dataclass(frozen=True, kw_only=True)
 class TensorParallelPlan:
     """DeepSpeed's AutoTP training (`tensor_parallel` section): DTensor tensor parallelism over the mesh's "tp"
     dimension (fsdpzero/parallel/tensor_parallel.py), FSDP2 over the data-parallel dimensions. size 1: off."""
@@ -214,6 +230,7 @@ class Plan:
     monitor: MonitorPlan = field(default_factory=MonitorPlan)
     sequence_parallel: SequenceParallelPlan = field(default_factory=SequenceParallelPlan)
     tensor_parallel: TensorParallelPlan = field(default_factory=TensorParallelPlan)
+    zenflow: ZenFlowPlan | None = None      # zero_optimization.zenflow: fsdpzero.optim.zenflow's gradient path
     decisions: tuple[Decision, ...] = ()
 
     @property

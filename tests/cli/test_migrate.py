@@ -16,7 +16,7 @@ MUST_SHOW = ["--hf-defaults", "--world-size", "8", "--hidden-size", "4096"]
 DS_REJECTS = {"axolotl_zero1_torch_compile": "compile.disable", "dsex_bing_bert_lamb_seq128": "sparse_attention",
               "dsex_bing_bert_pld_prescale": "progressive_layer_drop",
               "dsex_sglang_nvme_aio": "train_micro_batch_size_per_gpu"}   # train_batch_size 1 < 8 ranks
-UNSUPPORTED = {"dsex_zenflow_stage2": "zero_optimization.zenflow"}
+UNSUPPORTED: dict[str, str] = {}   # dsex_zenflow_stage2 runs since issue 36 (fsdpzero.optim.zenflow)
 # AutoTP (tensor_parallel.autotp_size 4 of the 8 ranks) runs: tests/parallel/test_autotp.py
 
 

@@ -105,7 +105,8 @@ def test_offload():
 def test_unsupported_features_are_decisions_not_exceptions():
     plan = plan_of({"optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 10}},
                     "pipeline": {"stages": 2}, "hybrid_engine": {"enabled": True},
-                    "zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.2}}})
+                    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                                          "zenflow": {"topk_ratio": 0.2}}})   # update_interval "auto": refused
     assert {d.key for d in plan.unsupported} == {"optimizer.type", "pipeline", "hybrid_engine.enabled",
                                                  "zero_optimization.zenflow"}
     assert all(d.detail for d in plan.unsupported)

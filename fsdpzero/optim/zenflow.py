@@ -1,0 +1,443 @@
+"""ZenFlow (`zero_optimization.zenflow`): DeepSpeed 0.19.8's stale-update offload (runtime/zenflow/*,
+ops/adam/zenflow_*.py, ops/csrc/adam/cpu_adam_impl.cpp's ZenFlowAdam) as a gradient path on FSDP2.
+
+Every micro-batch is one ZenFlow step k = 0, 1, ... (DeepSpeed sets gradient_accumulation_steps to update_interval U
+and divides the loss by it; here the engine runs gradient_accumulation_steps 1 and the path scales the gradients by
+1/U, which is the same arithmetic for U a power of two). With W = full_warm_up_rounds, S = select_interval:
+
+- selection boundary (k >= W and k == W or k % S == 0): the fp32 CPU masters are resynced from the device weights
+  (not at k = 0) and the selective AdamW moments restart at zero (its step count goes on). The step's gradient
+  picks, per 2-D parameter, the topk_ratio columns (input features) with the largest sum of |gradient|. DeepSpeed
+  picks them per piece of its ZeRO-1/2 flat partition: each rank takes the top max(1, int(n * topk_ratio)) of the n
+  whole columns inside its piece of the parameter (columns cut by a partition boundary are never picked), so the
+  pieces are computed here from the same partition (ds_column_pieces) and the sums over FSDP2's row shards are
+  all-reduced into whole columns first.
+- every step k >= W: the selected columns and every 1-D parameter take an AdamW step on the device (torch's
+  single-tensor AdamW, unclipped gradient) -- at an update boundary after the CPU step, from their values before it.
+- every step: the gradient accumulates on the CPU (fp32).
+- update boundary (k + 1 < W, or (k + 1 - W) % U == 0, or (k + 1) % S == 0): the accumulated gradient, clipped by
+  its own global norm (gradient_clipping), takes a CPU Adam step on the masters with bias correction at step k + 1
+  (DeepSpeed's step_id) and the masters replace the device weights; the selected columns and 1-D parameters then
+  get their device values back before their own step.
+- overlap_step: the CPU step runs in a thread while the next interval's forward/backward run, and its result lands
+  at the next boundary (DeepSpeed's optimizer process: the first boundary after the warm-up, and with W = 0 the
+  first two, land nothing); it alternates between two gradient buffers and two sets of Adam moments, as
+  DeepSpeed's ZenFlowAdam does. Warm-up steps are synchronous.
+- offload: the selective moments live on the CPU between steps (moved to the device for each step).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdpzero.dist import local_tensor
+from fsdpzero.optim.grad_path import MASTER, GradPath, global_grad_norm
+from fsdpzero.precision import DTYPES
+
+
+def ds_column_pieces(shapes: list[tuple[int, ...]], world: int) -> list[list[tuple[int, int]]]:
+    """DeepSpeed ZeRO-1/2's flat partition of one param group (the parameters in order, padded to a multiple of
+    2 x world, one equal partition per rank) cut into each parameter's pieces; per 2-D parameter, the (first, end)
+    whole columns of each piece in ZenFlow's transposed flat layout, where a column is `rows` consecutive elements
+    (stage_1_and_2.initialize_gradient_partition, zenflow_stage_1_and_2.update_selected_channels). Empty for 1-D."""
+    numels = [math.prod(s) for s in shapes]
+    align = 2 * world
+    psize = -(-sum(numels) // align) * align // world
+    out, cur = [], 0
+    for shape, n in zip(shapes, numels):
+        offsets = sorted(0 if p * psize <= cur < (p + 1) * psize else p * psize - cur
+                         for p in range(world) if p * psize <= cur < (p + 1) * psize or cur < p * psize < cur + n)
+        pieces = []
+        if len(shape) == 2:
+            rows = shape[0]
+            for i, off in enumerate(offsets):
+                end = offsets[i + 1] if i + 1 < len(offsets) else n
+                pieces.append((0 if not off else (off - 1) // rows + 1, end // rows))
+        out.append(pieces)
+        cur += n
+    return out
+
+
+def num_selected(columns: int, ratio: float) -> int:
+    return 0 if columns <= 0 else max(1, int(columns * ratio))
+
+
+def select_columns(colsum: torch.Tensor, pieces: list[tuple[int, int]], ratio: float) -> torch.Tensor:
+    """The selected column indices, ascending: the top num_selected of each piece's columns by |grad| sum."""
+    picked = []
+    for first, end in pieces:
+        k = num_selected(end - first, ratio)
+        if k:
+            picked.append(torch.topk(colsum[first:end], k).indices.sort().values + first)
+    return torch.cat(picked) if picked else torch.zeros(0, dtype=torch.long, device=colsum.device)
+
+
+@torch.no_grad()
+def adamw_(p, g, m, v, step: torch.Tensor, *, lr, beta1, beta2, eps, weight_decay) -> None:
+    """torch's single-tensor AdamW (ZenFlowSelectiveAdamW's `adamw` on one tensor), in place."""
+    step += 1
+    p.mul_(1 - lr * weight_decay)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    t = step.item()
+    denom = (v.sqrt() / (1 - beta2 ** t) ** 0.5).add_(eps)
+    p.addcdiv_(m, denom, value=-(lr / (1 - beta1 ** t)))
+
+
+class _Slot:
+    """One trainable parameter: its CPU masters and moments, and its selective state on the device."""
+
+    def __init__(self, name: str, param: nn.Parameter, group: dict, sets: int, sel_device: torch.device):
+        self.name, self.param, self.group = name, param, group
+        local = local_tensor(param)
+        self.matrix = param.ndim == 2
+        self.master = local.detach().to("cpu", torch.float32, copy=True)
+        self.m = [torch.zeros_like(self.master) for _ in range(sets)]
+        self.v = [torch.zeros_like(self.master) for _ in range(sets)]
+        self.acc = [torch.zeros_like(self.master) for _ in range(sets)]
+        self.stale = torch.zeros_like(self.master) if sets == 2 else None
+        self.pieces: list[tuple[int, int]] = []
+        self.selected: torch.Tensor | None = None      # column indices (matrices); a fixed count (allocate)
+        self.sel_m = self.sel_v = None
+        self.sel_step = torch.zeros((), dtype=torch.float32)
+        self.sel_device = sel_device                    # offload: the CPU
+        self.sel_grad = self.temp = None
+
+    def allocate(self, ratio: float, dtype: torch.dtype) -> None:
+        """The selection's tensors: their sizes are fixed by the pieces (so a checkpoint loads in place)."""
+        local = local_tensor(self.param)
+        if self.matrix:
+            count = sum(num_selected(end - first, ratio) for first, end in self.pieces)
+            self.selected = torch.zeros(count, dtype=torch.long, device=local.device)
+            shape = (local.shape[0], count)
+        else:
+            shape = tuple(local.shape)
+        self.sel_m = torch.zeros(shape, dtype=dtype, device=self.sel_device)
+        self.sel_v = torch.zeros_like(self.sel_m)
+
+
+class ZenFlowGradPath(GradPath):
+    """The ZenFlow gradient path (module docstring). The engine's clip factor is not applied: DeepSpeed's selective
+    step takes the raw gradient and its CPU step clips the accumulated one by that one's norm. grad_norm() is the
+    step's gradient norm (overflow checks and reporting)."""
+
+    name = "zenflow"
+
+    def __init__(self, model: nn.Module, named: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer,
+                 plan, threads: int | None = None):
+        zf = plan.zenflow
+        self.model, self.optimizer, self.zf = model, optimizer, zf
+        self.max_norm = plan.batch.gradient_clipping
+        self.adamw = isinstance(optimizer, torch.optim.AdamW) or bool(optimizer.param_groups[0].get(
+            "decoupled_weight_decay"))
+        self.k = -1                    # the ZenFlow step (DeepSpeed's micro_step)
+        self.fresh = True              # the next gradient starts a new accumulation
+        self.after_warmup = 0          # update boundaries at k >= W so far (overlap: which ones land a result)
+        self.pending = None            # overlap: the CPU step in flight (a Future)
+        self.refresh_on_load = True
+        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        sets = 2 if zf.overlap_step else 1
+        dev = local_tensor(named[0][1]).device
+        self.slots = [_Slot(n, p, group_of[id(p)], sets, torch.device("cpu") if zf.offload else dev)
+                      for n, p in named]
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        for g in optimizer.param_groups:   # DeepSpeed partitions each param group on its own
+            members = [s for s in self.slots if s.group is g]
+            for s, pieces in zip(members, ds_column_pieces([tuple(s.param.shape) for s in members], world)):
+                s.pieces = pieces
+        self.threads = threads
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="zenflow-cpu-adam") if zf.overlap_step else None
+        model.register_load_state_dict_post_hook(lambda *_: self.refresh_masters())
+
+    @classmethod
+    def build(cls, model: nn.Module, plan, make_optimizer: Callable, mesh=None, *, tuning=None) -> "ZenFlowGradPath":
+        """Masters taken in fp32 from the FSDP2 shards, then the device shards cast to the param dtype (DeepSpeed
+        keeps 16-bit weights on the device); the configured Adam/AdamW only holds the hyper-parameters."""
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        optimizer = make_optimizer([p for _, p in named])
+        if not isinstance(optimizer, torch.optim.Adam):
+            raise ValueError(f"zero_optimization.zenflow with a {type(optimizer).__name__} optimizer: ZenFlow's steps "
+                             "are Adam/AdamW; use optimizer.type AdamW")
+        bad = [n for n, p in named if p.ndim > 2]
+        if bad:
+            raise ValueError(f"zero_optimization.zenflow: parameter {bad[0]} has {named[0][1].ndim} dimensions; "
+                             "ZenFlow selects columns of matrices and updates vectors whole")
+        threads = None
+        if local_tensor(named[0][1]).device.type == "cuda":   # pt_reserved_cores_perc: the rest is the CPU step's
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+            cores = max(1, len(os.sched_getaffinity(0)) // local)
+            threads = max(1, cores - math.ceil(plan.zenflow.pt_reserved_cores_perc * cores))
+        path = cls(model, named, optimizer, plan, threads)
+        low = DTYPES[plan.precision.param_dtype]
+        if low != torch.float32:
+            model.to(low)   # FSDP2 re-registers the shards: take the parameter objects again
+            now = dict(model.named_parameters())
+            for s in path.slots:
+                s.param = now[s.name]
+        for s in path.slots:
+            s.allocate(plan.zenflow.topk_ratio, low)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        return path
+
+    # -- the schedule ---------------------------------------------------------------------------------------------
+
+    def _select_boundary(self, k: int) -> bool:
+        W, S = self.zf.full_warm_up_rounds, self.zf.select_interval
+        return k - W >= 0 and (k == W or (S != 0 and k % S == 0))
+
+    def _update_boundary(self, k: int) -> bool:
+        W, S, U = self.zf.full_warm_up_rounds, self.zf.select_interval, self.zf.update_interval
+        return k + 1 < W or (k + 1 - W) % U == 0 or (S != 0 and (k + 1) % S == 0)
+
+    def _state(self, k: int) -> int:
+        """Which gradient buffer and moment set (overlap: DeepSpeed's get_overlap_step_state)."""
+        if not self.zf.overlap_step:
+            return 0
+        W, U = self.zf.full_warm_up_rounds, self.zf.update_interval
+        return k & 1 if k < W else (k // U) & 1
+
+    # -- GradPath ------------------------------------------------------------------------------------------------
+
+    def set_sync(self, sync: bool) -> None:
+        self.model.set_requires_gradient_sync(sync)
+
+    @torch.no_grad()
+    def finish_gradients(self) -> None:
+        self.k += 1
+        k, W = self.k, self.zf.full_warm_up_rounds
+        grads = []
+        for s in self.slots:
+            if s.param.grad is None:
+                s.param.grad = torch.zeros_like(s.param)
+            grads.append(local_tensor(s.param.grad))
+        torch._foreach_mul_(grads, 1.0 / self.zf.update_interval)   # DeepSpeed's loss / gradient_accumulation_steps
+        if self._select_boundary(k):
+            self._join()   # the masters are rewritten: a CPU step still running lands first
+            if k != 0:
+                for s in self.slots:
+                    s.master.copy_(local_tensor(s.param).detach())
+            self._select(grads)
+            for s in self.slots:   # the moments restart (DeepSpeed's clear_selected_mv; the step count goes on)
+                s.sel_m.zero_()
+                s.sel_v.zero_()
+        if k >= W:
+            for s, g in zip(self.slots, grads):
+                s.sel_grad = g[:, s.selected] if s.matrix else g.clone()
+        buf = self._state(k)
+        for s, g in zip(self.slots, grads):
+            if self.fresh:
+                s.acc[buf].copy_(g)
+            else:
+                s.acc[buf].add_(g.to("cpu", torch.float32))
+        self.fresh = False
+
+    def _select(self, grads: list[torch.Tensor]) -> None:
+        """The top columns of each matrix, from its whole columns' |grad| sums (FSDP2 shards rows: each rank sums
+        its rows, one all-reduce adds them)."""
+        matrices = [(s, g) for s, g in zip(self.slots, grads) if s.matrix]
+        if not matrices:
+            return
+        sums = [g.abs().float().sum(dim=0) for _, g in matrices]
+        flat = torch.cat(sums)
+        if dist.is_initialized() and dist.get_world_size() > 1 and hasattr(matrices[0][0].param, "device_mesh"):
+            dist.all_reduce(flat)
+        offset = 0
+        for (s, _), colsum in zip(matrices, sums):
+            n = colsum.numel()
+            s.selected.copy_(select_columns(flat[offset:offset + n], s.pieces, self.zf.topk_ratio))
+            offset += n
+
+    def grad_norm(self) -> torch.Tensor:
+        return global_grad_norm([s.param for s in self.slots])
+
+    def scale_grads_(self, factor) -> None:
+        pass   # see the class docstring: DeepSpeed clips only the accumulated gradient, by its own norm
+
+    def can_skip_on_device(self) -> bool:
+        return False
+
+    @torch.no_grad()
+    def step(self, found_inf: torch.Tensor | None = None) -> None:
+        k, W = self.k, self.zf.full_warm_up_rounds
+        if not self._update_boundary(k):
+            if k >= W:
+                self._selective_step(restore=False)
+            return
+        if k >= W:
+            for s in self.slots:   # DeepSpeed's temp_copy_param: the device values the CPU result will overwrite
+                s.temp = local_tensor(s.param)[:, s.selected].clone() if s.matrix else local_tensor(s.param).clone()
+        self._cpu_boundary(k)
+        if k + 1 >= W:
+            self._selective_step(restore=k >= W)
+        self.fresh = True
+
+    def _selective_step(self, restore: bool) -> None:
+        for s in self.slots:
+            if s.sel_grad is None:
+                continue
+            local = local_tensor(s.param)
+            h = s.group
+            p = local[:, s.selected] if s.matrix else local
+            if restore:
+                p.copy_(s.temp)
+            m, v = s.sel_m.to(local.device), s.sel_v.to(local.device)
+            adamw_(p, s.sel_grad, m, v, s.sel_step, lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1],
+                   eps=h["eps"], weight_decay=h["weight_decay"])
+            if s.matrix:
+                local[:, s.selected] = p
+            if s.sel_device != local.device:   # offload: the moments go back to the CPU
+                s.sel_m.copy_(m)
+                s.sel_v.copy_(v)
+            s.sel_grad = s.temp = None
+
+    def _clip_scale(self, buf: int) -> float:
+        """DeepSpeed's unscale_and_clip_grads factor for the accumulated gradient: 1 / max(1, (norm + 1e-6) / clip)."""
+        if self.max_norm <= 0:
+            return 1.0
+        sq = torch.zeros((), dtype=torch.float64)
+        for s in self.slots:
+            sq += s.acc[buf].double().square().sum()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            sq = sq.to(local_tensor(self.slots[0].param).device)
+            dist.all_reduce(sq)
+        norm = float(sq.sqrt())
+        return 1.0 / max(1.0, (norm + 1e-6) / self.max_norm)
+
+    def _cpu_step(self, k: int, buf: int, scale: float) -> None:
+        from fsdpzero_ops.cpu_adam import adam_step_
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        for s in self.slots:
+            h = s.group
+            adam_step_(s.master, s.acc[buf], s.m[buf], s.v[buf], lr=h["lr"], beta1=h["betas"][0],
+                       beta2=h["betas"][1], eps=h["eps"], weight_decay=h["weight_decay"], step=k + 1,
+                       adamw=self.adamw, grad_scale=scale)
+            if s.stale is not None:
+                s.stale.copy_(s.master)
+
+    def _land(self, source: str) -> None:
+        for s in self.slots:
+            local_tensor(s.param).copy_(getattr(s, source))
+
+    def _cpu_boundary(self, k: int) -> None:
+        buf, W = self._state(k), self.zf.full_warm_up_rounds
+        scale = self._clip_scale(buf)
+        if not self.zf.overlap_step:
+            self._cpu_step(k, buf, scale)
+            self._land("master")
+            return
+        if k < W:   # warm-up: synchronous
+            self._cpu_step(k, buf, scale)
+            self._land("stale")
+            return
+        self.after_warmup += 1
+        first_landing = 3 if W == 0 else 2   # DeepSpeed: no process before the first submit, one skipped wait
+        self._join()
+        if self.after_warmup >= first_landing:
+            self._land("stale")
+        self.pending = self.executor.submit(self._cpu_step, k, buf, scale)
+
+    def _join(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
+
+    def zero_grad(self) -> None:
+        for s in self.slots:
+            s.param.grad = None
+
+    def close(self) -> None:
+        self._join()
+        if self.executor is not None:
+            self.executor.shutdown(wait=True)
+            self.executor = None
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+
+    def refresh_masters(self) -> None:
+        """The model's load_state_dict post-hook: weights loaded without the optimizer become the masters."""
+        if self.refresh_on_load:
+            self._join()
+            for s in self.slots:
+                s.master.copy_(local_tensor(s.param).detach())
+
+    @contextlib.contextmanager
+    def keep_masters_on_load(self):
+        self.refresh_on_load = False
+        try:
+            yield
+        finally:
+            self.refresh_on_load = True
+
+    def _shard(self, s: _Slot, local: torch.Tensor, columns: int | None = None):
+        """`local` (rows of s.param's shard) as a DTensor placed like the param, so DCP saves each rank's own."""
+        p = s.param
+        if not hasattr(p, "device_mesh"):
+            return local
+        from torch.distributed.tensor import DTensor
+        if columns is None:
+            return DTensor.from_local(local.view(local_tensor(p).shape), p.device_mesh, p.placements, shape=p.shape,
+                                      stride=p.stride(), run_check=False)
+        return DTensor.from_local(local, p.device_mesh, p.placements, shape=(p.shape[0], columns),
+                                  stride=(columns, 1), run_check=False)
+
+    def state_dict(self, streaming: bool = False) -> dict[str, Any]:
+        """Per parameter: the fp32 master, the CPU Adam moments (two sets with overlap_step), the gradient
+        accumulated so far (and the result of a CPU step not yet landed), the selected columns and their moments;
+        plus the schedule's counters. Live tensors: DCP loads into them in place."""
+        self._join()
+        state = {}
+        for s in self.slots:
+            cols = int(s.selected.numel()) if s.matrix else None
+            entry = {MASTER: self._shard(s, s.master), "step": torch.tensor(float(self.k + 1)),
+                     "sel_step": s.sel_step,
+                     "sel_exp_avg": self._shard(s, s.sel_m, cols), "sel_exp_avg_sq": self._shard(s, s.sel_v, cols)}
+            for i in range(len(s.m)):
+                tail = "" if i == 0 else f"_{i}"
+                entry["exp_avg" + tail] = self._shard(s, s.m[i])
+                entry["exp_avg_sq" + tail] = self._shard(s, s.v[i])
+                entry["grad_accum" + tail] = self._shard(s, s.acc[i])
+            if s.stale is not None:
+                entry["stale"] = self._shard(s, s.stale)
+            if s.matrix:
+                entry["selected"] = s.selected
+            state[s.name] = entry
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [s.name for s in self.slots if s.group is g]} for g in self.optimizer.param_groups]
+        counters = torch.tensor([self.k, int(self.fresh), self.after_warmup], dtype=torch.long)
+        return {"state": state, "param_groups": groups, "zenflow": {"counters": counters}}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self._join()
+        if "zenflow" not in sd:
+            raise ValueError("this checkpoint was not saved with zero_optimization.zenflow: its optimizer state has "
+                             "no ZenFlow entries; load it with load_optimizer_states=False (the weights become the "
+                             "masters) or without the zenflow section")
+        self.k, fresh, self.after_warmup = (int(x) for x in sd["zenflow"]["counters"])
+        self.fresh = bool(fresh)
+        for s in self.slots:
+            saved = sd["state"][s.name]
+            s.master.copy_(local_tensor(saved[MASTER]).view(s.master.shape))
+            for i in range(len(s.m)):
+                tail = "" if i == 0 else f"_{i}"
+                s.m[i].copy_(local_tensor(saved["exp_avg" + tail]).view(s.m[i].shape))
+                s.v[i].copy_(local_tensor(saved["exp_avg_sq" + tail]).view(s.v[i].shape))
+                s.acc[i].copy_(local_tensor(saved["grad_accum" + tail]).view(s.acc[i].shape))
+            if s.stale is not None:
+                s.stale.copy_(local_tensor(saved["stale"]).view(s.stale.shape))
+            if s.matrix:
+                s.selected.copy_(saved["selected"])
+            s.sel_m.copy_(local_tensor(saved["sel_exp_avg"]).view(s.sel_m.shape))
+            s.sel_v.copy_(local_tensor(saved["sel_exp_avg_sq"]).view(s.sel_v.shape))
+            s.sel_step.copy_(saved["sel_step"])
+        for g, saved in zip(self.optimizer.param_groups, sd.get("param_groups", [])):
+            g.update({k: v for k, v in saved.items() if k != "params"})
