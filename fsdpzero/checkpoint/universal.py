@@ -11,8 +11,10 @@ Reading: every file goes through fsdpzero.checkpoint.deepspeed_reader.load_ds_fi
 stand-ins) and is checked as DeepSpeed's loader would use it (an fp32 tensor of the shape the model states give, each
 state of the weight's size, a step that is a number), one line naming the file otherwise. `training_state` returns
 what fsdpzero.checkpoint.deepspeed.training_state returns for a ZeRO checkpoint, so the conversion to our layout
-(convert.deepspeed_to_ours) and the Engine's direct load serve both. Tensor-parallel slices (mp_rank > 0, "cat_dim"
-merges across TP ranks) are not read: data-parallel only, as for ZeRO files.
+(convert.deepspeed_to_ours) and the Engine's direct load serve both. A universal checkpoint of a DeepSpeed AutoTP
+run has one mp_rank_NN_model_states.pt per tensor-parallel rank (slice shapes) and zero/ tensors that ds_to_universal
+merged whole by the layout in universal_checkpoint_info: each whole tensor must have the model states' shape
+(replicated) or all ranks' slices' elements; it then loads as any whole tensor (resharded onto fsdpzero's own mesh).
 
 Writing (`write_universal`): a training state (ours, read by convert.ours_training_state, or a DeepSpeed ZeRO one)
 becomes the files DeepSpeed's engine.load_checkpoint reads with `checkpoint.load_universal: true`: mp_rank_00 model
@@ -28,6 +30,7 @@ would be exact for AdamW only).
 from __future__ import annotations
 
 import collections
+import math
 import os
 import re
 import secrets
@@ -62,6 +65,20 @@ def _safe_name(name: str, where) -> str:
     return name
 
 
+def _slice_shape(meta: dict, name: str, default: tuple) -> tuple:
+    """A parameter's shape in one tensor-parallel rank's model states (its slice)."""
+    for group in meta.get("param_shapes") or []:
+        if isinstance(group, dict) and name in group:
+            shape = group[name]
+            break
+    else:
+        shape = (meta.get("frozen_param_shapes") or {}).get(name, default)
+    if not isinstance(shape, (list, tuple, torch.Size)) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise MalformedCheckpointError(f"shape of {name!r} is {shape!r:.60}; a list of sizes")
+    return tuple(shape)
+
+
 def _param(path: Path) -> torch.Tensor:
     entry = load_ds_file(path)
     tensor = entry.get("param") if isinstance(entry, dict) else None
@@ -84,12 +101,20 @@ def training_state(tag_dir: str | Path) -> dict:
     """fp32 weights, optimizer states by name, hyperparameters, scaler, counters of a universal checkpoint."""
     tag_dir = Path(tag_dir)
     model_files = sorted(tag_dir.glob("*_model_states.pt"))
-    if [f.name for f in model_files] != ["mp_rank_00_model_states.pt"]:
+    if not model_files or [f.name for f in model_files] != [f"mp_rank_{i:02d}_model_states.pt"
+                                                           for i in range(len(model_files))]:
         raise NotImplementedError(f"{tag_dir}: universal checkpoints with {[f.name for f in model_files]} are not "
-                                  f"supported; one mp_rank_00_model_states.pt (no tensor/pipeline parallelism) is")
-    meta = load_ds_file(model_files[0])
-    if not isinstance(meta, dict):
-        raise MalformedCheckpointError(f"{model_files[0]}: not a dict of model states")
+                                  f"supported; mp_rank_00_model_states.pt, and one more per tensor-parallel rank "
+                                  f"(no pipeline stages, no expert files), are")
+    metas = [load_ds_file(f) for f in model_files]
+    for f, m in zip(model_files, metas):
+        if not isinstance(m, dict):
+            raise MalformedCheckpointError(f"{f}: not a dict of model states")
+    meta = metas[0]
+    if len(metas) > 1 and not isinstance(meta.get("universal_checkpoint_info"), dict):
+        # DeepSpeed merges tensor-parallel slices only by the layout its AutoTP records there
+        raise NotImplementedError(f"{tag_dir}: {len(metas)} tensor-parallel model-state files without DeepSpeed's "
+                                  f"universal_checkpoint_info; not a ds_to_universal output of an AutoTP run")
     common = load_ds_file(tag_dir / ZERO_DIR / COMMON) if (tag_dir / ZERO_DIR / COMMON).is_file() else {}
     if not isinstance(common, dict):
         raise MalformedCheckpointError(f"{tag_dir / ZERO_DIR / COMMON}: not a dict of optimizer state")
@@ -103,6 +128,8 @@ def training_state(tag_dir: str | Path) -> dict:
                 isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
             raise MalformedCheckpointError(f"{model_files[0]}: shape of {name!r} is {shape!r:.60}; a list of sizes")
         shapes[name] = tuple(shape)
+    # AutoTP: each mp_rank file gives that rank's slice shapes; the zero/ tensors are the merged, whole ones
+    slice_numel = {name: sum(math.prod(_slice_shape(m, name, shape)) for m in metas) for name, shape in shapes.items()}
     trainable = [name for g in groups for name in g]
     weights, states = {}, {}
     zero = tag_dir / ZERO_DIR
@@ -111,9 +138,13 @@ def training_state(tag_dir: str | Path) -> dict:
         if name in weights or not (pdir / f"{FP32}.pt").is_file():
             continue
         weights[name] = _param(pdir / f"{FP32}.pt").float()
-        if name in shapes and tuple(weights[name].shape) != shapes[name]:
+        # whole: the model states' shape (one file, or a tensor-parallel-replicated one), or all ranks' slices
+        if name in shapes and tuple(weights[name].shape) != shapes[name] and (
+                len(metas) == 1 or weights[name].numel() != slice_numel[name]):
             raise MalformedCheckpointError(f"{pdir / 'fp32.pt'}: shape {tuple(weights[name].shape)}, the model states "
-                                           f"say {shapes[name]} (a tensor-parallel slice?)")
+                                           f"say {shapes[name]}" + (" (a tensor-parallel slice?)" if len(metas) == 1
+                                                                    else f" on each of {len(metas)} tensor-parallel "
+                                                                    f"ranks"))
         entry = {}
         for f in sorted(pdir.iterdir()):
             key = f.name[:-3]
@@ -152,7 +183,7 @@ def training_state(tag_dir: str | Path) -> dict:
     if not isinstance(param_groups, list) or not all(isinstance(g, dict) for g in param_groups):
         raise MalformedCheckpointError(f"{zero / COMMON}: `param_groups` is not a list of dicts")
     return {
-        "stage": int(common.get("zero_stage", 0)), "world_size": int(meta.get("dp_world_size", 1)),
+        "stage": int(common.get("zero_stage", 0)), "world_size": int(meta.get("dp_world_size", 1)) * len(metas),
         "tag": tag_dir.name, "weights": weights, "trainable": trainable,
         "adam": {n: s for n, s in states.items() if {"exp_avg", "exp_avg_sq", STEP} <= set(s)},
         "other_states": {n: s for n, s in states.items() if not {"exp_avg", "exp_avg_sq", STEP} <= set(s)},

@@ -97,13 +97,13 @@ def _steps(engine, rank: int, world: int, steps: range, tp: int = 1) -> list[flo
     return losses
 
 
-def _ds_job(rank, world, root, mode):
+def _ds_job(rank, world, root, mode, tp=1):
     _deepspeed()
-    if mode == "train":   # the uninterrupted DeepSpeed run, saved at SAVE
-        engine = _engine("deepspeed", _config(world))
-        losses = _steps(engine, rank, world, range(SAVE))
+    if mode == "train":   # the uninterrupted DeepSpeed run, saved at SAVE (tp 2: DeepSpeed's AutoTP, tp x dp 2 x 2)
+        engine = _engine("deepspeed", _config(world, tp=tp))
+        losses = _steps(engine, rank, world, range(SAVE), tp)
         engine.save_checkpoint(str(Path(root) / "ds"))
-        return losses + _steps(engine, rank, world, range(SAVE, TOTAL))
+        return losses + _steps(engine, rank, world, range(SAVE, TOTAL), tp)
     engine = _engine("deepspeed", _config(world, universal=True))   # resume fsdpzero's universal checkpoint
     path, _ = engine.load_checkpoint(str(Path(root) / "ours"))
     assert path is not None and engine.global_steps == SAVE, (path, engine.global_steps)
@@ -133,13 +133,7 @@ def test_universal_round_trip_with_deepspeed(tmp_path, tp):
     the blocks split over the 2 ranks) against DeepSpeed's data-parallel ZeRO-2 on 4 ranks."""
     _deepspeed()
     ds_run = run_distributed(_ds_job, 4, str(tmp_path), "train", timeout=600)[0]
-    made = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                           str(tmp_path / "ds" / f"global_step{SAVE}"), "--output_folder",
-                           str(tmp_path / "ds" / f"global_step{SAVE}_universal"), "--num_extract_workers", "1",
-                           "--num_merge_workers", "1", "--inject_missing_state"],
-                          env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=300)
-    assert made.returncode == 0, made.stderr[-2000:]
+    _ds_to_universal(tmp_path / "ds")
     from_ds, ours_run = run_distributed(_ours_job, 2, str(tmp_path), tp, timeout=600)[0]
     # DeepSpeed 4 ranks -> universal -> fsdpzero 2 ranks: DeepSpeed's own curve goes on
     assert _close(from_ds, ds_run[SAVE:]), (from_ds, ds_run[SAVE:])
@@ -157,6 +151,38 @@ def test_universal_round_trip_with_deepspeed(tmp_path, tp):
                       "uninterrupted ds vs ours": max(abs(a - b) for a, b in zip(ds_run, ours_run))}))
     # and what a lost optimizer state or scheduler would look like is far outside the tolerance
     assert max(abs(a - b) for a, b in zip(ds_run[SAVE:], ds_run[:SAVE])) > 100 * TOL
+
+
+def _resume_job(rank, world, root, tp):
+    engine = _engine("fsdpzero", _config(world, universal=True, tp=tp))
+    path, _ = engine.load_checkpoint(str(Path(root) / "ds"))
+    assert Path(path).name == f"global_step{SAVE}_universal" and engine.global_steps == SAVE
+    return _steps(engine, rank, world, range(SAVE, TOTAL), tp)
+
+
+def _ds_to_universal(ds_dir: Path):
+    made = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                           str(ds_dir / f"global_step{SAVE}"), "--output_folder",
+                           str(ds_dir / f"global_step{SAVE}_universal"), "--num_extract_workers", "1",
+                           "--num_merge_workers", "1", "--inject_missing_state"],
+                          env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+def test_deepspeed_autotp_universal_resumes_on_tp2(tmp_path):
+    """DeepSpeed's own AutoTP run (tensor_parallel.autotp_size 2, tp x dp = 2 x 2, ZeRO-2) saves on 4 ranks;
+    ds_to_universal merges its tensor-parallel slices (one mp_rank file per tp rank, whole tensors under zero/);
+    fsdpzero resumes it on 2 ranks with tp 2, and its losses follow DeepSpeed's uninterrupted AutoTP run."""
+    _deepspeed()
+    ds_run = run_distributed(_ds_job, 4, str(tmp_path), "train", 2, timeout=600)[0]
+    _ds_to_universal(tmp_path / "ds")
+    assert (tmp_path / "ds" / f"global_step{SAVE}_universal" / "mp_rank_01_model_states.pt").is_file()
+    resumed = run_distributed(_resume_job, 2, str(tmp_path), 2, timeout=600)[0]
+    print(json.dumps({"autotp ds->ours tp2": max(abs(a - b) for a, b in zip(resumed, ds_run[SAVE:]))}))
+    assert _close(resumed, ds_run[SAVE:]), (resumed, ds_run[SAVE:])
 
 
 # ---- without DeepSpeed: ours -> universal -> ours, the unstepped mark, DeepSpeed ZeRO -> universal ---------------
@@ -265,7 +291,7 @@ def _universal_copy(tmp_path) -> Path:
     return to_universal(tmp_path / "ds", "global_step3", source="deepspeed")
 
 
-@pytest.mark.parametrize("case", ["numel", "shape", "step", "name", "pickle", "param"])
+@pytest.mark.parametrize("case", ["numel", "shape", "step", "name", "pickle", "param", "tp_without_layout"])
 def test_hostile_universal_files_end_in_one_line(tmp_path, case):
     from fsdpzero.checkpoint.deepspeed_reader import MalformedCheckpointError, UnsafeCheckpointError
     from fsdpzero.checkpoint.convert import deepspeed_to_ours
@@ -287,8 +313,16 @@ def test_hostile_universal_files_end_in_one_line(tmp_path, case):
         torch.save(meta, tag / "mp_rank_00_model_states.pt")
         (tag / "planted").mkdir()
         torch.save({"param": torch.zeros(2)}, tag / "planted" / "fp32.pt")
+    elif case == "tp_without_layout":   # a second tensor-parallel rank's file, but no AutoTP layout to merge by
+        import shutil
+        shutil.copy(tag / "mp_rank_00_model_states.pt", tag / "mp_rank_01_model_states.pt")
     else:                      # a pickle that runs code when unpickled
         torch.save({"param": _RunsCode(marker)}, pdir / "exp_avg.pt")
+    if case == "tp_without_layout":
+        with pytest.raises(NotImplementedError, match="universal_checkpoint_info"):
+            deepspeed_to_ours(tag, None, tmp_path / "out")
+        assert main(["convert", str(tag), "--from", "deepspeed", "--to", "dcp", "--out", str(tmp_path / "o2")]) == 2
+        return
     with pytest.raises((MalformedCheckpointError, UnsafeCheckpointError)) as e:
         deepspeed_to_ours(tag, None, tmp_path / "out")
     text = str(e.value)
