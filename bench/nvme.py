@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "ops"))   # fsdpzero_ops, from the checkout
+from fsdpzero.offload.swapdir import aio_config  # noqa: E402
 from fsdpzero_ops.aio import AioConfig, AioHandle, aligned_empty  # noqa: E402
 from fsdpzero_ops.aio_bench import block_sizes, measure, request_size  # noqa: E402
 from fsdpzero.offload.nvme_adam import NVMeAdam  # noqa: E402
@@ -136,7 +137,7 @@ def main() -> int:
     size, bs = request_size(args.size), block_sizes(args.block_size)[0]
     size -= size % bs
     path = Path(args.dir) / f".fsdpzero_nvme_bench.{os.getpid()}.bin"
-    cfg = AioConfig(block_size=bs, queue_depth=args.queue_depth, intra_op_parallelism=args.parallelism)
+    cfg = aio_config(block_size=bs, queue_depth=args.queue_depth, intra_op_parallelism=args.parallelism)   # + defaults
     buf = aligned_empty(size)
     buf.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
     rows: dict[str, list[float]] = {}

@@ -292,6 +292,7 @@ def render_migration_doc() -> str:
 def section_keys_markdown(section: str) -> str:
     """The bullet list of a ds_config section's keys, defaults and meanings, as the schema declares them (the
     model's field descriptions): docs print it between `<!-- keys of SECTION -->` markers, never by hand."""
+    import textwrap
     from typing import get_args
 
     from pydantic import BaseModel
@@ -300,7 +301,8 @@ def section_keys_markdown(section: str) -> str:
 
     declared = DSConfig.model_fields[section].annotation   # Optional[Model]
     model = next(t for t in (declared, *get_args(declared)) if isinstance(t, type) and issubclass(t, BaseModel))
-    return "".join(f"- `{key}` (default `{json.dumps(f.default)}`): {f.description}.\n"
+    return "".join(textwrap.fill(f"- `{key}` (default `{json.dumps(f.default)}`): {f.description}.", 120,
+                                 subsequent_indent="  ", break_on_hyphens=False) + "\n"
                    for key, f in model.model_fields.items())
 
 

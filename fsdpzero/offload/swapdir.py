@@ -18,6 +18,7 @@ on the same host. Other hosts' directories are never touched: their processes ca
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import itertools
 import json
@@ -28,6 +29,7 @@ import stat
 import weakref
 from pathlib import Path
 
+from fsdpzero.plan.types import AioPlan
 from fsdpzero_ops.aio import ALIGN, AioConfig, AioFile, AioHandle, aligned_empty, open_file
 
 SWAP_ROOT_PREFIX = "fsdpzero_swap"
@@ -36,6 +38,13 @@ MARKER = "FSDPZERO_SWAP_NOT_A_CHECKPOINT.json"
 MARKER_MAX = 4096                                   # a marker is ~200 bytes of JSON
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _instances = itertools.count()
+
+
+def aio_config(aio=None, **values) -> AioConfig:
+    """The ops engine's parameters from the plan's `aio` section (an AioPlan: the schema's keys and defaults; None:
+    the defaults), `values` replacing some. Every value is passed: the ops declare no defaults of their own."""
+    aio = dataclasses.replace(AioPlan() if aio is None else aio, **values)
+    return AioConfig(**{key: getattr(aio, key) for key in AioConfig.__dataclass_fields__})
 
 
 def _proc_start_time(pid: int) -> str | None:
@@ -245,7 +254,7 @@ class SwapDir:
         """Fail now, not mid-step: the file system must take an O_DIRECT write and have `nbytes` free."""
         probe = ".write_probe"
         try:
-            with AioHandle(AioConfig(block_size=ALIGN), backend="python") as h, self.create_file(probe) as f:
+            with AioHandle(aio_config(block_size=ALIGN), backend="python") as h, self.create_file(probe) as f:
                 h.pwrite(aligned_empty(ALIGN), f).wait()
                 os.fsync(f.fd)
         except OSError as e:

@@ -1,6 +1,7 @@
 """Async tensor I/O to files opened with O_DIRECT: the engine under NVMe offload.
 
-    handle = AioHandle(AioConfig(block_size=1 << 20, queue_depth=8))
+    handle = AioHandle(AioConfig(block_size=1 << 20, queue_depth=8, intra_op_parallelism=1, single_submit=False,
+                                 overlap_events=True))
     f = handle.open("/nvme/swap/x.bin", write=True)
     buf = aligned_empty(1000, dtype=torch.float32)      # page-aligned, pinned when a GPU exists
     req = handle.pwrite(buf, f, offset=0)               # returns at once
@@ -45,42 +46,23 @@ def padded_nbytes(nbytes: int) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class AioConfig:
-    """DeepSpeed's `aio` section, with DeepSpeed's defaults, validated for the op. The ops never import the library:
-    the offload wing builds this from the plan's AioPlan (`from_plan`); a test keeps the two sets of defaults equal."""
+    """The engine's parameters as plain values, none defaulted. What they mean, DeepSpeed's defaults and the checks
+    of a ds_config's `aio` section are declared once, in the library's schema (fsdpzero.config.sections.Aio), which
+    fills every one; this package never imports the library. Only what the engine itself needs is checked here."""
 
-    block_size: int = 1_048_576
-    queue_depth: int = 8
-    intra_op_parallelism: int = 1
-    single_submit: bool = False
-    overlap_events: bool = True
-    use_gds: bool = False
+    block_size: int
+    queue_depth: int
+    intra_op_parallelism: int
+    single_submit: bool
+    overlap_events: bool
 
     def __post_init__(self):
-        if self.use_gds:
-            raise ValueError("aio.use_gds=true: GPUDirect Storage is not supported by fsdpzero; set it to false "
-                             "(swaps go through pinned CPU buffers)")
         if self.block_size <= 0 or self.block_size % ALIGN:
-            raise ValueError(f"aio.block_size={self.block_size}: must be a positive multiple of {ALIGN} "
-                             "(O_DIRECT alignment); DeepSpeed's default is 1048576")
+            raise ValueError(f"aio block_size={self.block_size}: must be a positive multiple of {ALIGN} "
+                             "(O_DIRECT alignment)")
         for key in ("queue_depth", "intra_op_parallelism"):
             if getattr(self, key) < 1:
-                raise ValueError(f"aio.{key}={getattr(self, key)}: must be >= 1")
-
-    @classmethod
-    def from_section(cls, section: dict | None) -> "AioConfig":
-        """From a ds_config `aio` dict; `thread_count` is the old name of `intra_op_parallelism`."""
-        d = dict(section or {})
-        if "thread_count" in d:
-            d.setdefault("intra_op_parallelism", d.pop("thread_count"))
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"aio: unknown keys {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
-        return cls(**d)
-
-    @classmethod
-    def from_plan(cls, plan) -> "AioConfig":
-        """From the plan's AioPlan, or anything with the same attributes."""
-        return cls(**{k: getattr(plan, k) for k in cls.__dataclass_fields__})
+                raise ValueError(f"aio {key}={getattr(self, key)}: must be >= 1")
 
 
 def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, pin: bool | None = None) -> torch.Tensor:
@@ -349,8 +331,8 @@ class AioHandle:
     never compile the native op (python only). Both are arguments (the library passes its aio_backend and no_build
     knobs): this package keeps no settings."""
 
-    def __init__(self, config: AioConfig | None = None, backend: str = "auto", build: bool = True):
-        self.config = config or AioConfig()
+    def __init__(self, config: AioConfig, backend: str = "auto", build: bool = True):
+        self.config = config
         if backend == "auto":
             backend = available_backends(build)[0]
         if backend not in BACKENDS:

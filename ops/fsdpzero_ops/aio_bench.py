@@ -155,17 +155,18 @@ def sweep(path: Path, size: int, block_sizes, queue_depths, parallelism, submit_
         except OSError as e:          # a read-only mount, no permission, a full disk: say so, not errno alone
             raise ValueError(f"cannot write a scratch file in {path} ({e.strerror or e}); pass a writable "
                              "directory on the disk to test") from None
+        configs = [AioConfig(block_size=bs, queue_depth=qd, intra_op_parallelism=par, single_submit=single,
+                             overlap_events=overlap)
+                   for bs, qd, par, (single, overlap) in itertools.product(block_sizes, queue_depths, parallelism,
+                                                                           submit_modes)]
         with f:   # one file, opened once, for the whole sweep
             try:
-                with AioHandle(AioConfig(), backend) as h:
+                with AioHandle(configs[0], backend) as h:
                     h.pwrite(buf, f).wait()                      # allocate the file's blocks before timing
             except OSError as e:
                 raise ValueError(f"cannot write a scratch file in {path} ({e.strerror or e}); pass a writable "
                                  "directory on the disk to test") from None
-            for bs, qd, par, (single, overlap) in itertools.product(block_sizes, queue_depths, parallelism,
-                                                                    submit_modes):
-                cfg = AioConfig(block_size=bs, queue_depth=qd, intra_op_parallelism=par, single_submit=single,
-                                overlap_events=overlap)
+            for cfg in configs:
                 with AioHandle(cfg, backend) as h:
                     w, r = measure(h, buf, f, repeat)
                     results.append({"aio": {k: getattr(cfg, k) for k in AioConfig.__dataclass_fields__},

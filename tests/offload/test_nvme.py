@@ -17,7 +17,7 @@ import fsdpzero_ops  # noqa: F401
 from fsdpzero.offload import nvme_adam as nvme
 from fsdpzero.offload.nvme_adam import NVMeAdam, SwapDir, nvme_optimizer_from_plan
 from fsdpzero.plan import OffloadPlan, OptimizerPlan, Plan
-from fsdpzero_ops.aio import AioConfig
+from fsdpzero.offload.swapdir import aio_config
 from fsdpzero_ops.cpu_adam import CPUAdam
 from fsdpzero.offload import swapdir
 from tests.multirank import run_distributed
@@ -51,7 +51,7 @@ def test_matches_cpu_adam_bit_exact(tmp_path, dtype, sub_group_size, buffer_coun
     ref, ours = _params(dtype), _params(dtype)
     a = CPUAdam(_groups(ref), betas=(0.8, 0.99), adamw_mode=True)
     b = NVMeAdam(_groups(ours), betas=(0.8, 0.99), adamw_mode=True, nvme_path=tmp_path,
-                 sub_group_size=sub_group_size, buffer_count=buffer_count, aio=AioConfig(block_size=8192))
+                 sub_group_size=sub_group_size, buffer_count=buffer_count, aio=aio_config(block_size=8192))
     if sub_group_size < 5000:
         assert any(s[2] > 0 for g in b._groups for s in g.slices)       # a param split across sub-groups
     _train(a, ref, 6, dtype, skip=3)

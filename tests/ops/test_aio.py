@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+from fsdpzero.offload.swapdir import aio_config
 from fsdpzero_ops import aio
 
 BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(not aio.backend_available(b), reason=f"{b} not usable here"))
@@ -66,7 +67,7 @@ def _roundtrip(tmp_path, backend, cfg, n=40):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_roundtrip_many_in_flight(tmp_path, backend):
-    _roundtrip(tmp_path, backend, aio.AioConfig(block_size=8192, queue_depth=4, intra_op_parallelism=2))
+    _roundtrip(tmp_path, backend, aio_config(block_size=8192, queue_depth=4, intra_op_parallelism=2))
 
 
 @pytest.mark.parametrize("backend", ["io_uring", "libaio"])
@@ -74,16 +75,16 @@ def test_roundtrip_many_in_flight(tmp_path, backend):
 def test_submit_modes(tmp_path, backend, single_submit, overlap_events):
     if not aio.backend_available(backend):
         pytest.skip(f"{backend} not usable here")
-    cfg = aio.AioConfig(block_size=4096, queue_depth=3, intra_op_parallelism=1, single_submit=single_submit,
+    cfg = aio_config(block_size=4096, queue_depth=3, intra_op_parallelism=1, single_submit=single_submit,
                         overlap_events=overlap_events)
     _roundtrip(tmp_path, backend, cfg, n=12)
 
 
 def test_backends_share_the_file_layout(tmp_path):
     """What one backend writes, every other reads back (the reference defines the layout)."""
-    path, tensors, offsets = _roundtrip(tmp_path, aio.available_backends()[0], aio.AioConfig(block_size=65536), n=8)
+    path, tensors, offsets = _roundtrip(tmp_path, aio.available_backends()[0], aio_config(block_size=65536), n=8)
     for backend in aio.available_backends()[1:]:
-        with aio.AioHandle(aio.AioConfig(block_size=4096, queue_depth=2), backend=backend) as h, h.open(path) as f:
+        with aio.AioHandle(aio_config(block_size=4096, queue_depth=2), backend=backend) as h, h.open(path) as f:
             outs = [torch.empty_like(t) for t in tensors]
             for r in [h.pread(o, f, off) for o, off in zip(outs, offsets)]:
                 r.wait()
@@ -93,7 +94,7 @@ def test_backends_share_the_file_layout(tmp_path):
 def test_poll_and_large_request(tmp_path):
     """One 12 MiB + 3 byte request split across workers; done() turns True without wait()."""
     t = torch.randint(0, 255, (12 * 2**20 + 3,), dtype=torch.uint8)
-    with aio.AioHandle(aio.AioConfig(block_size=2**20, queue_depth=8, intra_op_parallelism=2)) as h, \
+    with aio.AioHandle(aio_config(block_size=2**20, queue_depth=8, intra_op_parallelism=2)) as h, \
             h.open(tmp_path / "big.bin", write=True) as f:
         r = h.pwrite(t, f)
         while not r.done():
@@ -123,7 +124,7 @@ def test_buffered_fallback_when_o_direct_refused(tmp_path, monkeypatch, backend)
     monkeypatch.setattr(aio.os, "open", no_direct)
     monkeypatch.setattr(aio, "_warned_buffered", set())
     t = torch.randn(333)
-    with aio.AioHandle(aio.AioConfig(block_size=4096), backend=backend) as h:
+    with aio.AioHandle(aio_config(block_size=4096), backend=backend) as h:
         with pytest.warns(RuntimeWarning, match="refuses O_DIRECT"):
             f = h.open(tmp_path / "a.bin", write=True)
         with warnings.catch_warnings():
@@ -139,21 +140,21 @@ def test_buffered_fallback_when_o_direct_refused(tmp_path, monkeypatch, backend)
 
 
 def test_config_errors():
-    with pytest.raises(ValueError, match="use_gds=true: GPUDirect Storage is not supported"):
-        aio.AioConfig(use_gds=True)
-    with pytest.raises(ValueError, match="aio.block_size=1000: must be a positive multiple of 4096"):
-        aio.AioConfig(block_size=1000)
-    with pytest.raises(ValueError, match="aio.queue_depth=0"):
-        aio.AioConfig(queue_depth=0)
-    with pytest.raises(ValueError, match=r"unknown keys \['depth'\]"):
-        aio.AioConfig.from_section({"depth": 3})
-    assert aio.AioConfig.from_section({"thread_count": 4}).intra_op_parallelism == 4
+    """The engine checks what it needs; the ds_config's own checks (use_gds, thread_count, unknown keys, ranges) are
+    the schema's (tests/config)."""
+    good = dict(block_size=4096, queue_depth=1, intra_op_parallelism=1, single_submit=False, overlap_events=True)
+    with pytest.raises(ValueError, match="aio block_size=1000: must be a positive multiple of 4096"):
+        aio.AioConfig(**good | {"block_size": 1000})
+    with pytest.raises(ValueError, match="aio queue_depth=0"):
+        aio.AioConfig(**good | {"queue_depth": 0})
+    with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'overlap_events'"):
+        aio.AioConfig(**{k: v for k, v in good.items() if k != "overlap_events"})   # no default of its own
     with pytest.raises(ValueError, match="backend 'spdk'"):
-        aio.AioHandle(backend="spdk")
+        aio.AioHandle(aio.AioConfig(**good), backend="spdk")
 
 
 def test_offset_and_tensor_errors(tmp_path):
-    with aio.AioHandle() as h, h.open(tmp_path / "x.bin", write=True) as f:
+    with aio.AioHandle(aio_config()) as h, h.open(tmp_path / "x.bin", write=True) as f:
         with pytest.raises(ValueError, match="offset 100 .* not a multiple of 4096"):
             h.pwrite(torch.zeros(4), f, offset=100)
         with pytest.raises(ValueError, match="contiguous CPU tensor"):
@@ -162,7 +163,7 @@ def test_offset_and_tensor_errors(tmp_path):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_read_past_end_of_file(tmp_path, backend):
-    with aio.AioHandle(aio.AioConfig(block_size=4096), backend=backend) as h, \
+    with aio.AioHandle(aio_config(block_size=4096), backend=backend) as h, \
             h.open(tmp_path / "short.bin", write=True) as f:
         h.pwrite(torch.zeros(100), f).wait()                # occupies 4096 bytes
         with pytest.raises(OSError, match=r"read of 40000 bytes at offset 0 of .*short.bin failed .*ends before"):
@@ -175,7 +176,7 @@ def test_read_file_of_unaligned_size(tmp_path, backend):
     past its end says so."""
     data = torch.randint(0, 255, (5000,), dtype=torch.uint8)
     (tmp_path / "other.bin").write_bytes(data.numpy().tobytes())
-    with aio.AioHandle(aio.AioConfig(block_size=4096), backend=backend) as h, h.open(tmp_path / "other.bin") as f:
+    with aio.AioHandle(aio_config(block_size=4096), backend=backend) as h, h.open(tmp_path / "other.bin") as f:
         out = torch.empty(5000, dtype=torch.uint8)
         h.pread(out, f).wait()
         assert torch.equal(out, data)
@@ -227,7 +228,7 @@ def test_disk_full(tmp_path, backend):
     naming file and offset, and the engine stays usable."""
     def attempt():
         resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))   # Python ignores SIGXFSZ: write gets EFBIG
-        with aio.AioHandle(aio.AioConfig(block_size=2**18, queue_depth=4), backend=backend) as h, \
+        with aio.AioHandle(aio_config(block_size=2**18, queue_depth=4), backend=backend) as h, \
                 h.open(tmp_path / "full.bin", write=True) as f:
             try:
                 h.pwrite(torch.zeros(2**20), f).wait()                # 4 MiB
@@ -246,7 +247,7 @@ def test_pinned_buffers_to_gpu_and_back(tmp_path):
     x = torch.randn(3_000_001, device="cuda").bfloat16()
     buf = aio.aligned_empty(x.numel(), x.dtype)
     assert buf.is_pinned() and buf.data_ptr() % aio.ALIGN == 0
-    with aio.AioHandle() as h, h.open(tmp_path / "g.bin", write=True) as f:
+    with aio.AioHandle(aio_config()) as h, h.open(tmp_path / "g.bin", write=True) as f:
         buf.copy_(x, non_blocking=True)
         torch.cuda.synchronize()
         h.pwrite(buf, f).wait()
@@ -263,18 +264,24 @@ def test_nvme_bench_cli(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert len(out["results"]) == 4 and all(r["write_GBps"] > 0 and r["read_GBps"] > 0 for r in out["results"])
     assert set(out["best"]["aio"]) == {"block_size", "queue_depth", "intra_op_parallelism", "single_submit",
-                                       "overlap_events", "use_gds"}
+                                       "overlap_events"}   # an aio section to paste (use_gds: false by default)
     assert list(tmp_path.iterdir()) == []                      # the scratch file is gone
     assert main(["nvme-bench", str(tmp_path), "--size", "1M", "--block-sizes", "1M", "--queue-depths", "2",
                  "--parallelism", "1", "--repeat", "1"]) == 0
     assert '"aio": {' in capsys.readouterr().out
 
 
-def test_aio_config_defaults_are_the_plans():
-    """ops/ never imports the library, so AioConfig repeats the `aio` defaults the plan holds: they must agree."""
+def test_the_engine_takes_every_aio_value_from_the_schema():
+    """ops/ never imports the library, so AioConfig declares no defaults: each parameter is a key of the schema's
+    `aio` section (fsdpzero.config.sections.Aio), and the library passes every one from the plan."""
     import dataclasses
 
+    from fsdpzero.config.sections import Aio
     from fsdpzero.plan import AioPlan
-    ours = {f.name: f.default for f in dataclasses.fields(aio.AioConfig)}
-    assert ours == {f.name: f.default for f in dataclasses.fields(AioPlan)}
-    assert aio.AioConfig.from_plan(AioPlan(queue_depth=3)).queue_depth == 3
+    params = dataclasses.fields(aio.AioConfig)
+    assert all(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING for f in params)
+    assert {f.name for f in params} == set(Aio.model_fields) - {"use_gds"}   # use_gds=true: refused by the config
+    plan = AioPlan(block_size=2 * 1_048_576, queue_depth=3, intra_op_parallelism=2, single_submit=True,
+                   overlap_events=False)
+    assert dataclasses.asdict(aio_config(plan)) == {k: v for k, v in dataclasses.asdict(plan).items() if k != "use_gds"}
+    assert aio_config(queue_depth=5) == aio_config(AioPlan(queue_depth=5))   # the rest: the schema's defaults

@@ -23,12 +23,13 @@ def _python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def test_refused_threads_raise_instead_of_aborting():
     proc = _python("""
         import resource
-        from fsdpzero_ops.aio import AioConfig, AioHandle
-        AioHandle(AioConfig(), backend="threads").close()        # built and loaded before the limit
+        from fsdpzero.offload.swapdir import aio_config
+        from fsdpzero_ops.aio import AioHandle
+        AioHandle(aio_config(), backend="threads").close()        # built and loaded before the limit
         vm = int([l for l in open("/proc/self/status") if l.startswith("VmSize")][0].split()[1]) * 1024
         resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))   # 16384 stacks won't fit
         try:
-            AioHandle(AioConfig(intra_op_parallelism=512, queue_depth=32), backend="threads")
+            AioHandle(aio_config(intra_op_parallelism=512, queue_depth=32), backend="threads")
         except RuntimeError as e:
             print("refused:", e)
     """)
@@ -44,8 +45,9 @@ def test_unclosed_handle_finishes_its_writes_at_exit_and_a_fork_child_exits(tmp_
     target = tmp_path / "data.bin"
     proc = _python(f"""
         import os, sys, torch
+        from fsdpzero.offload.swapdir import aio_config
         from fsdpzero_ops.aio import AioHandle, aligned_empty
-        handle = AioHandle(backend={backend!r})
+        handle = AioHandle(aio_config(), backend={backend!r})
         f = handle.open({str(target)!r}, write=True)
         buf = aligned_empty(1 << 22)
         buf.fill_(7)

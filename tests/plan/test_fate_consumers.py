@@ -29,7 +29,8 @@ def _resolve(consumer: str):
 
 def reads(obj, field: str) -> bool:
     """Code (not a comment or docstring) in obj that reads `field`: an attribute `x.field`, a dataclass field of that
-    name copied by name (AioConfig.from_plan), or the exact string (getattr(plan, "field"), a section-name table)."""
+    name copied by name (the ops' AioConfig, filled by aio_config), or the exact string (getattr(plan, "field"),
+    a section-name table)."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr == field:
@@ -129,12 +130,12 @@ def test_optimizer_state_dtype_is_checked_before_any_process_group(bf16, offload
 
 
 def test_aio_plan_reaches_the_op_config():
-    from fsdpzero_ops.aio import AioConfig
+    from fsdpzero.offload.swapdir import aio_config
     from fsdpzero.plan import AioPlan
     plan = AioPlan(block_size=2 * 1_048_576, queue_depth=3, intra_op_parallelism=2, single_submit=True,
                    overlap_events=False)
-    cfg = AioConfig.from_plan(plan)
-    assert {f: getattr(cfg, f) for f in AioConfig.__dataclass_fields__} == dataclasses.asdict(plan)
+    cfg = aio_config(plan)
+    assert dataclasses.asdict(cfg) | {"use_gds": False} == dataclasses.asdict(plan)
 
 
 B16 = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
