@@ -68,21 +68,6 @@ def _run(rank, world, stages):
     return out
 
 
-def test_autotp_matches_deepspeed():
-    _deepspeed()
-    out = run_distributed(_run, WORLD, (1, 2, 3), timeout=900)[0]
-    report = {}
-    for stage in (1, 2, 3):
-        (dl, dn), (fl, fn) = out[(stage, "deepspeed")], out[(stage, "fsdpzero")]
-        report[stage] = {"loss": max(abs(a - b) for a, b in zip(dl, fl)),
-                         "norm": max(abs(a - b) for a, b in zip(dn, fn)) if None not in dn else None,
-                         "deepspeed_losses": dl, "deepspeed_norms": dn}
-    print(report)
-    for stage, r in report.items():
-        assert r["loss"] <= TOL, (stage, r)
-        assert r["norm"] is not None and r["norm"] <= TOL, (stage, r)
-
-
 def _triad(rank, world):
     _deepspeed()
     import deepspeed
@@ -100,13 +85,38 @@ def _triad(rank, world):
     return out
 
 
-def test_deepspeed_triad_counts_the_world():
+@pytest.fixture(scope="module")
+def oracle_runs():
+    """One 4-rank job for both tests (spawned ranks shared): both engines per stage, then DeepSpeed's triad checks."""
+    _deepspeed()
+    return run_distributed(_job, WORLD, (1, 2, 3), timeout=900)[0]
+
+
+def _job(rank, world, stages):
+    runs = _run(rank, world, stages)   # first: the triad's failed ZeRO-3 init may leave DeepSpeed state behind
+    return {"runs": runs, "triad": _triad(rank, world)}
+
+
+def test_autotp_matches_deepspeed(oracle_runs):
+    out = oracle_runs["runs"]
+    report = {}
+    for stage in (1, 2, 3):
+        (dl, dn), (fl, fn) = out[(stage, "deepspeed")], out[(stage, "fsdpzero")]
+        report[stage] = {"loss": max(abs(a - b) for a, b in zip(dl, fl)),
+                         "norm": max(abs(a - b) for a, b in zip(dn, fn)) if None not in dn else None,
+                         "deepspeed_losses": dl, "deepspeed_norms": dn}
+    print(report)
+    for stage, r in report.items():
+        assert r["loss"] <= TOL, (stage, r)
+        assert r["norm"] is not None and r["norm"] <= TOL, (stage, r)
+
+
+def test_deepspeed_triad_counts_the_world(oracle_runs):
     """DeepSpeed 0.19.8 under AutoTP refuses train_batch_size = micro x GA x dp (its config has no mpu and counts
     dist.get_world_size(); fsdpzero refuses it with the same message: tests/parallel/test_autotp.py), and at ZeRO-3
     it also refuses micro x GA x world, in zero.Init, whose config counts dp. fsdpzero accepts the world count at
     every stage (a config DeepSpeed's engine accepts runs here)."""
-    _deepspeed()
-    dp_counted, world_counted_z3 = run_distributed(_triad, WORLD, timeout=300)[0]
+    dp_counted, world_counted_z3 = oracle_runs["triad"]
     message = ("Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * "
                "gradient_acc_step * world_size {} != {} * {} * {}")
     assert dp_counted == message.format(MICRO * GAS * 2, MICRO, GAS, WORLD), dp_counted
