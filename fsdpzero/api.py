@@ -87,7 +87,7 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
     check_compile(plan)
     tp_styles = resolve_tp_plan(model, plan.tensor_parallel)   # AutoTP: its errors before any process group
     if plan.sequence_parallel.size > 1:   # Ulysses: heads, KV heads and attention checked before any process group
-        check_sequence_parallel(model, plan.sequence_parallel.size)
+        check_sequence_parallel(model, plan.sequence_parallel.size, plan.tensor_parallel.size)
     info = init_distributed_env(env.device_type)
     # before the first collective: ranks started with different configs or models would otherwise meet in
     # mismatched collectives (a gloo abort or a hang) with nothing saying what differs

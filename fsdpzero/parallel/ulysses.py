@@ -37,16 +37,11 @@ CORES = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 
 
 # -- checks: pure, before any process group ----------------------------------------------------------------------
-def check_world(size: int, world_size: int) -> None:
-    if size < 1 or world_size % size:
-        raise ValueError(f"{KEY} = {size} does not divide the world size {world_size}: use a divisor of "
-                         f"{world_size} (the ranks form world/{KEY} groups of {KEY} consecutive ranks)")
-
-
-def check_model(model: Any, size: int) -> str:
+def check_model(model: Any, size: int, tp: int = 1) -> str:
     """The model's attention can be split over `size` ranks: a transformers model, heads and KV heads dividing (KV
-    heads may also be a divisor of `size`: replicated, as DeepSpeed), a core attention the wrapper knows. Returns
-    the core attention implementation."""
+    heads may also be a divisor of `size`: replicated, as DeepSpeed), a core attention the wrapper knows. With
+    tensor parallelism `tp`, the heads each tp rank holds are what sp splits. Returns the core attention
+    implementation."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "get_text_config"):
         raise ValueError(f"{KEY} = {size} needs a transformers model (one with a `config`); "
@@ -57,9 +52,12 @@ def check_model(model: Any, size: int) -> str:
     if heads is None:
         raise ValueError(f"{KEY} = {size}: {type(model).__name__}'s config has no num_attention_heads; "
                          f"set {KEY} to 1")
-    if heads % size:
-        raise ValueError(f"{KEY} = {size} does not divide the model's {heads} attention heads "
-                         f"(num_attention_heads): use a divisor of {heads}")
+    with_tp = f" x tensor_parallel.autotp_size {tp}" if tp > 1 else ""
+    if heads % (size * tp):
+        raise ValueError(f"{KEY} = {size}{with_tp} does not divide the model's {heads} attention heads "
+                         f"(num_attention_heads): use a divisor of {heads // tp if heads % tp == 0 else heads}")
+    if kv % tp == 0:   # tp's own kv-head check (fsdpzero/parallel/tp_plan.py) comes first
+        kv //= tp
     if kv % size and size % kv:
         raise ValueError(f"{KEY} = {size} and the model's {kv} KV heads (num_key_value_heads): neither divides the "
                          f"other; use a divisor of {kv} or a multiple of it that divides {heads}")
@@ -187,15 +185,16 @@ def _no_mask(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def register_with_transformers(model, group, size: int) -> str:
+def register_with_transformers(model, group, size: int, tp: int = 1) -> str:
     """Register the Ulysses attention for `model` and switch the model to it; returns the key. The core is the
-    model's attn_implementation (sdpa, eager, flash_attention_2/3)."""
+    model's attn_implementation (sdpa, eager, flash_attention_2/3). `tp`: tensor-parallel ranks, each holding
+    1/tp of the heads."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
-    core = check_model(model, size)
+    core = check_model(model, size, tp)
     text = model.config.get_text_config()
-    heads = text.num_attention_heads
-    kv = getattr(text, "num_key_value_heads", None) or heads
+    heads = text.num_attention_heads // tp
+    kv = (getattr(text, "num_key_value_heads", None) or text.num_attention_heads) // tp
     key = f"{PREFIX}-{id(group):x}-{core}"
     AttentionInterface.register(key, UlyssesAttention(core, group, size, heads, kv))
     AttentionMaskInterface.register(key, _no_mask)
@@ -349,19 +348,30 @@ class SequenceParallel:
         return self.rank
 
 
+def sequence_parallel_ranks(world: int, size: int, tp: int = 1) -> list[list[int]]:
+    """The sp groups: `size` consecutive data-parallel replicas (DeepSpeed's groups of consecutive ranks); with
+    tensor parallelism (tp innermost in the mesh, a replica = tp consecutive ranks) one group per tp coordinate."""
+    return [[(i * size + j) * tp + t for j in range(size)] for i in range(world // (size * tp)) for t in range(tp)]
+
+
 def apply_sequence_parallel(model, plan) -> SequenceParallel | None:
-    """After the process group exists, before sharding: the groups of plan.sequence_parallel.size consecutive
-    ranks, and the model's attention registered over this rank's group. None when the size is 1."""
-    size = plan.sequence_parallel.size
+    """After the process group exists, before sharding: the sp groups (sequence_parallel_ranks), and the model's
+    attention registered over this rank's group. None when the size is 1."""
+    size, tp = plan.sequence_parallel.size, plan.tensor_parallel.size
     if size <= 1:
         return None
-    group, _ = dist.new_subgroups(group_size=size)
-    key = register_with_transformers(model, group, size)
-    log.info("sequence parallelism: %d groups of %d consecutive ranks, %s attention behind head/sequence "
-             "all-to-alls", dist.get_world_size() // size, size, key.rsplit("-", 1)[1])
-    return SequenceParallel(size=size, rank=dist.get_rank(group), group=group, key=key)
+    rank, mine = dist.get_rank(), None
+    for ranks in sequence_parallel_ranks(dist.get_world_size(), size, tp):
+        group = dist.new_group(ranks)   # every rank creates every group, in the same order
+        if rank in ranks:
+            mine = group
+    key = register_with_transformers(model, mine, size, tp)
+    log.info("sequence parallelism: %d groups of %d ranks%s, %s attention behind head/sequence all-to-alls",
+             dist.get_world_size() // size, size, f" (one per tp rank, {tp})" if tp > 1 else " (consecutive)",
+             key.rsplit("-", 1)[1])
+    return SequenceParallel(size=size, rank=dist.get_rank(mine), group=mine, key=key)
 
 
 __all__ = ["CORES", "SequenceParallel", "UlyssesAttention", "UlyssesSPDataLoaderAdapter", "apply_sequence_parallel",
-           "check_model", "check_seq_len", "check_world", "heads_to_sequence", "register_with_transformers",
-           "sequence_parallel_loss", "sequence_to_heads", "shard_batch"]
+           "check_model", "check_seq_len", "heads_to_sequence", "register_with_transformers",
+           "sequence_parallel_loss", "sequence_parallel_ranks", "sequence_to_heads", "shard_batch"]

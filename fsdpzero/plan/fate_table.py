@@ -490,23 +490,22 @@ def _sp_untested(c: Ctx) -> bool:
     z, cfg = c.cfg.zero_optimization, c.cfg
     return bool(c.device("offload_optimizer") in ("cpu", "nvme") or c.device("offload_param") in ("cpu", "nvme")
                 or z.mics_shard_size > 0 or (z.stage == 3 and z.zero_hpz_partition_size > 1)
-                or (cfg.tensor_parallel is not None and cfg.tensor_parallel.autotp_size > 1)
                 or (cfg.compile is not None and (cfg.compile.enabled or cfg.compile.deepcompile)))
 
 
 _SP_RULES = (
-    Rule("sequence_parallel_size", value_above(1) & When("with offload, MiCS / hpZ, tensor_parallel or compile",
-                                                         _sp_untested), U,
-         "sequence parallelism with CPU/NVMe offload, MiCS / hpZ, tensor_parallel.autotp_size > 1 or compile is "
-         "not implemented (untested combination): remove one of the two"),
+    Rule("sequence_parallel_size", value_above(1) & When("with offload, MiCS / hpZ or compile", _sp_untested), U,
+         "sequence parallelism with CPU/NVMe offload, MiCS / hpZ or compile is not implemented (untested "
+         "combination): remove one of the two"),
     Rule("sequence_parallel_size", value_above(1), M,
          "SequenceParallelPlan.size: Ulysses over groups of {value} consecutive ranks "
          "(fsdpzero/parallel/ulysses.py): the model's attention (sdpa, eager, flash) registered in transformers' "
          "AttentionInterface behind head/sequence all-to-alls; UlyssesSPDataLoaderAdapter / shard_batch shift the "
          "labels then slice every tensor, position_ids kept global; the loss is the mean over the real tokens of the "
-         "whole sequence. ZeRO 0-3 shard over all ranks (dp x sp, DeepSpeed's sequence-data-parallel group); the "
-         "batch triad counts world / {value}. Gradients equal the unsharded run's (DeepSpeed 0.19.8's ZeRO 1/2 "
-         "divide by dp only: their gradients and grad norm are {value}x, stage 3 matches)"),
+         "whole sequence. ZeRO 0-3 shard over all ranks (dp x sp, DeepSpeed's sequence-data-parallel group; with "
+         "tensor_parallel one sp group per tp rank, ZeRO over the data dimension); the batch triad counts world / "
+         "{value}. Gradients equal the unsharded run's (DeepSpeed 0.19.8's ZeRO 1/2 divide by dp only: their "
+         "gradients and grad norm are {value}x, stage 3 matches)"),
 )
 
 CONDITIONAL: tuple[Rule, ...] = (

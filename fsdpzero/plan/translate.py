@@ -93,13 +93,17 @@ def _tensor_parallel(cfg: DSConfig, env: Env) -> TensorParallelPlan:
 
 def _sequence_parallel(cfg: DSConfig, env: Env) -> SequenceParallelPlan:
     """Ulysses: sequence_parallel_size > 1 divides the world (DeepSpeed's initialize_sequence_parallel raises
-    otherwise); the batch triad then counts world / size data-parallel ranks, as DeepSpeed 0.19.8's config."""
+    otherwise), and with AutoTP the world / autotp_size replicas; the batch triad then counts world / size ranks,
+    as DeepSpeed 0.19.8's config (tp ranks counted, as for AutoTP alone)."""
     size = cfg.sequence_parallel_size or 1
     if size <= 1:
         return SequenceParallelPlan()
-    if env.world_size % size:
-        raise ConfigError(Problem("sequence_parallel_size", f"{size} does not divide the world size "
-                                  f"{env.world_size}", f"use a divisor of {env.world_size}"))
+    tp = cfg.tensor_parallel.autotp_size if cfg.tensor_parallel is not None else 0
+    tp = tp if tp > 1 else 1
+    if env.world_size % (size * tp):
+        what = f"the world size {env.world_size}" + (f" / tensor_parallel.autotp_size {tp}" if tp > 1 else "")
+        raise ConfigError(Problem("sequence_parallel_size", f"{size} does not divide {what}",
+                                  f"use a divisor of {env.world_size // tp if env.world_size % tp == 0 else env.world_size}"))
     return SequenceParallelPlan(size=size)
 
 

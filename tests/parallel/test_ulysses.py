@@ -3,7 +3,7 @@
 Parity: 4 forked gloo ranks, sp 2 x dp 2, a real transformers Llama (4 heads, 2 KV heads) in fp32, through
 `fsdpzero.initialize(training_data=...)` (the engine's DataLoader: a DistributedSampler over the world, then the
 Ulysses adapter), ZeRO 0, 1 (eager attention), 2 (sdpa, GA 2) and 3 (sdpa, activation checkpointing), and sp 4 x dp 1
-at ZeRO 3 (the 2 KV heads replicated over 4 ranks, as DeepSpeed), 3 optimizer steps with clipping; against the unsharded single-process torch run of the same global batch (AdamW + clip_grad_norm_),
+at ZeRO 3 (the 2 KV heads replicated over 4 ranks, as DeepSpeed), and sp 2 x tp 2 (AutoTP) at ZeRO 3, 3 optimizer steps with clipping; against the unsharded single-process torch run of the same global batch (AdamW + clip_grad_norm_),
 whose samples have right padding, -100 prompt labels and micro-batches whose second half holds no real label (a rank
 with no token to average, asserted to occur): per-step losses and pre-clip grad norms within 1e-5 (measured: <= 2.4e-7 both).
 The batch and model checks run without ranks; the wrong-head error comes before any process group.
@@ -26,13 +26,15 @@ from tests.multirank import run_distributed
 STEPS, MICRO, WORLD, SP = 3, 2, 4, 2
 DP = WORLD // SP
 TOL = 1e-5
-# name -> (ZeRO stage, attention, gradient accumulation, activation checkpointing, sp); sp 4 replicates the 2 KV heads
-CASES = {"z0": (0, "sdpa", 1, False, SP), "z1": (1, "eager", 1, False, SP), "z2": (2, "sdpa", 2, False, SP), "z3": (3, "sdpa", 1, True, SP),
-         "z3_sp4": (3, "sdpa", 1, False, 4)}
+# name -> (ZeRO stage, attention, gradient accumulation, activation checkpointing, sp, tp); sp 4 replicates the 2 KV
+# heads; with tp 2 each tp rank holds 2 heads and 1 KV head, which sp 2 splits (the KV head replicated)
+CASES = {"z0": (0, "sdpa", 1, False, SP, 1), "z1": (1, "eager", 1, False, SP, 1),
+         "z2": (2, "sdpa", 2, False, SP, 1), "z3": (3, "sdpa", 1, True, SP, 1),
+         "z3_sp4": (3, "sdpa", 1, False, 4, 1), "z3_tp2": (3, "sdpa", 2, False, SP, 2)}
 
 
-def ds_config(stage: int, gas: int = 1, ac: bool = False, sp: int = SP, clip: float = 1.0) -> dict:
-    """The triad counts world / sp data-parallel ranks, as DeepSpeed 0.19.8's config."""
+def ds_config(stage: int, gas: int = 1, ac: bool = False, sp: int = SP, clip: float = 1.0, tp: int = 1) -> dict:
+    """The triad counts world / sp ranks, as DeepSpeed 0.19.8's config (tp ranks counted, as for AutoTP alone)."""
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
            "train_batch_size": MICRO * gas * WORLD // sp, "gradient_clipping": clip, "steps_per_print": 10 ** 9,
            "sequence_parallel_size": sp,
@@ -40,6 +42,8 @@ def ds_config(stage: int, gas: int = 1, ac: bool = False, sp: int = SP, clip: fl
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
     if ac:
         cfg["activation_checkpointing"] = {}
+    if tp > 1:
+        cfg["tensor_parallel"] = {"autotp_size": tp}
     return cfg
 
 
@@ -66,8 +70,8 @@ def dataset(n: int) -> list[dict]:
     return out
 
 
-def n_samples(gas: int, sp: int = SP) -> int:
-    return -(-STEPS * gas // sp) * MICRO * WORLD   # each rank's loader feeds its group once every sp micro-steps
+def n_samples(gas: int, sp: int = SP, tp: int = 1) -> int:
+    return -(-STEPS * gas // sp) * MICRO * WORLD // tp   # a replica's loader feeds its group every sp micro-steps
 
 
 # ---------------------------------------------------------------------------------------------------- pure checks
@@ -128,12 +132,14 @@ def test_bad_heads_refused_before_any_process_group(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------- parity
-def reference(attn: str, gas: int, sp: int = SP, clip: float = 1.0) -> tuple[list[float], list[float]]:
-    """The unsharded run of the global batches the engine's loader gives: rank r's DistributedSampler batches, each
-    group training on its ranks' batches in rank order (UlyssesSPDataLoaderAdapter)."""
-    data = dataset(n_samples(gas, sp))
-    dp = WORLD // sp
-    per_rank = [list(DistributedSampler(data, num_replicas=WORLD, rank=r)) for r in range(WORLD)]
+def reference(attn: str, gas: int, sp: int = SP, clip: float = 1.0, tp: int = 1) -> tuple[list[float], list[float]]:
+    """The unsharded run of the global batches the engine's loader gives: data replica r's (rank r, or tp ranks
+    with tp) DistributedSampler batches, each group training on its replicas' batches in order
+    (UlyssesSPDataLoaderAdapter)."""
+    data = dataset(n_samples(gas, sp, tp))
+    replicas = WORLD // tp
+    dp = replicas // sp
+    per_rank = [list(DistributedSampler(data, num_replicas=replicas, rank=r)) for r in range(replicas)]
     m = model(attn)
     opt = torch.optim.AdamW(m.parameters(), **ADAMW)
     losses, norms, micro = [], [], 0
@@ -157,9 +163,9 @@ def reference(attn: str, gas: int, sp: int = SP, clip: float = 1.0) -> tuple[lis
 
 def _train(rank, world, cases, clip=1.0):
     out = {}
-    for name, (stage, attn, gas, ac, sp) in cases.items():
-        engine, _, loader, _ = fsdpzero.initialize(model=model(attn), config=ds_config(stage, gas, ac, sp, clip),
-                                                   training_data=dataset(n_samples(gas, sp)))
+    for name, (stage, attn, gas, ac, sp, tp) in cases.items():
+        engine, _, loader, _ = fsdpzero.initialize(model=model(attn), config=ds_config(stage, gas, ac, sp, clip, tp),
+                                                   training_data=dataset(n_samples(gas, sp, tp)))
         assert isinstance(loader, ulysses.UlyssesSPDataLoaderAdapter)
         it = iter(loader)
         losses, norms, empty = [], [], 0
@@ -182,13 +188,14 @@ def _train(rank, world, cases, clip=1.0):
 @pytest.mark.slow
 def test_sp2_matches_unsharded():
     results = run_distributed(_train, WORLD, CASES, timeout=600)
-    for name, (_, attn, gas, _, sp) in CASES.items():
-        ref_losses, ref_norms = reference(attn, gas, sp)
-        ranks, dp = [r[name] for r in results], WORLD // sp
-        for g in range(dp):   # every rank of a group holds its group's loss
-            for r in range(g * sp, (g + 1) * sp):
-                assert ranks[r]["losses"] == ranks[g * sp]["losses"]
-        losses = [sum(ranks[g * sp]["losses"][s] for g in range(dp)) / dp for s in range(STEPS)]
+    for name, (_, attn, gas, _, sp, tp) in CASES.items():
+        ref_losses, ref_norms = reference(attn, gas, sp, tp=tp)
+        ranks, span = [r[name] for r in results], sp * tp   # a group of sp replicas: sp x tp consecutive ranks
+        for g in range(WORLD // span):   # every rank of a group (and its tp peers) holds its group's loss
+            for r in range(g * span, (g + 1) * span):
+                assert ranks[r]["losses"] == ranks[g * span]["losses"]
+        losses = [sum(ranks[g * span]["losses"][s] for g in range(WORLD // span)) / (WORLD // span)
+                  for s in range(STEPS)]
         for s in range(STEPS):
             assert abs(losses[s] - ref_losses[s]) <= TOL, (name, s, losses, ref_losses)
             for r in range(WORLD):

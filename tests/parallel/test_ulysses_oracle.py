@@ -25,8 +25,8 @@ from tests.parallel.test_ulysses import MICRO, SP, STEPS, WORLD, _train, dataset
 
 pytestmark = [pytest.mark.oracle, pytest.mark.slow]
 
-# name -> (ZeRO stage, attention, GA, activation checkpointing, sp): DeepSpeed refuses eager under Ulysses
-CASES = {"z1": (1, "sdpa", 1, False, SP), "z2": (2, "sdpa", 2, False, SP), "z3": (3, "sdpa", 1, False, SP)}
+# name -> (ZeRO stage, attention, GA, activation checkpointing, sp, tp): DeepSpeed refuses eager under Ulysses
+CASES = {"z1": (1, "sdpa", 1, False, SP, 1), "z2": (2, "sdpa", 2, False, SP, 1), "z3": (3, "sdpa", 1, False, SP, 1)}
 TOL = 1e-5
 
 
@@ -55,7 +55,7 @@ def _deepspeed_run(rank, world, cases):
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     ds.init_distributed("gloo")
     out = {}
-    for name, (stage, attn, gas, ac, sp) in cases.items():
+    for name, (stage, attn, gas, ac, sp, _) in cases.items():
         m = model(attn)
         mpu = UlyssesSPAttentionHF.register_with_transformers(m, attn, sp, MICRO, seq_length_is_variable=True)
         engine = ds.initialize(model=m, model_parameters=m.parameters(), config=ds_config(stage, gas, ac, sp, 0.0),
