@@ -130,3 +130,20 @@ def test_compile_bench_cpu_smoke(tmp_path):
     assert rows["plain_compiled"]["losses"] == pytest.approx(rows["plain_eager"]["losses"], rel=1e-6)
     summary = (tmp_path / "summary.md").read_text()
     assert "| fsdpzero_compiled |" in summary and "per-step overhead" in summary
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_autotp_bench_cpu_smoke(tmp_path):
+    """bench/autotp.py end to end on 2 gloo ranks (tp 2 x dp 1, tiny Llama, fp32, fsdpzero only: DeepSpeed's side is
+    tests/parallel/test_autotp_oracle.py): the JSON summary, a row with the tp layout and a falling loss, the table."""
+    env = dict(os.environ, FSDPZERO_BENCH_CPU="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(ROOT / "bench/autotp.py"), "--nproc", "2", "--tp", "2", "--stages", "2",
+           "--impls", "fsdpzero", "--steps", "2", "--warmup", "1", "--out", str(tmp_path)]
+    res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=230)
+    assert res.returncode == 0, res.stdout + res.stderr
+    summary = json.loads((tmp_path / "autotp.json").read_text())
+    (row,) = summary["rows"]
+    assert (summary["tp"], summary["dp"], row["impl"], row["stage"]) == (2, 1, "fsdpzero", 2)
+    assert len(row["losses"]) == 3 and row["losses"][-1] < row["losses"][0] and row["tokens_per_s_per_gpu"] > 0
+    assert "| 2 | 2 x 1 | fsdpzero |" in (tmp_path / "summary.md").read_text()
