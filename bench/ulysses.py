@@ -188,7 +188,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--run-timeout", type=int, default=100)
-    ap.add_argument("--budget", type=int, default=200, help="launch no run after this many seconds (a run may take --run-timeout more)")
+    ap.add_argument("--budget", type=int, default=200,
+                    help="launch no run after this many seconds (a run may take --run-timeout more)")
     ap.add_argument("--json")
     ap.add_argument("--out", default="out/ulysses")
     args = ap.parse_args()
