@@ -381,6 +381,14 @@ def place_this_rank(*, threads: int | None = None, bind: bool | None = None, dev
     return placement
 
 
+def place_cpu_step(knobs) -> Placement:
+    """place_this_rank for an offload CPU step, from an engine's knobs (offload_threads, offload_bind), on this
+    process's CUDA device if there is one."""
+    import torch
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    return place_this_rank(threads=knobs.offload_threads, bind=knobs.offload_bind, device=device)
+
+
 # -- the launcher's per-rank binder -----------------------------------------------------------------------------------
 def launcher_binding(local_rank: int, local_world: int, core_list: str | None = None,
                      topo: Topology | None = None, affinity=None) -> Placement:

@@ -15,6 +15,7 @@ from torch import nn
 
 from fsdpzero_ops import CPUAdam
 from fsdpzero_ops.stage1 import Stage1Optimizer
+from fsdpzero.host import place_cpu_step
 from fsdpzero.optim.factory import AdamNoBiasCorrection
 from fsdpzero.optim.grad_path import UNSTEPPED, GradPath, MASTER, drop_unstepped_state, skips_on_device
 from fsdpzero.precision import DTYPES, cast_forward_inputs
@@ -85,6 +86,8 @@ class Stage1GradPath(GradPath):
                 "per-tensor quantities (LAMB trust ratios, ...) are then taken over that flat shard and results "
                 "differ from stage 0", type(optimizer).__name__)
         shard, precision, offload = plan.shard, plan.precision, plan.offload
+        if offload.optimizer_device == "cpu":   # the CPU step's threads and cores, as the offload path's (torchrun's
+            place_cpu_step(or_defaults(tuning))   # OMP_NUM_THREADS=1 left it one thread); before the masters exist
         knobs = stage1_knobs(or_defaults(tuning))
         forward_allgather = knobs.pop("forward_allgather")
         stage1 = Stage1Optimizer.wrap(

@@ -204,10 +204,12 @@ def _thread_cpus() -> dict[str, list[int]]:
     return out
 
 
-def _placed_job(rank, world):
+def _placed_job(rank, world, stage):
     import dataclasses
     import logging
     import threading
+
+    import torch
 
     from fsdpzero import host
     from fsdpzero.api import wrap
@@ -218,36 +220,42 @@ def _placed_job(rank, world):
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
     logging.getLogger("fsdpzero").addHandler(handler)
-    plan = dataclasses.replace(make_plan(stage=2, world=world), offload=OffloadPlan(optimizer_device="cpu"))
+    plan = dataclasses.replace(make_plan(stage=stage, world=world), offload=OffloadPlan(optimizer_device="cpu"))
     engine = wrap(build_model("llama"), plan, tuning={"offload_bind": 1, "offload_overlap": 1})
-    adam = engine.grad_path.optimizer
-    seen, real = {}, adam.step_param
+    seen = {}
 
-    def recording_step(*args, **kwargs):   # the thread that runs CPU Adam, and where it may run
-        seen[threading.current_thread().name] = sorted(os.sched_getaffinity(0))
-        return real(*args, **kwargs)
-    adam.step_param = recording_step
+    def where() -> tuple[list[int], int]:   # the calling thread's CPUs and torch threads
+        return sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+    if stage == 2:   # the offload path's fused CPU Adam runs on the overlapped step's worker thread
+        adam, real = engine.grad_path.optimizer, engine.grad_path.optimizer.step_param
+        adam.step_param = lambda *a, **k: (seen.__setitem__(threading.current_thread().name, where()), real(*a, **k))[1]
     engine_losses(engine, batches(2, 1, 2 * world), rank, world)
     engine.wait_for_params()
+    if stage == 1:   # stage 1 steps its CPU masters with torch's optimizer on the engine's own thread
+        seen[threading.current_thread().name] = where()
     placement = host.applied()
-    return {"cores": list(placement.cores), "threads": placement.threads, "torch_threads": engine.grad_path.threads,
-            "adam": seen, "tasks": _thread_cpus(), "startup": "\n".join(lines)}
+    return {"cores": list(placement.cores), "threads": placement.threads, "adam": seen, "tasks": _thread_cpus(),
+            "startup": "\n".join(lines)}
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two ranks need two CPUs to be pinned apart")
-def test_two_ranks_cpu_adam_threads_run_on_disjoint_cores():
+@pytest.mark.parametrize("stage", [2, 1])
+def test_two_ranks_cpu_adam_threads_run_on_disjoint_cores(stage):
+    """Stage 2: the offload path; stage 1 + offload_optimizer cpu (its own CPU step: it ran on torchrun's one
+    thread anywhere on the host before)."""
     from tests.multirank import run_distributed
-    got = run_distributed(_placed_job, 2, timeout=240)
+    got = run_distributed(_placed_job, 2, stage, timeout=240)
     cores = [set(g["cores"]) for g in got]
     assert cores[0] and cores[1] and not cores[0] & cores[1], cores
     assert cores[0] | cores[1] <= os.sched_getaffinity(0)
     for g, mine in zip(got, cores):
-        assert "fsdpzero-offload-step" in g["adam"], g["adam"]      # the overlapped step's worker ran CPU Adam
-        for name, cpus in g["adam"].items():
+        assert ("fsdpzero-offload-step" if stage == 2 else "MainThread") in g["adam"], g["adam"]
+        for name, (cpus, threads) in g["adam"].items():            # the thread that ran the CPU step
             assert set(cpus) <= mine, (name, cpus, mine)
+            assert threads == (g["threads"] - 1 if stage == 2 else g["threads"]) or threads == 1, (name, threads)
         for name, cpus in g["tasks"].items():                       # and every other thread of the rank
             assert set(cpus) <= mine, (name, cpus, mine)
-        assert g["threads"] == g["torch_threads"] and 1 <= g["threads"] <= len(mine)
+        assert 1 <= g["threads"] <= len(mine)
     assert f"cpu: {got[0]['threads']} threads/rank, cores {format_cpulist(cores[0])}" in got[0]["startup"], \
         got[0]["startup"]
     assert "ranks " + " / ".join(format_cpulist(c) for c in cores) in got[0]["startup"]
