@@ -1,7 +1,8 @@
 """AutoTP (`tensor_parallel.autotp_size`) on a (dp, tp) mesh: DTensor tensor parallelism over tp, FSDP2 over dp.
 
 Parity: 4 forked gloo ranks, tp 2 x dp 2, a real transformers Llama (4 heads, 2 kv heads) in fp32, through
-`fsdpzero.initialize` with a ds_config dict, ZeRO 0/1/2/3 and the `llama` preset, 3 optimizer steps of GA 2 with
+`fsdpzero.initialize` with a ds_config dict, ZeRO 0/1/2/3, the `llama` preset and ZeRO 3 with activation
+checkpointing, 3 optimizer steps of GA 2 with
 clipping; against the unsharded single-process torch run of the same global batch (tests/engine_cases.reference_trace:
 AdamW + clip_grad_norm_): per-step losses and pre-clip grad norms within 1e-5 (measured: <= 4.8e-7 and 1.2e-7).
 Checkpoints: DCP saved at tp 2 x dp 2 resumes at dp 4, and the reverse, continuing the reference's loss curve; the
@@ -195,6 +196,9 @@ def _tp_runs(rank, world, ckpt, export_dir):
                                                                            {"preset_model": "llama"})):
         engine = fsdpzero.initialize(model=build_model("llama"), config=ds_config(stage, **keys))[0]
         out[name] = _loop(engine, rank, data)
+    engine = fsdpzero.initialize(model=build_model("llama"), config={**ds_config(3), "activation_checkpointing": {}})[0]
+    assert engine.module.is_gradient_checkpointing   # transformers' own checkpointing, after TP, before FSDP
+    out["z3 activation checkpointing"] = _loop(engine, rank, data)
     engine = fsdpzero.initialize(model=build_model("llama"), config={**ds_config(2), "bf16": {"enabled": True}})[0]
     out["z2 bf16"] = _loop(engine, rank, data)
     engine = fsdpzero.initialize(model=build_model("llama"), config=ds_config(3))[0]
