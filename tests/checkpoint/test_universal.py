@@ -3,7 +3,10 @@
 - a DeepSpeed ZeRO-2 run on 4 ranks saves; DeepSpeed's own ds_to_universal makes the universal checkpoint; fsdpzero
   resumes it on 2 ranks (`checkpoint.load_universal: true`): the losses continue DeepSpeed's uninterrupted run;
 - fsdpzero on 2 ranks saves; `fsdpzero convert --to universal` writes the universal checkpoint; DeepSpeed resumes it
-  on 4 ranks with `checkpoint.load_universal: true`: the losses continue fsdpzero's uninterrupted run.
+  on 4 ranks with `checkpoint.load_universal: true` (data parallel, and with its AutoTP, tp 2 x dp 2): the losses
+  continue fsdpzero's uninterrupted run;
+- DeepSpeed's own AutoTP run (tp 2 x dp 2) saves on 4 ranks; ds_to_universal merges its slices; fsdpzero resumes it
+  on 2 ranks with tp 2.
 Both carry the optimizer state (AdamW moments and step), the scheduler (WarmupLR, mid-warmup: the lr moves every step)
 and the counters; clipping at 1.0 engages. fsdpzero runs data parallel (dp2) and with AutoTP (tp2: one data replica,
 the blocks' Linears split over the 2 ranks). fp32; tolerance 5e-6 on losses of ~4.9 (measured <= 9.5e-7), where a
@@ -104,21 +107,27 @@ def _ds_job(rank, world, root, mode, tp=1):
         losses = _steps(engine, rank, world, range(SAVE), tp)
         engine.save_checkpoint(str(Path(root) / "ds"))
         return losses + _steps(engine, rank, world, range(SAVE, TOTAL), tp)
-    engine = _engine("deepspeed", _config(world, universal=True))   # resume fsdpzero's universal checkpoint
-    path, _ = engine.load_checkpoint(str(Path(root) / "ours"))
-    assert path is not None and engine.global_steps == SAVE, (path, engine.global_steps)
-    return _steps(engine, rank, world, range(SAVE, TOTAL))
+    resumed = {}
+    for name, ds_tp in mode:   # resume each of fsdpzero's universal checkpoints (ds_tp 2: with DeepSpeed's AutoTP)
+        engine = _engine("deepspeed", _config(world, universal=True, tp=ds_tp))
+        path, _ = engine.load_checkpoint(str(Path(root) / name))
+        assert path is not None and engine.global_steps == SAVE, (path, engine.global_steps)
+        resumed[name, ds_tp] = _steps(engine, rank, world, range(SAVE, TOTAL), ds_tp)
+    return resumed
 
 
-def _ours_job(rank, world, root, tp):
-    engine = _engine("fsdpzero", _config(world, universal=True, tp=tp))   # DeepSpeed's universal checkpoint, 4 -> 2
-    path, _ = engine.load_checkpoint(str(Path(root) / "ds"))
-    assert Path(path).name == f"global_step{SAVE}_universal" and engine.global_steps == SAVE
-    from_ds = _steps(engine, rank, world, range(SAVE, TOTAL), tp)
-    engine = _engine("fsdpzero", _config(world, tp=tp))   # fsdpzero's uninterrupted run, saved at SAVE
-    ours = _steps(engine, rank, world, range(SAVE), tp)
-    engine.save_checkpoint(str(Path(root) / "ours"))
-    return from_ds, ours + _steps(engine, rank, world, range(SAVE, TOTAL), tp)
+def _ours_job(rank, world, root, tps):
+    out = {}
+    for tp in tps:   # DeepSpeed's universal checkpoint, 4 ranks -> 2 (tp 2: one data replica)
+        engine = _engine("fsdpzero", _config(world, universal=True, tp=tp))
+        path, _ = engine.load_checkpoint(str(Path(root) / "ds"))
+        assert Path(path).name == f"global_step{SAVE}_universal" and engine.global_steps == SAVE
+        from_ds = _steps(engine, rank, world, range(SAVE, TOTAL), tp)
+        engine = _engine("fsdpzero", _config(world, tp=tp))   # fsdpzero's uninterrupted run, saved at SAVE
+        ours = _steps(engine, rank, world, range(SAVE), tp)
+        engine.save_checkpoint(str(Path(root) / f"ours_tp{tp}"))
+        out[tp] = from_ds, ours + _steps(engine, rank, world, range(SAVE, TOTAL), tp)
+    return out
 
 
 def _close(a, b, tol=TOL):
@@ -127,28 +136,34 @@ def _close(a, b, tol=TOL):
 
 @pytest.mark.oracle
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
-def test_universal_round_trip_with_deepspeed(tmp_path, tp):
-    """fsdpzero on 2 ranks: data parallel (dp2), or AutoTP tensor parallel (tp2: one data replica, every Linear of
-    the blocks split over the 2 ranks) against DeepSpeed's data-parallel ZeRO-2 on 4 ranks."""
+def test_universal_round_trip_with_deepspeed(tmp_path):
+    """fsdpzero on 2 ranks, data parallel (tp 1) and AutoTP tensor parallel (tp 2: one data replica, the blocks'
+    Linears split over the 2 ranks), against DeepSpeed's data-parallel ZeRO-2 on 4 ranks, both ways."""
     _deepspeed()
     ds_run = run_distributed(_ds_job, 4, str(tmp_path), "train", timeout=600)[0]
     _ds_to_universal(tmp_path / "ds")
-    from_ds, ours_run = run_distributed(_ours_job, 2, str(tmp_path), tp, timeout=600)[0]
-    # DeepSpeed 4 ranks -> universal -> fsdpzero 2 ranks: DeepSpeed's own curve goes on
-    assert _close(from_ds, ds_run[SAVE:]), (from_ds, ds_run[SAVE:])
-    # the two uninterrupted runs agree before the save (the same training: the oracle suite's claim, here 4 vs 2)
-    assert _close(ours_run[:SAVE], ds_run[:SAVE]), (ours_run, ds_run)
-    out = subprocess.run([sys.executable, "-m", "fsdpzero.cli.main", "convert", str(tmp_path / "ours"), "--to",
-                          "universal"], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert (tmp_path / "ours" / "latest_universal").read_text() == f"global_step{SAVE}_universal"
-    ds_resumed = run_distributed(_ds_job, 4, str(tmp_path), "resume", timeout=600)[0]
-    # fsdpzero 2 ranks -> universal -> DeepSpeed 4 ranks: fsdpzero's curve goes on
-    assert _close(ds_resumed, ours_run[SAVE:]), (ds_resumed, ours_run[SAVE:])
-    print(json.dumps({"tp": tp, "ds->ours": max(abs(a - b) for a, b in zip(from_ds, ds_run[SAVE:])),
-                      "ours->ds": max(abs(a - b) for a, b in zip(ds_resumed, ours_run[SAVE:])),
-                      "uninterrupted ds vs ours": max(abs(a - b) for a, b in zip(ds_run, ours_run))}))
+    ours = run_distributed(_ours_job, 2, str(tmp_path), (1, 2), timeout=600)[0]
+    for tp, (from_ds, ours_run) in ours.items():
+        # DeepSpeed 4 ranks -> universal -> fsdpzero 2 ranks: DeepSpeed's own curve goes on
+        assert _close(from_ds, ds_run[SAVE:]), (tp, from_ds, ds_run[SAVE:])
+        # the uninterrupted runs agree before the save (the same training: the oracle suite's claim, here 4 vs 2)
+        assert _close(ours_run[:SAVE], ds_run[:SAVE]), (tp, ours_run, ds_run)
+        out = subprocess.run([sys.executable, "-m", "fsdpzero.cli.main", "convert", str(tmp_path / f"ours_tp{tp}"),
+                              "--to", "universal"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert (tmp_path / f"ours_tp{tp}" / "latest_universal").read_text() == f"global_step{SAVE}_universal"
+    resumes = [("ours_tp1", 1), ("ours_tp2", 1), ("ours_tp2", 2)]   # the last one by DeepSpeed's AutoTP (tp 2 x dp 2)
+    ds_resumed = run_distributed(_ds_job, 4, str(tmp_path), resumes, timeout=600)[0]
+    for name, ds_tp in resumes:
+        # fsdpzero 2 ranks -> universal -> DeepSpeed 4 ranks: fsdpzero's curve goes on
+        tp = int(name[-1])
+        from_ds, ours_run = ours[tp]
+        resumed = ds_resumed[name, ds_tp]
+        assert _close(resumed, ours_run[SAVE:]), (name, ds_tp, resumed, ours_run[SAVE:])
+        print(json.dumps({"ours tp": tp, "deepspeed tp": ds_tp,
+                          "ds->ours": max(abs(a - b) for a, b in zip(from_ds, ds_run[SAVE:])),
+                          "ours->ds": max(abs(a - b) for a, b in zip(resumed, ours_run[SAVE:])),
+                          "uninterrupted ds vs ours": max(abs(a - b) for a, b in zip(ds_run, ours_run))}))
     # and what a lost optimizer state or scheduler would look like is far outside the tolerance
     assert max(abs(a - b) for a, b in zip(ds_run[SAVE:], ds_run[:SAVE])) > 100 * TOL
 
