@@ -322,6 +322,13 @@ class SequenceParallel:
             if kwargs.get("position_ids") is None:
                 raise ValueError(f"{KEY} = {self.size}: the model was called without position_ids; feed the batches "
                                  "of UlyssesSPDataLoaderAdapter / shard_batch (they carry the global positions)")
+            if kwargs.get("labels") is not None and "shift_labels" not in kwargs:
+                # a batch that was never split: its labels are unshifted, and each rank would take its whole
+                # sequence for a slice of a longer one
+                raise ValueError(f"{KEY} = {self.size}: the batch has `labels` but no `shift_labels`, so it was not "
+                                 "split along the sequence; feed it through UlyssesSPDataLoaderAdapter "
+                                 "(fsdpzero.initialize(training_data=...) does) or "
+                                 "fsdpzero.parallel.ulysses.shard_batch")
         if "shift_labels" in kwargs and kwargs.get("labels") is None:
             kwargs = dict(kwargs, labels=kwargs["shift_labels"])
         return kwargs

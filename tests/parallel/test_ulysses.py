@@ -108,6 +108,17 @@ def test_shard_batch_shifts_then_slices():
         ulysses.shard_batch({k: v for k, v in batch.items() if k != "position_ids"}, 0, 2)
 
 
+def test_unsplit_batch_refused():
+    sp = ulysses.SequenceParallel(size=2, rank=0, group=None, key="k")
+    batch = {k: torch.stack([s[k] for s in dataset(2)]) for k in ("input_ids", "labels", "position_ids")}
+    with pytest.raises(ValueError, match="has `labels` but no `shift_labels`, so it was not split"):
+        sp.model_inputs(batch)
+    with pytest.raises(ValueError, match="called without position_ids"):
+        sp.model_inputs({"input_ids": batch["input_ids"]})
+    split = sp.model_inputs(ulysses.shard_batch(batch, 0, 2))
+    assert split["labels"] is split["shift_labels"]   # transformers' loss reads shift_labels; labels makes it run
+
+
 def test_model_checks():
     ulysses.check_model(model(), 2)
     ulysses.check_model(model(), 4)   # 2 KV heads replicated over 4 ranks, as DeepSpeed
