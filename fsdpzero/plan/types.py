@@ -41,20 +41,29 @@ class Decision:
     explicit: bool = True         # False when the value is DeepSpeed's default, not written by the user
 
 
+def schema_default(section: type[BaseModel], key: str) -> Any:
+    """A key's default as the schema declares it (DeepSpeed's), for a plan field that renames or merges sections."""
+    return section.model_fields[key].get_default(call_default_factory=True)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ShardPlan:
-    stage: int = 0                                  # 0 replicate, 1 ops stage-1 optimizer, 2/3 fully_shard
+    """How parameters, gradients and optimizer state are laid out. The zero_optimization keys it carries take the
+    schema's defaults (sizes in elements, as DeepSpeed counts them)."""
+    stage: int = schema_default(ZeroOptimization, "stage")   # 0 replicate, 1 ops stage-1 optimizer, 2/3 fully_shard
     reshard_after_forward: bool | int = False       # stage 3: True; hpZ: int group size; stage 2: False
     mesh_shape: tuple[int, ...] = (1,)              # (dp,) or (replicate, shard) for MiCS / hybrid
     mesh_dim_names: tuple[str, ...] = ("dp",)
     prefetch_depth: int = 1                         # modules prefetched ahead, from stage3_prefetch_bucket_size
-    prefetch_bucket_size: int = 50_000_000          # elements (DeepSpeed counts elements, not bytes)
-    param_persistence_threshold: int = 100_000      # modules with fewer params stay unsharded (stage 3)
-    reduce_bucket_size: int = 500_000_000           # elements; real knob for stage 0 (DDP) and stage 1
-    allgather_bucket_size: int = 500_000_000        # elements; real knob for stage 1
-    overlap_comm: bool = False
-    ignore_unused_parameters: bool = True
-    gather_16bit_weights_on_model_save: bool = False
+    prefetch_bucket_size: int = schema_default(ZeroOptimization, "prefetch_bucket_size")
+    # modules with fewer params stay unsharded (stage 3)
+    param_persistence_threshold: int = schema_default(ZeroOptimization, "param_persistence_threshold")
+    # the real knob for stage 0 (DDP) and stage 1 (fsdpzero_ops.stage1, which takes it as a plain argument)
+    reduce_bucket_size: int = schema_default(ZeroOptimization, "reduce_bucket_size")
+    allgather_bucket_size: int = schema_default(ZeroOptimization, "allgather_bucket_size")   # stage 1's
+    overlap_comm: bool = False                      # the schema's None resolves to stage == 3
+    ignore_unused_parameters: bool = schema_default(ZeroOptimization, "ignore_unused_parameters")
+    gather_16bit_weights_on_model_save: bool = schema_default(ZeroOptimization, "gather_16bit_weights_on_model_save")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,11 +100,6 @@ def section_plan(name: str, section: type[BaseModel], doc: str) -> type:
 
 AioPlan = section_plan("AioPlan", Aio, "DeepSpeed's `aio` section as validated (fsdpzero.config.sections.Aio); "
                        "the NVMe swaps hand its values to fsdpzero_ops.aio.AioConfig.")
-
-
-def schema_default(section: type[BaseModel], key: str) -> Any:
-    """A key's default as the schema declares it (DeepSpeed's), for a plan field that renames or merges sections."""
-    return section.model_fields[key].get_default(call_default_factory=True)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,7 +10,7 @@ from fsdpzero.config.schema import OffloadOptimizer, OffloadParam, ZeroOptimizat
 from fsdpzero.config.sections import Aio
 from fsdpzero.plan import Env
 from fsdpzero.plan.translate import translate
-from fsdpzero.plan.types import AioPlan, OffloadPlan
+from fsdpzero.plan.types import AioPlan, OffloadPlan, ShardPlan
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 # every aio key away from DeepSpeed's default (use_gds=true is refused, so it stays false)
@@ -69,3 +69,29 @@ def test_translate_carries_every_offload_key():
     assert {k: getattr(got, k) for k in OFFLOAD_KEYS} == {k: sections[m][key] for k, (m, key) in OFFLOAD_KEYS.items()
                                                           if key in sections[m]} | {
         k: m.model_fields[key].default for k, (m, key) in OFFLOAD_KEYS.items() if key not in sections[m]}
+
+
+# zero_optimization keys the ShardPlan carries under the schema's field names (the stage3_ ones by their aliases)
+SHARD_KEYS = ("stage", "prefetch_bucket_size", "param_persistence_threshold", "reduce_bucket_size",
+              "allgather_bucket_size", "ignore_unused_parameters", "gather_16bit_weights_on_model_save")
+
+
+def test_shard_plan_defaults_are_the_schemas():
+    defaults = {k: ZeroOptimization.model_fields[k].default for k in SHARD_KEYS}
+    assert {k: getattr(ShardPlan(), k) for k in SHARD_KEYS} == defaults
+    got = translate(load_config({"train_batch_size": 8}), Env()).shard
+    assert {k: getattr(got, k) for k in SHARD_KEYS} == defaults
+    values = {"stage": 1, "stage3_prefetch_bucket_size": 123, "stage3_param_persistence_threshold": 45,
+              "reduce_bucket_size": 678, "allgather_bucket_size": 910, "ignore_unused_parameters": False,
+              "stage3_gather_16bit_weights_on_model_save": True}
+    got = translate(load_config({"train_batch_size": 8, "zero_optimization": values}), Env()).shard
+    assert [getattr(got, k) for k in SHARD_KEYS] == list(values.values())
+
+
+def test_the_stage1_op_takes_its_bucket_sizes_from_the_library():
+    """fsdpzero_ops.stage1 never imports the library: it declares no bucket defaults, the plan's are passed in."""
+    import inspect
+
+    from fsdpzero_ops.stage1 import Stage1Optimizer
+    params = inspect.signature(Stage1Optimizer).parameters
+    assert [params[k].default for k in ("reduce_bucket_size", "allgather_bucket_size")] == [inspect.Parameter.empty] * 2

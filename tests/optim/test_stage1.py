@@ -15,10 +15,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from fsdpzero.plan import ShardPlan
 from fsdpzero_ops import stage1
 from tests.multirank import run_distributed
 
+# zero_optimization's bucket sizes as the plan holds them (the schema's DeepSpeed defaults): the ops declare none
+BUCKETS = {key: getattr(ShardPlan(), key) for key in ("reduce_bucket_size", "allgather_bucket_size")}
+
+
 Stage1Optimizer = stage1.Stage1Optimizer
+
+
+def make_stage1(params, factory, **kw) -> Stage1Optimizer:
+    return Stage1Optimizer(params, factory, **BUCKETS | kw)
 VOCAB, SEQ, MICRO, GAS, STEPS = 37, 5, 2, 2, 6
 LR, WD, MAX_NORM = 1e-2, 0.1, 0.5
 
@@ -64,7 +73,7 @@ def batch(step, micro, rank, world, per_rank=MICRO):
 def train_stage1(rank, world, *, steps=STEPS, gas=GAS, model=None, opt=None, scale=1.0, compile_backend=None,
                  per_rank=MICRO, **kw):
     model = model or make_model()
-    opt = opt or Stage1Optimizer(groups(model), adamw, max_grad_norm=MAX_NORM, **kw)
+    opt = opt or make_stage1(groups(model), adamw, max_grad_norm=MAX_NORM, **kw)
     fwd = torch.compile(model, backend=compile_backend) if compile_backend else model
     losses, norms = [], []
     for step in range(steps):
@@ -141,7 +150,7 @@ def _fold_rank(rank, world, fold):
     overlap_comm with ramped buckets (the last one small). Both against replicated data parallel with the same
     optimizer."""
     model = make_model()
-    opt = Stage1Optimizer(groups(model), fused_adamw, max_grad_norm=MAX_NORM, overlap_comm=True,
+    opt = make_stage1(groups(model), fused_adamw, max_grad_norm=MAX_NORM, overlap_comm=True,
                           reduce_bucket_size=400, fold_grad_scale=fold)
     last = opt.flat_groups[0].reduce_runs[-1]   # the gradients that arrive last: a bucket of 400 // 8 (or one param)
     assert (last.hi - last.lo) * world <= 400 // 8 or len(last.slots) == 1
@@ -153,7 +162,7 @@ def _fold_rank(rank, world, fold):
     folded = torch.equal(opt.flat_groups[0].master.grad, before)   # left for the fused kernel to apply
     opt.zero_grad()
     model = make_model()
-    opt = Stage1Optimizer(groups(model), fused_adamw, max_grad_norm=MAX_NORM, overlap_comm=True,
+    opt = make_stage1(groups(model), fused_adamw, max_grad_norm=MAX_NORM, overlap_comm=True,
                           reduce_bucket_size=400, fold_grad_scale=fold)
     model, _, losses, norms = train_stage1(rank, world, model=model, opt=opt)
     ref_model, ref_losses = train_replicated(rank, world, factory=fused_adamw)
@@ -174,7 +183,7 @@ def _pipelined_rank(rank, world, cls, device="cpu"):
     out = {}
     for pipelined in (False, True):
         model = make_model().to(device)
-        opt = Stage1Optimizer(groups(model), lambda g: cls(g, lr=LR, betas=(0.9, 0.95), weight_decay=WD, fused=True),
+        opt = make_stage1(groups(model), lambda g: cls(g, lr=LR, betas=(0.9, 0.95), weight_decay=WD, fused=True),
                               max_grad_norm=MAX_NORM, overlap_comm=True, reduce_bucket_size=300,
                               allgather_bucket_size=200, pipeline_step=pipelined)
         for step in range(4):
@@ -231,7 +240,7 @@ def _deferred_run(rank, world, defer, compile_backend=None, eval_model=None, dev
     model = make_model()
     model.spare = nn.Linear(5, 1, bias=False)   # never called: no gradient, weight decay moves it, and only the
     model.to(device)                            # end of the root's forward waits for it
-    opt = Stage1Optimizer(groups(model), fused_adamw, max_grad_norm=MAX_NORM, overlap_comm=True,
+    opt = make_stage1(groups(model), fused_adamw, max_grad_norm=MAX_NORM, overlap_comm=True,
                           reduce_bucket_size=300, allgather_bucket_size=120, pipeline_step=True)
     fwd = torch.compile(model, backend=compile_backend) if compile_backend else model
     if defer:
@@ -348,7 +357,7 @@ def test_falls_back_to_all_reduce_without_reduce_scatter():
 def test_one_rank_no_process_group():
     assert not dist.is_initialized()
     model = make_model()
-    opt = Stage1Optimizer(groups(model), adamw, max_grad_norm=MAX_NORM, reduce_bucket_size=100)
+    opt = make_stage1(groups(model), adamw, max_grad_norm=MAX_NORM, reduce_bucket_size=100)
     assert opt.state_dict()["state"]["fc.weight"]["step"] == 0   # creating the state must not count as a step
     model, opt, losses, _ = train_stage1(0, 1, model=model, opt=opt)
     ref_model, ref_losses = train_replicated(0, 1)
@@ -369,7 +378,7 @@ def _wrap_rank(rank, world, factory_name):
     model = make_model()
     existing = factory(groups(model))       # built over the whole parameters, as a client would
     names = {id(p): n for n, p in model.named_parameters()}
-    opt = Stage1Optimizer.wrap(existing, names, max_grad_norm=MAX_NORM, reduce_bucket_size=150)
+    opt = Stage1Optimizer.wrap(existing, names, max_grad_norm=MAX_NORM, **BUCKETS | {"reduce_bucket_size": 150})
     assert opt.optimizer is existing and all(len(g["params"]) == 1 for g in existing.param_groups)
     model, _, losses, norms = train_stage1(rank, world, model=model, opt=opt, steps=4)
     ref_model, ref_losses = train_replicated(rank, world, steps=4, factory=factory)
@@ -446,7 +455,7 @@ def _count_bytes(world, log):
 def _comm_rank(rank, world, reduce_op):
     log = []
     model = make_model()
-    opt = Stage1Optimizer(groups(model), adamw, max_grad_norm=MAX_NORM, reduce_op=reduce_op,
+    opt = make_stage1(groups(model), adamw, max_grad_norm=MAX_NORM, reduce_op=reduce_op,
                           reduce_bucket_size=400, allgather_bucket_size=400, overlap_comm=True)
     _count_bytes(world, log)
     opt.set_gradient_sync(False)
@@ -578,7 +587,7 @@ def _dcp_save_rank(rank, world, path):
 def _dcp_load_rank(rank, world, path):
     import torch.distributed.checkpoint as dcp
     model = make_model(seed=7)                       # different values: everything must come from the checkpoint
-    opt = Stage1Optimizer(groups(model), adamw, max_grad_norm=MAX_NORM, reduce_bucket_size=250)
+    opt = make_stage1(groups(model), adamw, max_grad_norm=MAX_NORM, reduce_bucket_size=250)
     sd = {"optim": opt.state_dict()}
     dcp.load(sd, checkpoint_id=path)
     opt.load_state_dict(sd["optim"])
@@ -627,7 +636,7 @@ def test_compiled_model_inductor():
 
 def test_bad_bucket_size_names_the_key():
     with pytest.raises(ValueError, match="reduce_bucket_size=0"):
-        Stage1Optimizer(make_model().parameters(), adamw, reduce_bucket_size=0)
+        make_stage1(make_model().parameters(), adamw, reduce_bucket_size=0)
 
 
 # ---------------------------------------------------------------- GPU: offloaded masters (run with `pytest -m gpu`)
@@ -639,7 +648,7 @@ def test_offloaded_masters_on_gpu_match_device_masters():
     for where in ("cuda", "cpu"):
         torch.manual_seed(0)
         model = Tiny().cuda()
-        opt = Stage1Optimizer(groups(model), adamw, max_grad_norm=MAX_NORM, master_device=where,
+        opt = make_stage1(groups(model), adamw, max_grad_norm=MAX_NORM, master_device=where,
                               param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for step in range(4):
             for micro in range(GAS):
@@ -663,7 +672,7 @@ def _nccl_rank(rank, world, path, out, fused=False):
         ref = Tiny().cuda()
         ref.load_state_dict(model.state_dict())
         factory = fused_adamw if fused else adamw      # fused: the folded clip factor and the pipelined step
-        opt = Stage1Optimizer(groups(model), factory, max_grad_norm=MAX_NORM, overlap_comm=True, reduce_bucket_size=300,
+        opt = make_stage1(groups(model), factory, max_grad_norm=MAX_NORM, overlap_comm=True, reduce_bucket_size=300,
                               allgather_bucket_size=300, pipeline_step=fused)
         ref_opt = factory(groups(ref))
         for step in range(4):

@@ -9,6 +9,7 @@ mean is exactly them); bar: 1e-6 relative to clip_grad_norm_, and to the fp64 no
 import torch
 from torch import nn
 
+from fsdpzero.plan import ShardPlan
 from fsdpzero_ops.stage1 import Stage1Optimizer
 from tests.multirank import run_distributed
 
@@ -25,7 +26,9 @@ def _grads(model):
 
 def _rank(rank, world):
     model = _model()
-    opt = Stage1Optimizer(list(model.named_parameters()), lambda groups: torch.optim.AdamW(groups, lr=1e-3))
+    opt = Stage1Optimizer(list(model.named_parameters()), lambda groups: torch.optim.AdamW(groups, lr=1e-3),
+                          reduce_bucket_size=ShardPlan().reduce_bucket_size,
+                          allgather_bucket_size=ShardPlan().allgather_bucket_size)
     for p, g in zip(model.parameters(), _grads(model)):
         p.grad = g.clone()
     opt.reduce_gradients()

@@ -72,7 +72,7 @@ class Stage1Optimizer(torch.optim.Optimizer):
 
     def __init__(self, params, optimizer_factory: OptimizerFactory, *, process_group: dist.ProcessGroup | None = None,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                 reduce_bucket_size: int = 500_000_000, allgather_bucket_size: int = 500_000_000,
+                 reduce_bucket_size: int, allgather_bucket_size: int,
                  overlap_comm: bool = False, max_grad_norm: float = 0.0, check_overflow: bool = True,
                  reduce_op: str = "reduce_scatter", master_device: torch.device | str | None = None,
                  ramp_buckets: bool = True, fold_grad_scale: bool = True, pipeline_step: bool = False):
