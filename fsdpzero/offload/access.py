@@ -2,14 +2,17 @@
 
 With the overlapped CPU step, `step()` returns while a worker thread is still writing the parameters; each FSDP
 unit's next forward waits for its own chunks (the path's forward pre-hooks). Everything else that reads the weights
-must wait for the whole step first. `guard_reads(model, pending, wait)` makes that so for:
+must wait for the whole step first. `guard_reads(model, pending, wait, optimizer)` makes that so for:
 
-- `parameters()` / `named_parameters()` of the model and of every submodule (an instance attribute shadowing the
-  class method, so no class is swapped and nothing changes for FSDP2 or torch.compile);
+- `parameters()` / `named_parameters()` of the model and of every submodule: each module's class becomes a subclass
+  of its class and `WaitsForStep` below, as fully_shard makes it a subclass of FSDPModule (`type(m).__mro__` shows
+  both; the name stays the class's own), so nothing changes for FSDP2 or torch.compile;
 - `state_dict()` of the model or any submodule, hence `get_model_state_dict`, DCP saves and exports
   (a state_dict pre-hook on every module);
-- `load_state_dict()` of the model or any submodule (new weights must not race the worker's writes);
-- `state_dict()` / `load_state_dict()` of the CPU optimizer (`engine.optimizer`): its moments are being written too;
+- `load_state_dict()` of the model or any submodule (new weights must not race the worker's writes; a
+  load_state_dict pre-hook);
+- `state_dict()` / `load_state_dict()` of the CPU optimizer (`engine.optimizer`): its moments are being written too
+  (its class becomes a subclass of its class and `StateWaitsForStep`);
 - `fsdpzero.zero.GatheredParameters` (it reads each parameter's holder module through `parameters()`);
 - the Engine's own accessors, `save_checkpoint`, `save_16bit_model` and `wait_for_params()` (fsdpzero/engine.py).
 
@@ -23,29 +26,25 @@ forward, and a reference kept from before `step()` (a list of parameters an EMA 
 """
 from __future__ import annotations
 
-import types
 from typing import Callable
 
 from torch import nn
 
 
 class ReadGuard:
-    def __init__(self, model: nn.Module, pending: Callable[[], bool], wait: Callable[[], None]):
+    """Whether a step is pending and how to wait for it, for the classes below; counts the reads that waited."""
+
+    def __init__(self, pending: Callable[[], bool], wait: Callable[[], None]):
         self.pending, self._wait = pending, wait
         self.in_forward = 0      # nesting depth of the root's forward
-        self._quiet = 0          # inside zero_grad: only grads are touched
+        self.quiet = 0           # inside zero_grad: only grads are touched
         self.waits = 0           # how many reads had to wait (tests)
-        model.register_forward_pre_hook(self._enter, prepend=True)
-        model.register_forward_hook(self._leave, always_call=True)
-        for module in model.modules():
-            module.register_state_dict_pre_hook(lambda *_: self.wait())
-            module.register_load_state_dict_pre_hook(lambda *_: self.wait())
-            self._shadow(module)
+        self._classes: dict[type, type] = {}
 
-    def _enter(self, *_):
+    def enter_forward(self, *_):
         self.in_forward += 1
 
-    def _leave(self, *_):
+    def leave_forward(self, *_):
         self.in_forward = max(0, self.in_forward - 1)
 
     def wait(self) -> None:
@@ -53,49 +52,67 @@ class ReadGuard:
             self.waits += 1
             self._wait()
 
-    def _read(self) -> None:
-        if not self.in_forward and not self._quiet:
+    def read(self) -> None:
+        """A read of the weights: waits, except inside a forward or zero_grad."""
+        if not self.in_forward and not self.quiet:
             self.wait()
 
-    def _shadow(self, module: nn.Module) -> None:
-        cls, guard = type(module), self
+    def guarded(self, cls: type, mixin: type) -> type:
+        """`cls` with `mixin` in front, reading this guard (one class per guard and class, named as `cls`)."""
+        if cls not in self._classes:
+            self._classes[cls] = type(cls.__name__, (mixin, cls), {"read_guard": self, "__module__": cls.__module__,
+                                                                   "__qualname__": cls.__qualname__})
+        return self._classes[cls]
 
-        def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-            guard._read()
-            return cls.named_parameters(self, prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
-        def parameters(self, recurse: bool = True):
-            guard._read()
-            return cls.parameters(self, recurse=recurse)
+class WaitsForStep:
+    """In front of a module's class (guard_reads): parameters() and named_parameters() wait for a pending
+    overlapped step outside a forward; zero_grad() (gradients only) never waits."""
 
-        def zero_grad(self, set_to_none: bool = True):
-            guard._quiet += 1
-            try:
-                return cls.zero_grad(self, set_to_none=set_to_none)
-            finally:
-                guard._quiet -= 1
+    read_guard: ReadGuard
 
-        # bound methods as plain attributes (nn.Module.__setattr__ keeps them in the instance dict, ahead of the
-        # class's methods); bound, so that copy.deepcopy rebinds them to the copy
-        for fn in (named_parameters, parameters, zero_grad):
-            setattr(module, fn.__name__, types.MethodType(fn, module))
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        self.read_guard.read()
+        return super().named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def parameters(self, recurse: bool = True):
+        self.read_guard.read()
+        return super().parameters(recurse=recurse)
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.read_guard.quiet += 1
+        try:
+            return super().zero_grad(set_to_none=set_to_none)
+        finally:
+            self.read_guard.quiet -= 1
+
+
+class StateWaitsForStep:
+    """In front of the path optimizer's class (guard_reads): state_dict() and load_state_dict() wait for a pending
+    step, whose worker is still writing the moments and step counts."""
+
+    read_guard: ReadGuard
+
+    def state_dict(self, *args, **kwargs):
+        self.read_guard.wait()
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        self.read_guard.wait()
+        return super().load_state_dict(*args, **kwargs)
 
 
 def guard_reads(model: nn.Module, pending: Callable[[], bool], wait: Callable[[], None],
                 optimizer=None) -> ReadGuard:
-    """The model's reads (above) and, when given, the optimizer's state_dict()/load_state_dict(): the worker is
-    still writing its moments and step counts (instance attributes ahead of the class's methods, as for modules)."""
-    guard = ReadGuard(model, pending, wait)
+    """The model's reads (above) and, when given, the optimizer's state_dict()/load_state_dict() wait while
+    `pending()`, by calling `wait()`."""
+    guard = ReadGuard(pending, wait)
+    model.register_forward_pre_hook(guard.enter_forward, prepend=True)
+    model.register_forward_hook(guard.leave_forward, always_call=True)
+    for module in model.modules():
+        module.register_state_dict_pre_hook(lambda *_: guard.wait())
+        module.register_load_state_dict_pre_hook(lambda *_: guard.wait())
+        module.__class__ = guard.guarded(type(module), WaitsForStep)
     if optimizer is not None:
-        cls = type(optimizer)
-
-        def state_dict(self, *args, **kwargs):
-            guard.wait()
-            return cls.state_dict(self, *args, **kwargs)
-
-        def load_state_dict(self, *args, **kwargs):
-            guard.wait()
-            return cls.load_state_dict(self, *args, **kwargs)
-        for fn in (state_dict, load_state_dict):
-            setattr(optimizer, fn.__name__, types.MethodType(fn, optimizer))
+        optimizer.__class__ = guard.guarded(type(optimizer), StateWaitsForStep)
     return guard
