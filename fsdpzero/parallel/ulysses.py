@@ -16,6 +16,9 @@ What DeepSpeed 0.19.8's runtime/sequence_parallel/ulysses_sp.py does, on torch.d
   (`sequence_parallel_loss`, the HF Trainer's deepspeed_sp_compute_loss). Every rank of a group holds that loss;
   its gradient summed over the group is N x the sequence's, and ZeRO (FSDP2 over all ranks, dp x sp flattened as
   DeepSpeed partitions over its sequence-data-parallel group) averages over dp x sp: the unsharded gradient.
+- with AutoTP: a data replica is tp ranks; an sp group joins sp consecutive replicas, one group per tp rank, and
+  splits the heads that tp rank holds. The sp groups are process groups inside the data dimension, not a mesh
+  dimension: ZeRO's mesh stays the data mesh (dp x sp).
 """
 from __future__ import annotations
 
@@ -59,8 +62,9 @@ def check_model(model: Any, size: int, tp: int = 1) -> str:
     if kv % tp == 0:   # tp's own kv-head check (fsdpzero/parallel/tp_plan.py) comes first
         kv //= tp
     if kv % size and size % kv:
-        raise ValueError(f"{KEY} = {size} and the model's {kv} KV heads (num_key_value_heads): neither divides the "
-                         f"other; use a divisor of {kv} or a multiple of it that divides {heads}")
+        raise ValueError(f"{KEY} = {size} and the model's {kv} KV heads (num_key_value_heads"
+                         f"{', per tensor-parallel rank' if tp > 1 else ''}): neither divides the other; use a "
+                         f"divisor of {kv} or a multiple of it that divides {heads // tp}")
     core = getattr(config, "_attn_implementation", None) or "eager"
     core = core.split("-", 2)[2] if core.startswith(PREFIX + "-") else core   # registered already: its core
     if core not in CORES:
