@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from fsdpzero.config.schema import OffloadOptimizer, OffloadParam, ZeroOptimization
+from fsdpzero.config.schema import FP16, OffloadOptimizer, OffloadParam, ZeroOptimization
 from fsdpzero.config.sections import Aio
 
 Status = Literal["mapped", "approximated", "noop", "unsupported"]
@@ -68,13 +68,14 @@ class ShardPlan:
 
 @dataclass(frozen=True, kw_only=True)
 class LossScalePlan:
-    """DeepSpeed's fp16 DynamicLossScaler settings (static when loss_scale > 0)."""
-    loss_scale: float = 0.0
-    initial_scale_power: int = 16
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    consecutive_hysteresis: bool = False
-    min_loss_scale: float = 1.0
+    """DeepSpeed's fp16 DynamicLossScaler settings (static when loss_scale > 0); the defaults are the schema's fp16
+    section's (fsdpzero.loss_scaler takes them as plain arguments)."""
+    loss_scale: float = float(schema_default(FP16, "loss_scale"))
+    initial_scale_power: int = schema_default(FP16, "initial_scale_power")
+    loss_scale_window: int = schema_default(FP16, "loss_scale_window")
+    hysteresis: int = schema_default(FP16, "hysteresis")
+    consecutive_hysteresis: bool = schema_default(FP16, "consecutive_hysteresis")
+    min_loss_scale: float = float(schema_default(FP16, "min_loss_scale"))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,11 +6,11 @@ from pathlib import Path
 
 from fsdpzero.cli.migrate import section_keys_markdown, with_section_keys
 from fsdpzero.config import load_config
-from fsdpzero.config.schema import OffloadOptimizer, OffloadParam, ZeroOptimization
+from fsdpzero.config.schema import FP16, OffloadOptimizer, OffloadParam, ZeroOptimization
 from fsdpzero.config.sections import Aio
 from fsdpzero.plan import Env
 from fsdpzero.plan.translate import translate
-from fsdpzero.plan.types import AioPlan, OffloadPlan, ShardPlan
+from fsdpzero.plan.types import AioPlan, LossScalePlan, OffloadPlan, ShardPlan
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 # every aio key away from DeepSpeed's default (use_gds=true is refused, so it stays false)
@@ -95,3 +95,18 @@ def test_the_stage1_op_takes_its_bucket_sizes_from_the_library():
     from fsdpzero_ops.stage1 import Stage1Optimizer
     params = inspect.signature(Stage1Optimizer).parameters
     assert [params[k].default for k in ("reduce_bucket_size", "allgather_bucket_size")] == [inspect.Parameter.empty] * 2
+
+
+FP16_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
+             "min_loss_scale")
+
+
+def test_loss_scale_plan_defaults_are_the_fp16_sections():
+    defaults = {k: FP16.model_fields[k].default for k in FP16_KEYS}
+    assert dataclasses.asdict(LossScalePlan()) == defaults
+    got = translate(load_config({"train_batch_size": 8, "fp16": {"enabled": True}}), Env()).precision.loss_scale
+    assert got == LossScalePlan()
+    values = {"loss_scale": 0.0, "initial_scale_power": 12, "loss_scale_window": 50, "hysteresis": 3,
+              "consecutive_hysteresis": True, "min_loss_scale": 4}
+    got = translate(load_config({"train_batch_size": 8, "fp16": {"enabled": True, **values}}), Env())
+    assert dataclasses.asdict(got.precision.loss_scale) == values
