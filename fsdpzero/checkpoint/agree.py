@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fsdpzero.checkpoint.files import LATEST, resolve_tag
-from fsdpzero.dist import RanksError, agree_on_error
+from fsdpzero.dist import RanksError, agree_on_error, check_same_on_all_ranks
 
 
 class CheckpointError(RanksError):
@@ -69,9 +69,13 @@ def check_tag_across_ranks(tag: str, mode: str) -> None:
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     if torch.equal(both[:20].cpu(), digest) and torch.equal(-both[20:].cpu(), digest):
         return
-    message = (f"checkpoint tag {tag!r} (rank {dist.get_rank()}) is not the same on every rank; a rank-specific "
-               f"tag breaks loading on another world size. Use one tag on all ranks (checkpoint.tag_validation="
-               f"{mode.upper()})")
+    try:   # the same words on every rank: which ranks have which tag
+        check_same_on_all_ranks({"tag": repr(tag)}, "checkpoint tags")
+        tags = "tags differ"   # the digests disagreed but the texts agree: cannot happen short of a SHA-1 collision
+    except RanksError as e:
+        tags = str(e).split("\n", 1)[1].strip().removeprefix("tag: ")
+    message = (f"checkpoint tag is not the same on every rank ({tags}); a rank-specific tag breaks loading on "
+               f"another world size. Use one tag on all ranks (checkpoint.tag_validation={mode.upper()})")
     if mode == "fail":
         raise ValueError(message)
     logging.getLogger("fsdpzero").warning("%s", message)

@@ -127,7 +127,8 @@ def _tag_job(rank, world, root, mode):
 def test_tag_validation_compares_tags_across_ranks(tmp_path, mode):
     r0, r1 = run_distributed(_tag_job, 2, str(tmp_path), mode, timeout=120)
     if mode == "fail":   # DeepSpeed's FAIL: refused on every rank before anything is written
-        assert r0.startswith("ValueError: ") and r1.startswith("ValueError: ") and "tag_validation=FAIL" in r0
+        assert r0.startswith("ValueError: ") and "tag_validation=FAIL" in r0
+        assert r0 == r1 and "rank 0 has 'rank0'; rank 1 has 'rank1'" in r0, (r0, r1)   # the same words on every rank
         assert not any(tmp_path.iterdir())
     else:                # WARN: logged, and the save then fails cleanly on both ranks (their temp dirs differ)
         assert "warned=True" in r0   # (fsdpzero's log speaks on rank 0 only)
