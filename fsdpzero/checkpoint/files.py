@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import time
 import unicodedata
 from pathlib import Path
@@ -225,7 +226,7 @@ def locked(save_dir: Path, lock_file: str = LOCK_FILE):
     fd = os.open(save_dir / lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _wait_for_lock(fd, save_dir / lock_file)
         except OSError as e:   # a filesystem without locks: saves still work, unguarded against a second job
             if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 raise
@@ -234,6 +235,34 @@ def locked(save_dir: Path, lock_file: str = LOCK_FILE):
         yield
     finally:
         os.close(fd)
+
+
+LOCK_REPORT_S = 10.0   # a wait on another job's lock is said after this long, then every minute
+
+
+def _wait_for_lock(fd: int, path: Path) -> None:
+    """flock(LOCK_EX) that says what it waits for: commits are short, so a lock held for long is a stuck or stopped
+    job (its pid and host are in the lock file); the wait goes on, as a second job's commit must not interleave."""
+    start, next_report = time.monotonic(), LOCK_REPORT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            waited = time.monotonic() - start
+            if waited >= next_report:
+                try:
+                    holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+                except OSError:
+                    holder = "unknown"
+                logging.getLogger("fsdpzero").warning(
+                    "waiting %.0f s for %s, held by another job (%s): it commits a checkpoint into the same "
+                    "directory; if that job is stopped or hung, end it (the lock is released when it exits)",
+                    waited, path, holder)
+                next_report = waited + 60.0
+            time.sleep(0.05)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
 
 
 def hold(path: Path) -> int | None:

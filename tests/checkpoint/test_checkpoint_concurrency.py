@@ -408,3 +408,35 @@ def test_an_unwritable_conversion_cache_names_the_knob(tmp_path, monkeypatch):
     finally:
         for p in [*ds.rglob("*"), ds]:
             p.chmod(0o755 if p.is_dir() else 0o644)
+
+
+def test_a_wait_on_another_jobs_lock_is_said_with_its_holder(tmp_path, monkeypatch, caplog):
+    """A save that waits on the directory's lock says so (after LOCK_REPORT_S), naming the holder from the lock
+    file, and goes on once the holder lets go; the holder's pid is written when a lock is taken."""
+    import fcntl
+    import logging
+    import os
+    import threading
+    import time
+    from fsdpzero.checkpoint import files
+    monkeypatch.setattr(files, "LOCK_REPORT_S", 0.2)
+    with files.locked(tmp_path):
+        pass
+    assert (tmp_path / files.LOCK_FILE).read_text() == f"pid {os.getpid()} on {__import__('socket').gethostname()}"
+    holder = os.open(tmp_path / files.LOCK_FILE, os.O_RDWR)     # another open file description: another "job"
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    os.ftruncate(holder, 0)
+    os.pwrite(holder, b"pid 4242 on elsewhere", 0)
+    got, lock = [], files.locked(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="fsdpzero"):
+        t = threading.Thread(target=lambda: got.append(lock.__enter__() or "held"))
+        t.start()
+        time.sleep(0.6)
+        assert not got and t.is_alive()                                # still waiting: the lock is held
+        fcntl.flock(holder, fcntl.LOCK_UN)
+        t.join(10)
+    os.close(holder)
+    assert got and not t.is_alive()
+    lock.__exit__(None, None, None)
+    said = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
+    assert len(said) == 1 and "held by another job (pid 4242 on elsewhere)" in said[0], said
