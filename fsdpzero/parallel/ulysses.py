@@ -65,6 +65,10 @@ def check_model(model: Any, size: int, tp: int = 1) -> str:
         raise ValueError(f"{KEY} = {size} and the model's {kv} KV heads (num_key_value_heads"
                          f"{', per tensor-parallel rank' if tp > 1 else ''}): neither divides the other; use a "
                          f"divisor of {kv} or a multiple of it that divides {heads // tp}")
+    can_switch = getattr(model, "_can_set_attn_implementation", None)
+    if can_switch is not None and not can_switch():
+        raise ValueError(f"{KEY} = {size}: {type(model).__name__} does not route its attention through transformers' "
+                         f"AttentionInterface, so Ulysses cannot wrap it; set {KEY} to 1")
     core = getattr(config, "_attn_implementation", None) or "eager"
     core = core.split("-", 2)[2] if core.startswith(PREFIX + "-") else core   # registered already: its core
     if core not in CORES:
@@ -203,6 +207,9 @@ def register_with_transformers(model, group, size: int, tp: int = 1) -> str:
     AttentionInterface.register(key, UlyssesAttention(core, group, size, heads, kv))
     AttentionMaskInterface.register(key, _no_mask)
     model.set_attn_implementation(key)
+    if model.config._attn_implementation != key:   # transformers only warns when a model cannot switch
+        raise ValueError(f"{KEY} = {size}: {type(model).__name__} kept attn_implementation "
+                         f"{model.config._attn_implementation!r}; Ulysses cannot wrap its attention")
     return key
 
 

@@ -132,6 +132,10 @@ def test_model_checks():
         ulysses.check_model(model("flex_attention"), 2)
     with pytest.raises(ValueError, match="needs a transformers model"):
         ulysses.check_model(torch.nn.Linear(2, 2), 2)
+    m = model()
+    m._can_set_attn_implementation = lambda: False   # as transformers answers for a model with its own attention code
+    with pytest.raises(ValueError, match="does not route its attention through transformers' AttentionInterface"):
+        ulysses.check_model(m, 2)
 
 
 def test_bad_heads_refused_before_any_process_group(monkeypatch):
