@@ -3,7 +3,8 @@
 The gradient path for the engine (contract: fsdpzero.optim.GradPath). The model arrives fully_shard-ed (lay_out is
 GradPath's); OffloadGradPath.build (below; its steps in fsdpzero/offload/prepare.py) keeps, for every local shard,
 an fp32 master and the Adam states in CPU memory, and the path steps them with the fused CPU Adam of
-ops/csrc/cpu_adam.cpp, which reads the low-precision gradient and writes the low-precision param in the same pass. The device keeps only low-precision shards (`model.to(param_dtype)` after the masters are taken).
+ops/csrc/cpu_adam.cpp, which reads the low-precision gradient and writes the low-precision param in the same pass.
+The device keeps only low-precision shards (`model.to(param_dtype)` after the masters are taken).
 
 One optimizer step, with params on an accelerator:
     backward          as each FSDP unit's reduce-scatter is issued (its post-backward), D2H of its sharded grads on
@@ -133,26 +134,26 @@ class OffloadGradPath(GradPath):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, units: list[tuple[nn.Module | None,
                  list[Entry]]], chunk_size: int, pipeline: Pipeline, speculation: Speculation | None = None):
-        threads, overlap, drop_shards = pipeline.threads, pipeline.overlap, pipeline.drop_shards
-        norm_threads = pipeline.norm_threads
+        """The path's state over `units` (FSDP modules in forward order, root first, each with its entries), cut
+        into chunks of at most `chunk_size` elements; then hook_units attaches it to the model."""
         self.model = model
         self.optimizer = optimizer          # a CPUAdam over the masters: schedulers drive its param_groups
         self.entries = [e for _, es in units for e in es]
         self._by_master = {id(e.master): e for e in self.entries}
         self._model_order = {n: i for i, (n, _) in enumerate(model.named_parameters())}
+        self._unit_of = {id(e.master): m for m, es in units for e in es}
+        self._unit_entries = [entries for _, entries in units]
         self._factor = 1.0
         self._hyper: dict[int, dict] = {}   # per master: the group's hyperparameters when step() was called
-        self.threads = threads
+        self.threads = pipeline.threads
         self.staged = any(e.grad_buf is not None for e in self.entries)
         cuda = self.staged and self.entries[0].param.device.type == "cuda"
         self.d2h = torch.cuda.Stream() if cuda else None
         self.h2d = torch.cuda.Stream() if cuda else None
+        self.param_swapper = None  # offload_param nvme: fsdpzero.offload.param_swapper.ParamSwapper (set by build)
         self.chunks: list[Chunk] = []
-        unit_chunks = []
+        self.unit_chunks: list[list[Chunk]] = []   # per unit, its chunks
         by_name = {e.name: e for e in self.entries}
-        self._unit_of = {id(e.master): m for m, es in units for e in es}
-        self.param_swapper = None  # offload_param nvme: fsdpzero.offload.param_swapper.ParamSwapper
-                                   # (set by the builder)
         for unit, entries in units:
             first = len(self.chunks)
             for names in chunk_layout([[(e.name, e.master.numel()) for e in entries]], chunk_size):
@@ -160,67 +161,78 @@ class OffloadGradPath(GradPath):
                 if len({e.on_device for e in es}) > 1:
                     raise ValueError("offload: a pipeline chunk mixes device- and CPU-stepped params")
                 self.chunks.append(Chunk(unit=unit, entries=es, numel=sum(e.master.numel() for e in es)))
-            unit_chunks.append(self.chunks[first:])
+            self.unit_chunks.append(self.chunks[first:])
         self.cpu_chunks = [c for c in self.chunks if not c.entries[0].on_device]
         self.device_chunks = [c for c in self.chunks if c.entries[0].on_device]
-        # loading model weights (e.g. a module-only checkpoint) must reach the masters, or the next step would
-        # write the old weights back; a following load_state_dict of the optimizer then restores exact fp32 masters
-        self._refresh_on_load = True        # off while a checkpoint with masters loads (keep_masters_on_load)
-        model.register_load_state_dict_post_hook(lambda *_: self.refresh_masters() if self._refresh_on_load else None)
-        self.overlap = overlap and all(m is not None for m, _ in units)
+        self._index = {id(c): k for k, c in enumerate(self.cpu_chunks)}
+        self.overlap = pipeline.overlap and all(m is not None for m, _ in units)
         # speculation (None: none): step chunks during backward (fsdpzero.offload.speculate)
         self.spec = None
         if speculation is not None and self.staged and self.cpu_chunks:
             from fsdpzero.offload.speculate import Speculator
-            self.spec = Speculator(self.cpu_chunks, optimizer, max_norm=speculation.max_norm, threads=threads,
+            self.spec = Speculator(self.cpu_chunks, optimizer, max_norm=speculation.max_norm, threads=self.threads,
                                    device=self.h2d.device if self.h2d is not None else None,
                                    budget_bytes=speculation.budget_bytes, spec_threads=speculation.threads)
             if not self.spec.covered:
                 self.spec = None
         # norm_threads (offload_param: grads land on the host during backward): their sums of squares are taken
         # there, by a worker with that many threads (device_step.CpuNormPrefetch)
-        self.norm_cache = (device_step.CpuNormPrefetch(norm_threads, optimizer.build)
-                           if norm_threads and not self.staged else None)
-        self.tl = (Timeline(threads, len(units), pipeline.profile_file)   # knob offload_profile
+        self.norm_cache = (device_step.CpuNormPrefetch(pipeline.norm_threads, optimizer.build)
+                           if pipeline.norm_threads and not self.staged else None)
+        self.tl = (Timeline(self.threads, len(units), pipeline.profile_file)   # knob offload_profile
                    if pipeline.profile else None)
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._index = {id(c): k for k, c in enumerate(self.cpu_chunks)}
         self._sync = True
         self._rec = None                    # the timeline record of the step being stepped (profiling only)
         self._early: set[int] = set()       # chunks whose D2H was issued during this backward
-        self._dropped: dict[int, fsdp2_internals.DroppableShards] = {}
+        self._dropped: dict[int, fsdp2_internals.DroppableShards] = {}   # stage-2 units whose shards drop
+        self._refresh_on_load = True        # off while a checkpoint with masters loads (keep_masters_on_load)
+        self.reads = None                   # overlap: the ReadGuard of fsdpzero/offload/access.py
+        self.hook_units([m for m, _ in units], pipeline)
+
+    def hook_units(self, modules: list[nn.Module | None], pipeline: Pipeline) -> None:
+        """Attach the path to the model, through torch's module hooks and FSDP2's post-reduce point
+        (fsdp2_internals.after_reduce): per FSDP unit, the grads' D2H (and, offload_param, their sums of squares)
+        right after its reduce-scatter, dropping and restoring stage-2 device shards around forward, and with the
+        overlapped step a forward pre-hook waiting for the unit's chunks; on the model, masters refreshed from
+        loaded weights, saves waiting for the step, and every other read of the weights waiting too
+        (fsdpzero/offload/access.py)."""
+        model = self.model
+        # loading model weights (e.g. a module-only checkpoint) must reach the masters, or the next step would
+        # write the old weights back; a following load_state_dict of the optimizer then restores exact fp32 masters
+        model.register_load_state_dict_post_hook(lambda *_: self.refresh_masters() if self._refresh_on_load else None)
         model.register_state_dict_pre_hook(lambda *_: self.wait())   # saving reads the updated weights
-        index = {id(m): i for i, (m, _) in enumerate(units)}
+        index = {id(m): i for i, m in enumerate(modules)}
         aheads: dict[int, list[int]] = {}
-        for i, (module, entries) in enumerate(units):
+        for i, module in enumerate(modules):
             if module is None:
                 continue
             # explicit forward prefetch (set_modules_to_forward_prefetch) unshards later units from this
             # unit's pre-forward: their chunks must be ready (and their shards present) too
             ahead = [index[id(m)] for m in fsdp2_internals.forward_prefetch_modules(module) if id(m) in index]
             aheads[i] = ahead
-            mine = [c for c in unit_chunks[i] if not c.entries[0].on_device]
+            mine = [c for c in self.unit_chunks[i] if not c.entries[0].on_device]
             if self.staged and mine and pipeline.early_d2h:   # D2H as soon as the unit's reduce-scatter is done
                 fsdp2_internals.after_reduce(module, lambda event, cs=mine: self._d2h_unit(cs, event))
             if self.norm_cache is not None:
                 fsdp2_internals.after_reduce(module, lambda event, m=module: self._sum_unit(m))
-            if drop_shards and self.staged and fsdp2_internals.keeps_unsharded(module) and \
-                    all(e.out_buf is not None for e in entries):
+            if pipeline.drop_shards and self.staged and fsdp2_internals.keeps_unsharded(module) and \
+                    all(e.out_buf is not None for e in self._unit_entries[i]):
                 self._dropped[i] = fsdp2_internals.DroppableShards(module)
                 module.register_forward_hook(lambda mod, *_, i=i: self._drop(i, mod))
             if self.overlap:
-                waits = [c for j in [i, *ahead] for c in unit_chunks[j]]
+                waits = [c for j in [i, *ahead] for c in self.unit_chunks[j]]
                 module.register_forward_pre_hook(self._make_wait_hook(module, waits, i), prepend=True)
-        for i, (module, _) in enumerate(units):   # prepended after the wait hooks: they run before them
+        for i, module in enumerate(modules):   # prepended after the wait hooks: they run before them
             restore = [u for u in [i, *aheads.get(i, [])] if u in self._dropped]
             if restore:
                 module.register_forward_pre_hook(lambda mod, *_, us=restore: self._restore(us, mod), prepend=True)
-        self._unit_entries = [entries for _, entries in units]
         if self.tl is not None:   # prepended last: runs before any wait hook, so the waits count in the step
             model.register_forward_pre_hook(lambda *_: self.tl.forward_start(), prepend=True)
         # overlap: between step() and the next forward the worker writes the weights; every other read waits
-        self.reads = guard_reads(model, self.pending, self.wait, optimizer) if self.overlap else None
+        if self.overlap:
+            self.reads = guard_reads(model, self.pending, self.wait, self.optimizer)
 
     # -- device shards of stage-2 units: dropped after forward, back for the step (fsdp2_internals.DroppableShards) --
     def _drop(self, unit: int, module: nn.Module) -> None:
