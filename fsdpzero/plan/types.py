@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from fsdpzero.config.schema import FP16, OffloadOptimizer, OffloadParam, ZeroOptimization
-from fsdpzero.config.sections import Aio
+from fsdpzero.config.sections import ActivationCheckpointing, Aio
 
 Status = Literal["mapped", "approximated", "noop", "unsupported"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -155,8 +155,9 @@ class BatchPlan:
 @dataclass(frozen=True, kw_only=True)
 class ActivationCheckpointPlan:
     enabled: bool = False                   # HF gradient_checkpointing or the section's presence
-    cpu_checkpointing: bool = False
-    number_checkpoints: int | None = None   # recorded only: sizes DeepSpeed's contiguous buffers (fate noop)
+    cpu_checkpointing: bool = schema_default(ActivationCheckpointing, "cpu_checkpointing")
+    # recorded only: sizes DeepSpeed's contiguous buffers (fate noop)
+    number_checkpoints: int | None = schema_default(ActivationCheckpointing, "number_checkpoints")
 
 
 @dataclass(frozen=True, kw_only=True)

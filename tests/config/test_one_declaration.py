@@ -4,13 +4,16 @@ list its keys print them from the schema."""
 import dataclasses
 from pathlib import Path
 
+import pytest
+
 from fsdpzero.cli.migrate import section_keys_markdown, with_section_keys
 from fsdpzero.config import load_config
 from fsdpzero.config.schema import FP16, OffloadOptimizer, OffloadParam, ZeroOptimization
-from fsdpzero.config.sections import Aio
+from fsdpzero.config.sections import ActivationCheckpointing, Aio, Checkpoint, Compile
 from fsdpzero.plan import Env
 from fsdpzero.plan.translate import translate
-from fsdpzero.plan.types import AioPlan, LossScalePlan, OffloadPlan, ShardPlan
+from fsdpzero.plan.types import (ActivationCheckpointPlan, AioPlan, CheckpointPlan, CompilePlan, LossScalePlan,
+                                  OffloadPlan, ShardPlan)
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 # every aio key away from DeepSpeed's default (use_gds=true is refused, so it stays false)
@@ -110,3 +113,24 @@ def test_loss_scale_plan_defaults_are_the_fp16_sections():
               "consecutive_hysteresis": True, "min_loss_scale": 4}
     got = translate(load_config({"train_batch_size": 8, "fp16": {"enabled": True, **values}}), Env())
     assert dataclasses.asdict(got.precision.loss_scale) == values
+
+
+# sections the plan carries under the same key names: (plan type, the Plan's field, schema model, keys, a config
+# section with every key away from its default, what the plan holds for it)
+SAME_NAME = [
+    (ActivationCheckpointPlan, "activation_checkpointing", ActivationCheckpointing,
+     ("cpu_checkpointing", "number_checkpoints"), {"cpu_checkpointing": True, "number_checkpoints": 4}, None),
+]
+
+
+@pytest.mark.parametrize("plan_type, section, model, keys, values, planned", SAME_NAME,
+                         ids=[s[1] for s in SAME_NAME])
+def test_section_plan_defaults_are_the_schemas(plan_type, section, model, keys, values, planned):
+    lower = {"tag_validation": str.lower}   # the plan spells DeepSpeed's WARN/FAIL in lower case
+    defaults = {k: lower.get(k, lambda v: v)(model.model_fields[k].default) for k in keys}
+    assert {k: getattr(plan_type(), k) for k in keys} == defaults
+    for cfg in ({}, {section: {}}):        # the section absent, and present with nothing set
+        got = getattr(translate(load_config({"train_batch_size": 8, **cfg}), Env()), section)
+        assert {k: getattr(got, k) for k in keys} == defaults
+    got = getattr(translate(load_config({"train_batch_size": 8, section: values}), Env()), section)
+    assert {k: getattr(got, k) for k in keys} == values | (planned or {})
