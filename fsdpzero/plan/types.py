@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from fsdpzero.config.schema import FP16, OffloadOptimizer, OffloadParam, ZeroOptimization
-from fsdpzero.config.sections import ActivationCheckpointing, Aio
+from fsdpzero.config.sections import ActivationCheckpointing, Aio, Compile
 
 Status = Literal["mapped", "approximated", "noop", "unsupported"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -164,8 +164,8 @@ class ActivationCheckpointPlan:
 class CompilePlan:
     """torch.compile per transformer block (fsdpzero/compile.py): the `compile` section's enabled/backend/kwargs,
     `deepcompile` (read as a request for the fastest compiled path), or fsdpzero's `compile` tuning knob."""
-    enabled: bool = False
-    backend: str = "inductor"
+    enabled: bool = False                                  # the section's enabled or deepcompile, or the knob
+    backend: str = schema_default(Compile, "backend")
     kwargs: dict[str, Any] = field(default_factory=dict)   # torch.compile keyword arguments (mode, dynamic, ...)
     source: str = ""                                       # what turned it on: a config key or the knob
 

@@ -120,6 +120,7 @@ def test_loss_scale_plan_defaults_are_the_fp16_sections():
 SAME_NAME = [
     (ActivationCheckpointPlan, "activation_checkpointing", ActivationCheckpointing,
      ("cpu_checkpointing", "number_checkpoints"), {"cpu_checkpointing": True, "number_checkpoints": 4}, None),
+    (CompilePlan, "compile", Compile, ("backend",), {"backend": "eager"}, None),
 ]
 
 
