@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from fsdpzero.config.schema import FP16, OffloadOptimizer, OffloadParam, ZeroOptimization
-from fsdpzero.config.sections import ActivationCheckpointing, Aio, Compile
+from fsdpzero.config.sections import ActivationCheckpointing, Aio, Checkpoint, Compile
 
 Status = Literal["mapped", "approximated", "noop", "unsupported"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -172,9 +172,10 @@ class CompilePlan:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointPlan:
-    tag_validation: Literal["ignore", "warn", "fail"] = "warn"
-    load_universal: bool = False
-    use_node_local_storage: bool = False    # recorded only: one node is a noop, several unsupported
+    tag_validation: Literal["ignore", "warn", "fail"] = schema_default(Checkpoint, "tag_validation").lower()
+    load_universal: bool = schema_default(Checkpoint, "load_universal")
+    # recorded only: one node is a noop, several unsupported
+    use_node_local_storage: bool = schema_default(Checkpoint, "use_node_local_storage")
     async_save: bool = False
     keep_last: int | None = None
 

@@ -121,6 +121,8 @@ SAME_NAME = [
     (ActivationCheckpointPlan, "activation_checkpointing", ActivationCheckpointing,
      ("cpu_checkpointing", "number_checkpoints"), {"cpu_checkpointing": True, "number_checkpoints": 4}, None),
     (CompilePlan, "compile", Compile, ("backend",), {"backend": "eager"}, None),
+    (CheckpointPlan, "checkpoint", Checkpoint, ("tag_validation", "load_universal", "use_node_local_storage"),
+     {"tag_validation": "FAIL", "load_universal": True, "use_node_local_storage": True}, {"tag_validation": "fail"}),
 ]
 
 
