@@ -101,8 +101,13 @@ class _Slot:
         self.master = local.detach().to("cpu", torch.float32, copy=True)
         self.m = [torch.zeros_like(self.master) for _ in range(sets)]
         self.v = [torch.zeros_like(self.master) for _ in range(sets)]
-        self.acc = [torch.zeros_like(self.master) for _ in range(sets)]
-        self.stale = torch.zeros_like(self.master) if sets == 2 else None
+        # the accumulated gradient stays where the gradient is (fp32): one add per step on the accelerator, and one
+        # copy to the host per update (DeepSpeed round-trips it through the GPU every step)
+        self.acc = [torch.zeros(local.shape, dtype=torch.float32, device=local.device) for _ in range(sets)]
+        self.pin = local.device.type == "cuda"
+        self.host_grad = None if local.device.type == "cpu" else \
+            torch.empty(self.master.shape, dtype=torch.float32, pin_memory=self.pin)
+        self.out = None
         self.pieces: list[tuple[int, int]] = []
         self.selected: torch.Tensor | None = None      # column indices (matrices); a fixed count (allocate)
         self.sel_m = self.sel_v = None
@@ -111,8 +116,11 @@ class _Slot:
         self.sel_grad = self.temp = None
 
     def allocate(self, ratio: float, dtype: torch.dtype) -> None:
-        """The selection's tensors: their sizes are fixed by the pieces (so a checkpoint loads in place)."""
+        """The selection's tensors: their sizes are fixed by the pieces (so a checkpoint loads in place). And the CPU
+        step's result in the device dtype, written by the fused kernel in its pass (out=): what lands on the device
+        (with overlap_step: DeepSpeed's stale snapshot, landing one interval late)."""
         local = local_tensor(self.param)
+        self.out = torch.empty(self.master.shape, dtype=dtype, pin_memory=self.pin)
         if self.matrix:
             count = sum(num_selected(end - first, ratio) for first, end in self.pieces)
             self.selected = torch.zeros(count, dtype=torch.long, device=local.device)
@@ -236,7 +244,7 @@ class ZenFlowGradPath(GradPath):
             if self.fresh:
                 s.acc[buf].copy_(g)
             else:
-                s.acc[buf].add_(g.to("cpu", torch.float32))
+                s.acc[buf].add_(g)
         self.fresh = False
 
     def _select(self, grads: list[torch.Tensor]) -> None:
@@ -302,11 +310,10 @@ class ZenFlowGradPath(GradPath):
         """DeepSpeed's unscale_and_clip_grads factor for the accumulated gradient: 1 / max(1, (norm + 1e-6) / clip)."""
         if self.max_norm <= 0:
             return 1.0
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=self.slots[0].acc[buf].device)
         for s in self.slots:
             sq += s.acc[buf].double().square().sum()
         if dist.is_initialized() and dist.get_world_size() > 1:
-            sq = sq.to(local_tensor(self.slots[0].param).device)
             dist.all_reduce(sq)
         norm = float(sq.sqrt())
         return 1.0 / max(1.0, (norm + 1e-6) / self.max_norm)
@@ -317,32 +324,41 @@ class ZenFlowGradPath(GradPath):
             torch.set_num_threads(self.threads)
         for s in self.slots:
             h = s.group
-            adam_step_(s.master, s.acc[buf], s.m[buf], s.v[buf], lr=h["lr"], beta1=h["betas"][0],
+            grad = s.acc[buf] if s.host_grad is None else s.host_grad
+            adam_step_(s.master, grad, s.m[buf], s.v[buf], s.out, lr=h["lr"], beta1=h["betas"][0],
                        beta2=h["betas"][1], eps=h["eps"], weight_decay=h["weight_decay"], step=k + 1,
                        adamw=self.adamw, grad_scale=scale)
-            if s.stale is not None:
-                s.stale.copy_(s.master)
 
-    def _land(self, source: str) -> None:
+    def _to_host(self, buf: int) -> None:
+        """The accumulated gradient to the CPU step's buffer (pinned: asynchronous copies, one wait)."""
+        if self.slots[0].host_grad is None:   # CPU-only: the CPU step reads the accumulation itself
+            return
         for s in self.slots:
-            local_tensor(s.param).copy_(getattr(s, source))
+            s.host_grad.copy_(s.acc[buf], non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+
+    def _land(self) -> None:
+        """The CPU step's result (in the device dtype) replaces the device weights."""
+        for s in self.slots:
+            local_tensor(s.param).copy_(s.out.view(local_tensor(s.param).shape), non_blocking=True)
+        if self.slots[0].pin:   # the next CPU step rewrites the buffers these copies read
+            torch.cuda.current_stream().synchronize()
 
     def _cpu_boundary(self, k: int) -> None:
         buf, W = self._state(k), self.zf.full_warm_up_rounds
         scale = self._clip_scale(buf)
-        if not self.zf.overlap_step:
+        if not self.zf.overlap_step or k < W:   # sequential, or a warm-up round: synchronous
+            self._join()
+            self._to_host(buf)
             self._cpu_step(k, buf, scale)
-            self._land("master")
-            return
-        if k < W:   # warm-up: synchronous
-            self._cpu_step(k, buf, scale)
-            self._land("stale")
+            self._land()
             return
         self.after_warmup += 1
         first_landing = 3 if W == 0 else 2   # DeepSpeed: no process before the first submit, one skipped wait
         self._join()
         if self.after_warmup >= first_landing:
-            self._land("stale")
+            self._land()
+        self._to_host(buf)
         self.pending = self.executor.submit(self._cpu_step, k, buf, scale)
 
     def _join(self) -> None:
@@ -405,8 +421,8 @@ class ZenFlowGradPath(GradPath):
                 entry["exp_avg" + tail] = self._shard(s, s.m[i])
                 entry["exp_avg_sq" + tail] = self._shard(s, s.v[i])
                 entry["grad_accum" + tail] = self._shard(s, s.acc[i])
-            if s.stale is not None:
-                entry["stale"] = self._shard(s, s.stale)
+            if self.zf.overlap_step:
+                entry["stale"] = self._shard(s, s.out)
             if s.matrix:
                 entry["selected"] = s.selected
             state[s.name] = entry
@@ -432,8 +448,8 @@ class ZenFlowGradPath(GradPath):
                 s.m[i].copy_(local_tensor(saved["exp_avg" + tail]).view(s.m[i].shape))
                 s.v[i].copy_(local_tensor(saved["exp_avg_sq" + tail]).view(s.v[i].shape))
                 s.acc[i].copy_(local_tensor(saved["grad_accum" + tail]).view(s.acc[i].shape))
-            if s.stale is not None:
-                s.stale.copy_(local_tensor(saved["stale"]).view(s.stale.shape))
+            if self.zf.overlap_step:
+                s.out.copy_(local_tensor(saved["stale"]).view(s.out.shape))
             if s.matrix:
                 s.selected.copy_(saved["selected"])
             s.sel_m.copy_(local_tensor(saved["sel_exp_avg"]).view(s.sel_m.shape))
