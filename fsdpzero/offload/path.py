@@ -89,6 +89,9 @@ class OffloadGradPath(GradPath):
         on_accel = local_tensor(named[0][1]).device.type != "cpu"   # else CPU-only, or offload_param's CPU shards
         stage = on_accel if stage is None else stage
         threads = prepare.cpu_step_threads(knobs)
+        if plan.offload.cpuadam_cores_perc is not None and knobs.offload_threads is None:
+            # super_offload: DeepSpeed gives PyTorch int((1 - cpuadam_cores_perc) * n) of the n cores, CPU Adam the rest
+            threads = max(1, threads - int((1 - plan.offload.cpuadam_cores_perc) * threads))
         pin, low = prepare.copy_buffers_pinned(), DTYPES[plan.precision.param_dtype]
         hyper = prepare.adam_groups(make_optimizer, [p for _, p in named])   # params in model order
         units = prepare.forward_order(model, named)                           # then stepped in forward order

@@ -14,7 +14,9 @@ and divides the loss by it; here the engine runs gradient_accumulation_steps 1 a
   all-reduced into whole columns first.
 - every step k >= W: the selected columns and every 1-D parameter take an AdamW step on the device (torch's
   single-tensor AdamW, unclipped gradient) -- at an update boundary after the CPU step, from their values before it.
-- every step: the gradient accumulates on the CPU (fp32).
+- every step: the gradient accumulates in fp32, where it is (on a GPU: 4 bytes per parameter, 8 with overlap_step;
+  DeepSpeed keeps the sum on the CPU and round-trips it through the GPU every step); each update copies it to the
+  host once.
 - update boundary (k + 1 < W, or (k + 1 - W) % U == 0, or (k + 1) % S == 0): the accumulated gradient, clipped by
   its own global norm (gradient_clipping), takes a CPU Adam step on the masters with bias correction at step k + 1
   (DeepSpeed's step_id) and the masters replace the device weights; the selected columns and 1-D parameters then

@@ -169,8 +169,8 @@ FATES: dict[str, tuple[str, str]] = {
     _OO + "fast_init": (N, "optimizer-state init speed-up only"),
     _OO + "ratio": (M, "OffloadPlan.ratio: 1.0, the whole optimizer step on CPU"),
     _OO + "super_offload": (N, "false"),
-    _OO + "cpuadam_cores_perc": (N, "DeepSpeed reads it for super_offload's CPU Adam only; fsdpzero's CPU step "
-                                    "uses usable cores / local ranks threads (tuning offload_threads)"),
+    _OO + "cpuadam_cores_perc": (N, "DeepSpeed reads it for super_offload's CPU Adam only (stage 3); fsdpzero's CPU "
+                                    "step uses usable cores / local ranks threads (tuning offload_threads)"),
     # ---- NVMe I/O
     "aio": (M, "OffloadPlan.aio: parameters of the ops aio NVMe engine"),
     "aio.block_size": (M, "AioPlan.block_size"),
@@ -553,9 +553,18 @@ CONDITIONAL: tuple[Rule, ...] = (
          "ratio {value}: the CPU steps that fraction of each rank's elements (the last chunks in forward order), the "
          "GPU the rest with fused torch Adam on device fp32 masters (12 more GPU bytes per param it steps, 14 at "
          "stage 2 where their units keep their shards); stages 2 and 3 (DeepSpeed: stage 3 only)"),
+    Rule(_OO + "cpuadam_cores_perc", When("super_offload on at stage 3", lambda c: c.stage == 3 and bool(
+        c.cfg.zero_optimization.offload_optimizer and c.cfg.zero_optimization.offload_optimizer.super_offload)), M,
+         "OffloadPlan.cpuadam_cores_perc: the CPU step's threads are this rank's cores less int((1 - {value}) x "
+         "cores), the share DeepSpeed's SuperOffload reserves for PyTorch (the knob offload_threads overrides); one "
+         "process, so the reserved cores are not pinned apart as DeepSpeed's affinity split does"),
+    Rule(_OO + "super_offload", ON & When("stage 1/2", lambda c: c.stage in (1, 2)), N,
+         "DeepSpeed 0.19.8 reads super_offload in its stage-3 optimizer only: at stages 1/2 it does nothing there, "
+         "nor here"),
     Rule(_OO + "super_offload", ON, A, "SuperOffload's overlap: fsdpzero's CPU step overlaps the next forward by "
          "default (exact), and its speculative step during backward is on by default on a GPU (knob "
-         "offload_speculate; exact: shadow buffers, not rollback); no superchip-specific placement"),
+         "offload_speculate; exact: shadow buffers, not rollback); cpuadam_cores_perc sets the CPU step's threads; "
+         "no superchip-specific placement"),
     # ---- ZenFlow (one row for the section: fsdpzero.optim.zenflow; refusals of the section's values: translate.py)
     Rule(_Z + "zenflow", ZENFLOW & When('update_interval "auto" (the default)', lambda c: isinstance(
         c.cfg.zero_optimization.zenflow.update_interval, str)), U,
@@ -577,7 +586,7 @@ CONDITIONAL: tuple[Rule, ...] = (
          "selection boundary the top topk_ratio columns of each matrix by |gradient| sum, chosen per ZeRO-1/2 "
          "partition piece as DeepSpeed's flat partitions cut them, and their AdamW moments restart; the selected "
          "columns and the 1-D parameters take an unclipped AdamW step on the device every step; every gradient "
-         "accumulates on the CPU and update_interval steps later (and at select_interval) the clipped accumulated "
+         "accumulates (fp32) and update_interval steps later (and at select_interval) the clipped accumulated "
          "gradient takes a CPU Adam step (bias correction at the step count, as DeepSpeed's step_id) whose result "
          "replaces the unselected part on the device; full_warm_up_rounds full CPU steps first; overlap_step: the CPU "
          "step runs in a thread beside the next interval's forward/backward and lands one interval late, with "
@@ -585,8 +594,10 @@ CONDITIONAL: tuple[Rule, ...] = (
          "pt_reserved_cores_perc: the overlapped CPU step's threads are the cores it leaves. Differs: select_strategy "
          "\"epoch\"/\"auto\" select once after the warm-up (DeepSpeed: once per len(training_dataloader) steps when "
          "initialize got training_data); global_steps and the reported grad norm count every ZenFlow step (DeepSpeed: "
-         "update boundaries, the accumulated gradient's norm); DeepSpeed's stage-1 ZenFlow and a CPU step still "
-         "running when a selection resyncs the masters are not reproduced"),
+         "update boundaries, the accumulated gradient's norm); the accumulated gradient stays on the "
+         "device (4 bytes per parameter, 8 with overlap_step; DeepSpeed keeps it on the CPU and round-trips it each "
+         "step); DeepSpeed's stage-1 ZenFlow and a CPU step still running when a selection resyncs the masters are "
+         "not reproduced"),
     # ---- optimizer and scheduler
     Rule("optimizer.type", ONEBIT_ADAM & stage_in(0), A,
          "{value}: 1-bit Adam's uncompressed warm-up math on every step (Adam without bias correction, decoupled "

@@ -160,6 +160,7 @@ def _offload(cfg: DSConfig) -> OffloadPlan:
         buffer_count=oo.buffer_count, param_buffer_count=op.buffer_count,
         param_buffer_size=op.buffer_size, max_in_cpu=op.max_in_cpu,
         ratio=oo.ratio, sub_group_size=z.sub_group_size,
+        cpuadam_cores_perc=oo.cpuadam_cores_perc if oo.super_offload and z.stage == 3 else None,
         aio=AioPlan(**aio.model_dump(include=set(AioPlan.__dataclass_fields__))))
 
 

@@ -119,6 +119,9 @@ class OffloadPlan:
     ratio: float = schema_default(OffloadOptimizer, "ratio")
     sub_group_size: int = schema_default(ZeroOptimization, "sub_group_size")
     aio: AioPlan = field(default_factory=AioPlan)
+    # offload_optimizer.super_offload at stage 3 (DeepSpeed reads it there only): the share of this rank's cores
+    # the CPU step keeps, the rest reserved for PyTorch (cpuadam_cores_perc); None otherwise
+    cpuadam_cores_perc: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -281,6 +284,7 @@ CONSUMERS: dict[str, tuple[str, ...]] = {
     **{f"OffloadPlan.{f}": ("fsdpzero.offload.param_swapper:param_swapper_from_plan",) for f in (
         "param_nvme_path", "param_buffer_count", "param_buffer_size", "max_in_cpu")},
     "OffloadPlan.ratio": ("fsdpzero.offload.path:OffloadGradPath.build",),
+    "OffloadPlan.cpuadam_cores_perc": ("fsdpzero.offload.path:OffloadGradPath.build",),
     "OffloadPlan.sub_group_size": ("fsdpzero.offload.prepare:chunk_size",),
     "OptimizerPlan.type": ("fsdpzero.optim.factory:make_optimizer_factory",),
     "OptimizerPlan.params": ("fsdpzero.optim.factory:make_optimizer_factory",),
