@@ -10,6 +10,7 @@ import torch
 from fsdpzero.api import grad_path_type
 from fsdpzero.optim import FSDPGradPath, GradPath
 from fsdpzero.plan import OffloadPlan
+from fsdpzero.plan.types import ZenFlowPlan
 from tests.engine_cases import make_plan
 
 PKG = Path(__file__).resolve().parents[2] / "fsdpzero"
@@ -20,6 +21,7 @@ def _types():
     plans = [make_plan(stage=s) for s in (0, 1, 2, 3)]
     plans += [dataclasses.replace(make_plan(stage=s), offload=o) for s in (2, 3) for o in (cpu, nvme)]
     plans += [dataclasses.replace(make_plan(stage=1), offload=cpu)]
+    plans += [dataclasses.replace(make_plan(stage=2), offload=cpu, zenflow=ZenFlowPlan(update_interval=4))]
     return [grad_path_type(p) for p in plans]
 
 
@@ -38,7 +40,7 @@ def test_every_type_the_dispatch_gives_lays_out_and_builds_itself():
         # build is the type's own (GradPath.build only says it is not built from a plan)
         assert path_type.build.__func__ is not GradPath.build.__func__, path_type
         assert callable(path_type.lay_out) and path_type.name, path_type
-    assert {t.name for t in _types()} == {"fsdp", "stage1", "offload"}
+    assert {t.name for t in _types()} == {"fsdp", "stage1", "offload", "zenflow"}
 
 
 def test_a_wrong_offload_type_for_the_plan_is_refused():
