@@ -431,16 +431,16 @@ class ZenFlowGradPath(GradPath):
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [s.name for s in self.slots if s.group is g]} for g in self.optimizer.param_groups]
         counters = torch.tensor([self.k, int(self.fresh), self.after_warmup], dtype=torch.long)
-        return {"state": state, "param_groups": groups, "zenflow": {"counters": counters}}
+        return {"state": state, "param_groups": groups, "schedule": counters}
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self._join()
-        if "zenflow" not in sd:
+        if "schedule" not in sd:
             raise ValueError("this checkpoint was not saved with zero_optimization.zenflow: its optimizer state has "
                              "no ZenFlow entries; load it with load_optimizer_states=False (the weights become the "
                              "masters) or without the zenflow section")
-        self.k, fresh, self.after_warmup = (int(x) for x in sd["zenflow"]["counters"])
+        self.k, fresh, self.after_warmup = (int(x) for x in sd["schedule"])
         self.fresh = bool(fresh)
         for s in self.slots:
             saved = sd["state"][s.name]
