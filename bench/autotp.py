@@ -5,12 +5,18 @@ table: step time, tokens/s/GPU, peak GPU memory, and the loss curve of each (max
     python bench/autotp.py --nproc 4 --tp 2 --out out/autotp_tp2dp2     # 4 GPUs: tp 2 x dp 2 (0.89 B, bf16)
     python bench/autotp.py --nproc 2 --tp 2 --out out/autotp_tp2dp1     # 2 GPUs: tp 2 x dp 1
     FSDPZERO_BENCH_CPU=1 python bench/autotp.py --nproc 4 --tp 2 --stages 2 --steps 2 --warmup 1   # CPU smoke
+    python bench/autotp.py --nproc 2 --tp 2 --stages 2 --impls fsdpzero fsdpzero_dtensor deepspeed   # before/after
+
+Implementations: `fsdpzero` (its Linear layers computing on local shards: fsdpzero/parallel/tensor_parallel.py),
+`fsdpzero_dtensor` (the same engine with DTensor's ColwiseParallel / RowwiseParallel per layer, fsdpzero's path before
+that change: dtensor_styles=True), `deepspeed`.
 
 Setup: bench/common.py's 0.89 B Llama (16 heads, 8 kv heads: tp up to 8), seq 2048, micro 4 per GPU, AdamW 1e-4, clip
 1.0, bf16, stages --stages (default 1 2 3), 3 warm-up + 10 timed steps, rank 0's median. Every rank of a tp group reads
 the same micro-batches (its data replica's). No train_batch_size in the config: DeepSpeed 0.19.8's ZeRO-3 refuses any
 explicit value under AutoTP (docs/parallelism.md). DeepSpeed runs with torch_adam (torch's AdamW; no FusedAdam JIT
-build) and fsdpzero with its default (torch's fused AdamW on GPUs). About 30-40 s per run on H100s; 6 runs.
+build) and fsdpzero with its default (torch's fused AdamW on GPUs). About 30-40 s per run on H100s; 6 runs by default
+(--impls fsdpzero deepspeed).
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (first: its import time is the launch clock)
 import torch  # noqa: E402
 
-IMPLS = ("fsdpzero", "deepspeed")
+IMPLS = ("fsdpzero", "fsdpzero_dtensor", "deepspeed")
 
 
 def config(stage: int, tp: int, p: dict, ga: int) -> dict:
@@ -65,6 +71,11 @@ def worker(args) -> None:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     else:
         import fsdpzero
+        if args.impl == "fsdpzero_dtensor":   # every sharded Linear through DTensor's styles (the old path)
+            import functools
+            import fsdpzero.api
+            from fsdpzero.parallel.tensor_parallel import apply_tensor_parallel
+            fsdpzero.api.apply_tensor_parallel = functools.partial(apply_tensor_parallel, dtensor_styles=True)
         engine, *_ = fsdpzero.initialize(model=model, config=cfg)
 
     def step():
@@ -122,12 +133,18 @@ def table(rows: list[dict]) -> str:
                      f"{r['losses'][0]:.4f} / {r['losses'][-1]:.4f} |")
     by = {(r.get("stage"), r["impl"]): r for r in rows if "error" not in r}
     for stage in sorted({s for s, _ in by}):
-        ours, theirs = by.get((stage, "fsdpzero")), by.get((stage, "deepspeed"))
-        if ours and theirs:
-            diff = max(abs(a - b) for a, b in zip(ours["losses"], theirs["losses"]))
-            lines.append(f"\nstage {stage}: fsdpzero/DeepSpeed step time {ours['step_s'] / theirs['step_s']:.3f}, "
-                         f"peak alloc {ours['peak_alloc_gib'] - theirs['peak_alloc_gib']:+.2f} GiB, "
-                         f"max loss difference over {len(ours['losses'])} steps {diff:.2e}")
+        for impl in ("fsdpzero", "fsdpzero_dtensor"):
+            ours, theirs = by.get((stage, impl)), by.get((stage, "deepspeed"))
+            if ours and theirs:
+                diff = max(abs(a - b) for a, b in zip(ours["losses"], theirs["losses"]))
+                lines.append(f"\nstage {stage}: {impl}/DeepSpeed step time {ours['step_s'] / theirs['step_s']:.3f}, "
+                             f"peak alloc {ours['peak_alloc_gib'] - theirs['peak_alloc_gib']:+.2f} GiB, "
+                             f"max loss difference over {len(ours['losses'])} steps {diff:.2e}")
+        new, old = by.get((stage, "fsdpzero")), by.get((stage, "fsdpzero_dtensor"))
+        if new and old:
+            diff = max(abs(a - b) for a, b in zip(new["losses"], old["losses"]))
+            lines.append(f"stage {stage}: fsdpzero/fsdpzero_dtensor step time {new['step_s'] / old['step_s']:.3f}, "
+                         f"max loss difference {diff:.2e}")
     return "\n".join(lines)
 
 
@@ -135,7 +152,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--impl", choices=IMPLS)
-    ap.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    ap.add_argument("--impls", nargs="+", choices=IMPLS, default=["fsdpzero", "deepspeed"])
     ap.add_argument("--stage", type=int)
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--tp", type=int, default=2)
