@@ -611,7 +611,8 @@ CONDITIONAL: tuple[Rule, ...] = (
     Rule("optimizer.type", MUON & When("fp16 on", lambda c: bool(c.cfg.fp16.enabled)), U,
          "Muon with fp16: DeepSpeed keeps the momentum in loss-scaled units; use bf16 or fp32"),
     Rule("optimizer.type", MUON & OFFLOADED_OPT, U, "Muon with offload_optimizer: not implemented (DeepSpeed runs "
-         "it); remove offload_optimizer"),
+         "it, with the same results as without offload); remove offload_optimizer (the optimizer state then stays on "
+         "the device)"),
     Rule("optimizer.type", MUON, M,
          "fsdpzero.optim.muon.MuonWithAuxAdam, DeepSpeed 0.19.8's: its split (matrices but embeddings and lm_head "
          "take Muon, the rest AdamW), nesterov momentum and 5-step Newton-Schulz (ns_method gram/standard) on each "
