@@ -338,3 +338,27 @@ def test_the_corpus_zenflow_config_trains():
     losses, dtypes = out[0]
     assert dtypes == {"torch.bfloat16"}
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0] - 0.05, losses
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_bench_zenflow_cpu_smoke(tmp_path):
+    """bench/zenflow.py (the lead's GPU command) end to end on CPU/gloo, tiny preset: each config a row with step
+    times and falling losses, the table printed, DeepSpeed rows skipped with a reason when it is absent."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, FSDPZERO_BENCH_CPU="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(root / "bench" / "zenflow.py"), "--out", str(tmp_path),
+           "--configs", "zenflow_ours,offload_ours,muon_z2_ours,adamw_z2_ours", "--budget-s", "330"]
+    res = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=380)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = {r["config"]: r for r in json.loads((tmp_path / "zenflow.json").read_text())}
+    assert set(rows) == {"zenflow_ours", "offload_ours", "muon_z2_ours", "adamw_z2_ours"}
+    for r in rows.values():
+        assert r["median_step_s"] > 0 and len(r["losses"]) == r["warmup"] + r["timed"], r
+        assert r["losses"][-1] < r["losses"][0]
+    assert "x offload_ours" in rows["zenflow_ours"]["note"] and "median s" in res.stdout
