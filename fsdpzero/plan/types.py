@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from fsdpzero.config.schema import FP16, OffloadOptimizer, OffloadParam, ZeroOptimization
+from fsdpzero.config.schema import FP16, OffloadOptimizer, OffloadParam, ZenFlow, ZeroOptimization
 from fsdpzero.config.sections import ActivationCheckpointing, Aio, Checkpoint, Compile
 
 Status = Literal["mapped", "approximated", "noop", "unsupported"]
@@ -197,15 +197,15 @@ class ZenFlowPlan:
     """`zero_optimization.zenflow`, resolved as DeepSpeed 0.19.8's configure_zenflow does (fsdpzero.optim.zenflow):
     select_interval in steps (0: select once, after the warm-up rounds; "auto" is the "epoch" strategy, 1 epoch);
     update_interval None for "auto"."""
-    topk_ratio: float = 0.1
+    topk_ratio: float = schema_default(ZenFlow, "topk_ratio")
     select_strategy: str = "epoch"          # "step" or "epoch" ("auto" resolves to "epoch")
     select_interval: int = 0
     update_interval: int | None = None
-    overlap_step: bool = False
-    offload: bool = False
-    auto_ratio: float = 0.99
-    full_warm_up_rounds: int = 0
-    pt_reserved_cores_perc: float = 0.5
+    overlap_step: bool = schema_default(ZenFlow, "overlap_step")
+    offload: bool = schema_default(ZenFlow, "offload")
+    auto_ratio: float = schema_default(ZenFlow, "auto_ratio")
+    full_warm_up_rounds: int = schema_default(ZenFlow, "full_warm_up_rounds")
+    pt_reserved_cores_perc: float = schema_default(ZenFlow, "pt_reserved_cores_perc")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,12 +8,12 @@ import pytest
 
 from fsdpzero.cli.migrate import section_keys_markdown, with_section_keys
 from fsdpzero.config import load_config
-from fsdpzero.config.schema import FP16, OffloadOptimizer, OffloadParam, ZeroOptimization
+from fsdpzero.config.schema import FP16, OffloadOptimizer, OffloadParam, ZenFlow, ZeroOptimization
 from fsdpzero.config.sections import ActivationCheckpointing, Aio, Checkpoint, Compile
 from fsdpzero.plan import Env
 from fsdpzero.plan.translate import translate
 from fsdpzero.plan.types import (ActivationCheckpointPlan, AioPlan, CheckpointPlan, CompilePlan, LossScalePlan,
-                                  OffloadPlan, ShardPlan)
+                                  OffloadPlan, ShardPlan, ZenFlowPlan)
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 # every aio key away from DeepSpeed's default (use_gds=true is refused, so it stays false)
@@ -139,3 +139,15 @@ def test_section_plan_defaults_are_the_schemas(plan_type, section, model, keys, 
         assert {k: getattr(got, k) for k in keys} == defaults
     got = getattr(translate(load_config({"train_batch_size": 8, section: values}), Env()), section)
     assert {k: getattr(got, k) for k in keys} == values | (planned or {})
+
+
+# zenflow's keys that the plan copies as written (the strategy and the intervals are resolved, not copied)
+ZENFLOW_KEYS = ("topk_ratio", "overlap_step", "offload", "auto_ratio", "full_warm_up_rounds", "pt_reserved_cores_perc")
+
+
+def test_zenflow_plan_defaults_are_the_schemas():
+    defaults = {k: ZenFlow.model_fields[k].default for k in ZENFLOW_KEYS}
+    assert {k: getattr(ZenFlowPlan(), k) for k in ZENFLOW_KEYS} == defaults
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {}}
+    got = translate(load_config({"train_batch_size": 8, "zero_optimization": zero}), Env()).zenflow
+    assert {k: getattr(got, k) for k in ZENFLOW_KEYS} == defaults
