@@ -2,13 +2,17 @@
 
     fsdpzero launch --num_gpus 2 train.py --deepspeed ds_config.json          # one machine (gloo ranks on CPU)
     fsdpzero launch --hostfile hosts --master_addr node0 train.py ...         # the same command on every node
+    fsdpzero launch --num_nodes 2 --node_rank K --num_gpus 8 --master_addr node0 train.py ...   # node K of 2
 
 DeepSpeed's flags are translated into torchrun's and torchrun starts and watches the processes; nothing here
 manages processes. Resource selection follows DeepSpeed 0.19.8's runner exactly (hostfile `host slots=N` lines,
 `--include`/`--exclude` `NAME[:SLOT[,SLOT]]@...`, `--num_nodes`, `--num_gpus`): tests/cli/test_launch.py checks it
 against DeepSpeed's own functions. What differs, because torchrun runs one agent per node instead of DeepSpeed
-ssh-ing (pdsh) into the hosts: run the command on every node (by hand, or one task per node under `srun`); the
-nodes meet through torchrun's c10d rendezvous at `--master_addr:--master_port`. Each process gets LOCAL_RANK,
+ssh-ing (pdsh) into the hosts: run the command on every node (by hand, as with DeepSpeed's `--no_ssh`, or one task
+per node under `srun`, whose SLURM_NODEID / SLURM_NNODES / node list stand for --node_rank / --num_nodes /
+--master_addr). A node that knows its index (--node_rank, SLURM, or its hostname in the hostfile) joins torchrun's
+static rendezvous at `--master_addr:--master_port` as node k, so ranks are numbered node by node as DeepSpeed's
+launcher does (GROUP_RANK = k); otherwise the nodes meet at a c10d rendezvous there. Each process gets LOCAL_RANK,
 RANK, WORLD_SIZE, MASTER_ADDR/PORT in its environment and, as DeepSpeed passes it, `--local_rank=N` before the
 script's own arguments (`--no_local_rank` drops it). On a machine without GPUs `--num_gpus N` starts N processes
 (fsdpzero then uses gloo).
@@ -46,7 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master_port", type=int, default=None,
                         help=f"rendezvous port (default {DEFAULT_PORT} across nodes; a free port on one machine)")
     parser.add_argument("--node_rank", type=int, default=-1,
-                        help="this machine's index in the hostfile (default: found by its hostname)")
+                        help="this machine's index among the nodes, 0..N-1 (default: $SLURM_NODEID under srun, else "
+                             "its place in the hostfile, found by hostname); global ranks follow it, node 0 first")
+    parser.add_argument("--no_ssh", action="store_true",
+                        help="DeepSpeed's flag for running the command on every node with --node_rank; fsdpzero "
+                             "launch never ssh-es, so it only makes --node_rank required, as DeepSpeed does")
     parser.add_argument("--rdzv_id", default=None,
                         help="rendezvous job id, the same on every node (default: $SLURM_JOB_ID, else "
                              "'fsdpzero-<port>')")
@@ -167,10 +175,16 @@ def select_resources(pool: dict[str, int] | None, args: argparse.Namespace, gpu_
         raise ValueError("--num_nodes/--num_gpus cannot be combined with --include/--exclude (DeepSpeed's rule): "
                          "choose the slots with one or the other")
     if pool is None:
+        per_node = gpu_count if gpu_count > 0 else max(args.num_gpus, 1)
         if args.num_nodes > 1:
-            raise ValueError(f"--num_nodes {args.num_nodes}: several nodes need a --hostfile listing them")
+            # torchrun's --nnodes: N nodes of equal size, each told its --node_rank (DeepSpeed needs a hostfile)
+            if args.node_rank < 0:
+                raise ValueError(f"--num_nodes {args.num_nodes} without a --hostfile: pass --node_rank (this node's "
+                                 f"index, 0..{args.num_nodes - 1}) on each node, or a --hostfile listing the nodes")
+            return trim_resources(collections.OrderedDict((f"node{i}", list(range(per_node)))
+                                                          for i in range(args.num_nodes)), -1, args.num_gpus)
         # a machine without GPUs: --num_gpus N means N processes (DeepSpeed refuses to start at all)
-        pool = {"localhost": gpu_count if gpu_count > 0 else max(args.num_gpus, 1)}
+        pool = {"localhost": per_node}
     active = filter_resources(pool, args.include, args.exclude)
     active = trim_resources(active, args.num_nodes, args.num_gpus)
     if not active:
@@ -187,22 +201,63 @@ class LaunchPlan:
     summary: str = ""
 
 
-def _this_host(active: dict[str, list[int]], node_rank: int, hostname: str) -> str:
+def _this_node(active: dict[str, list[int]], node_rank: int, hostname: str) -> tuple[str, int | None]:
+    """This machine's host entry and node index (None: not known, and not needed because every node uses the same
+    slots; the c10d rendezvous then numbers the nodes)."""
     hosts = list(active)
     if node_rank >= 0:
         if node_rank >= len(hosts):
-            raise ValueError(f"--node_rank {node_rank}: the job has {len(hosts)} node(s) (0..{len(hosts) - 1})")
-        return hosts[node_rank]
+            raise ValueError(f"--node_rank {node_rank}: the job has {len(hosts)} node(s), so --node_rank is "
+                             f"0..{len(hosts) - 1} (one value per node; check --num_nodes / the hostfile)")
+        return hosts[node_rank], node_rank
     if len(hosts) == 1:
-        return hosts[0]          # DeepSpeed too runs a one-host job locally, whatever the host's name
+        return hosts[0], 0       # DeepSpeed too runs a one-host job locally, whatever the host's name
     short = hostname.split(".")[0]
-    for host in hosts:
+    for i, host in enumerate(hosts):
         if host == hostname or host.split(".")[0] == short:
-            return host
+            return host, i
     if len({tuple(s) for s in active.values()}) == 1:
-        return hosts[0]          # every node uses the same slots: which one we are does not matter
+        return hosts[0], None    # every node uses the same slots: which one we are does not matter
     raise ValueError(f"this machine ({hostname}) is not in the hostfile and the nodes use different slots: pass "
                      f"--node_rank (its index among {', '.join(hosts)})")
+
+
+def slurm_first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: 'gpu[07-09,12],cpu1' -> 'gpu07' (what `scontrol show hostnames | head
+    -n 1` prints), without calling scontrol."""
+    depth, end = 0, len(nodelist)
+    for i, c in enumerate(nodelist):
+        depth += (c == "[") - (c == "]")
+        if c == "," and depth == 0:
+            end = i
+            break
+    return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[,-]", m.group(1))[0], nodelist[:end].strip())
+
+
+def apply_slurm(args: argparse.Namespace, pool: dict | None, environ) -> str | None:
+    """Under `srun` (one task per node), SLURM says what the multi-node flags would: --node_rank = $SLURM_NODEID,
+    --num_nodes = the step's node count (without a hostfile), --master_addr = the first host of the node list.
+    Flags given win. Returns what was taken from SLURM (for the summary), None outside a multi-node SLURM step."""
+    nnodes = environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_NNODES")
+    if "SLURM_NODEID" not in environ or not nnodes or int(nnodes) <= 1:
+        return None
+    nnodes = int(nnodes)
+    tasks = environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS")
+    if tasks and int(tasks) != nnodes:
+        raise ValueError(f"SLURM: {tasks} tasks on {nnodes} nodes: run one `fsdpzero launch` per node "
+                         f"(srun --ntasks-per-node=1); it starts the node's ranks itself")
+    taken = []
+    if args.node_rank < 0:
+        args.node_rank = int(environ["SLURM_NODEID"])
+        taken.append(f"--node_rank {args.node_rank}")
+    if pool is None and args.num_nodes < 0 and not (args.include or args.exclude):
+        args.num_nodes = nnodes
+        taken.append(f"--num_nodes {nnodes}")
+    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+    if not args.master_addr and nodelist:
+        args.master_addr = slurm_first_host(nodelist)
+        taken.append(f"--master_addr {args.master_addr}")
+    return ", ".join(taken) or None
 
 
 def plan_launch(args: argparse.Namespace, pool: dict[str, int] | None, *, gpu_count: int, hostname: str,
@@ -218,8 +273,11 @@ def plan_launch(args: argparse.Namespace, pool: dict[str, int] | None, *, gpu_co
                              "which CPUs the ranks are pinned to)")
         from fsdpzero.host import parse_cpulist
         parse_cpulist(args.bind_core_list)   # a bad list fails here, once, not in every rank
+    if args.no_ssh and args.node_rank < 0 and "SLURM_NODEID" not in environ:
+        raise ValueError("--no_ssh: pass --node_rank (this node's index, 0..N-1), as DeepSpeed requires")
+    from_slurm = apply_slurm(args, pool, environ)
     active = select_resources(pool, args, gpu_count)
-    host = _this_host(active, args.node_rank, hostname)
+    host, node_index = _this_node(active, args.node_rank, hostname)
     slots = active[host]
     if not slots:
         raise ValueError(f"hostfile: {host} has slots=0: nothing to run there (remove the line or give it slots)")
@@ -237,12 +295,21 @@ def plan_launch(args: argparse.Namespace, pool: dict[str, int] | None, *, gpu_co
     else:
         addr = args.master_addr or ("127.0.0.1" if nnodes == 1 else "")
         if not addr:
-            raise ValueError(f"{nnodes} nodes: pass --master_addr (node 0's address, the rendezvous point; "
-                             f"DeepSpeed would ask node 0 over ssh, fsdpzero launch does not ssh)")
+            first = f", e.g. --master_addr {list(active)[0]}" if pool is not None else ""
+            raise ValueError(f"{nnodes} nodes: pass --master_addr (node 0's address{first}; DeepSpeed would ask "
+                             f"node 0 over ssh, fsdpzero launch does not ssh)")
         port = args.master_port if args.master_port is not None else DEFAULT_PORT
-        rdzv_id = args.rdzv_id or environ.get("SLURM_JOB_ID") or f"fsdpzero-{port}"
-        out += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{addr}:{port}", "--rdzv-id", str(rdzv_id)]
-        where = f"node {host} of {nnodes}, rendezvous {addr}:{port}"
+        if node_index is not None:
+            # DeepSpeed's layout: node k's ranks follow those of nodes 0..k-1, rank 0 on node 0, which hosts the
+            # store at --master_addr (torchrun's static rendezvous; GROUP_RANK = k)
+            out += ["--node-rank", str(node_index), "--master-addr", addr, "--master-port", str(port)]
+            where = f"node {node_index} ({host}) of {nnodes}, master {addr}:{port}"
+        else:
+            rdzv_id = args.rdzv_id or environ.get("SLURM_JOB_ID") or f"fsdpzero-{port}"
+            out += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{addr}:{port}", "--rdzv-id", str(rdzv_id)]
+            where = f"node {host} of {nnodes}, rendezvous {addr}:{port}"
+        if from_slurm:
+            where += f" (from SLURM: {from_slurm})"
     local_rank = [] if args.no_local_rank else ["--local_rank=${local_rank}"]   # torchrun fills it in per process
     if args.no_python:
         program = [args.user_script, *local_rank, *args.user_args]

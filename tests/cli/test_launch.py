@@ -165,28 +165,81 @@ def test_gpus_are_chosen_by_slot():
         launch.plan_launch(_args("--num_gpus", "3", "t.py"), None, gpu_count=2, hostname="box")
 
 
-def test_several_nodes_meet_at_the_c10d_rendezvous():
+def test_several_nodes_meet_at_the_rendezvous():
     pool = collections.OrderedDict([("node-a", 8), ("node-b", 4)])
+    # found by hostname: node 1, torchrun's static rendezvous, so ranks follow the hostfile as DeepSpeed numbers them
     plan = launch.plan_launch(_args("--master_addr", "node-a", "t.py"), pool, gpu_count=8, hostname="node-b.cluster",
                               environ={"SLURM_JOB_ID": "4242"})
-    assert plan.torchrun_args[:12] == ["--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend", "c10d",
-                                       "--rdzv-endpoint", "node-a:29500", "--rdzv-id", "4242", "--module",
-                                       "fsdpzero.compat.bootstrap"]
+    assert plan.torchrun_args[:12] == ["--nnodes", "2", "--nproc-per-node", "4", "--node-rank", "1", "--master-addr",
+                                       "node-a", "--master-port", "29500", "--module", "fsdpzero.compat.bootstrap"]
     assert plan.env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"} and "world size 12" in plan.summary
-    plan = launch.plan_launch(_args("--master_addr", "10.0.0.1", "--master_port", "6000", "--node_rank", "0",
-                                    "--num_gpus", "2", "t.py"), pool, gpu_count=0, hostname="x", environ={})
-    assert "10.0.0.1:6000" in plan.torchrun_args and "fsdpzero-6000" in plan.torchrun_args
-    with pytest.raises(ValueError, match="pass --master_addr"):
+    # which node we are is unknown and does not matter (same slots everywhere): c10d numbers the nodes
+    plan = launch.plan_launch(_args("--master_addr", "10.0.0.1", "--master_port", "6000", "--num_gpus", "2", "t.py"),
+                              pool, gpu_count=0, hostname="x", environ={})
+    assert plan.torchrun_args[4:10] == ["--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.1:6000", "--rdzv-id",
+                                        "fsdpzero-6000"]
+    with pytest.raises(ValueError, match="pass --master_addr .node 0's address, e.g. --master_addr node-a"):
         launch.plan_launch(_args("t.py"), pool, gpu_count=8, hostname="node-a", environ={})
     with pytest.raises(ValueError, match="pass --node_rank"):
         launch.plan_launch(_args("--master_addr", "node-a", "t.py"), pool, gpu_count=8, hostname="elsewhere")
+
+
+def test_nodes_by_num_nodes_and_node_rank_without_a_hostfile():
+    plan = launch.plan_launch(_args("--num_nodes", "2", "--node_rank", "1", "--num_gpus", "2", "--master_addr", "h0",
+                                    "--master_port", "7000", "t.py"), None, gpu_count=0, hostname="x", environ={})
+    assert plan.torchrun_args[:10] == ["--nnodes", "2", "--nproc-per-node", "2", "--node-rank", "1", "--master-addr",
+                                       "h0", "--master-port", "7000"]
+    assert "node 1 (node1) of 2" in plan.summary and "world size 4" in plan.summary
+    plan = launch.plan_launch(_args("--num_nodes", "2", "--node_rank", "0", "--num_gpus", "2", "--master_addr", "h0",
+                                    "t.py"), None, gpu_count=4, hostname="x", environ={})
+    assert plan.env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+
+
+@pytest.mark.parametrize("argv, pool, message", [
+    (("--num_nodes", "2", "--node_rank", "2", "--master_addr", "h", "t.py"), None,
+     r"--node_rank 2: the job has 2 node\(s\), so --node_rank is 0..1"),
+    (("--node_rank", "5", "--master_addr", "h", "t.py"), {"a": 2, "b": 2},
+     r"--node_rank 5: the job has 2 node\(s\), so --node_rank is 0..1"),
+    (("--num_nodes", "2", "--node_rank", "1", "t.py"), None, r"2 nodes: pass --master_addr \(node 0's address; "),
+    (("--num_nodes", "2", "t.py"), None, r"--num_nodes 2 without a --hostfile: pass --node_rank \(this node's index, "
+                                         r"0..1\) on each node, or a --hostfile"),
+    (("--no_ssh", "--master_addr", "a", "t.py"), {"a": 2, "b": 2}, r"--no_ssh: pass --node_rank"),
+])
+def test_multi_node_errors_name_the_flag_value_and_fix(argv, pool, message):
+    with pytest.raises(ValueError, match=message):
+        launch.plan_launch(_args(*argv), pool, gpu_count=0, hostname="x", environ={})
+
+
+SRUN = {"SLURM_JOB_ID": "9", "SLURM_NNODES": "3", "SLURM_NTASKS": "3", "SLURM_NODEID": "2",
+        "SLURM_JOB_NODELIST": "gpu[07-08,12]"}
+
+
+def test_srun_one_task_per_node_maps_slurm_variables():
+    plan = launch.plan_launch(_args("--num_gpus", "8", "t.py"), None, gpu_count=8, hostname="gpu12", environ=SRUN)
+    assert plan.torchrun_args[:10] == ["--nnodes", "3", "--nproc-per-node", "8", "--node-rank", "2", "--master-addr",
+                                       "gpu07", "--master-port", "29500"]
+    assert "from SLURM: --node_rank 2, --num_nodes 3, --master_addr gpu07" in plan.summary
+    # flags given win; a hostfile gives the node count
+    plan = launch.plan_launch(_args("--node_rank", "0", "--master_addr", "10.1.1.1", "t.py"),
+                              collections.OrderedDict([("a", 2), ("b", 2), ("c", 2)]), gpu_count=2, hostname="q",
+                              environ=SRUN)
+    assert plan.torchrun_args[4:8] == ["--node-rank", "0", "--master-addr", "10.1.1.1"]
+    assert launch.slurm_first_host("rack[2-3]-n[05,7],cpu1") == "rack2-n05"
+    assert launch.slurm_first_host("a,b[1-2]") == "a"
+    # one srun task per GPU would start 8 launchers per node: refused, naming the fix
+    with pytest.raises(ValueError, match=r"SLURM: 24 tasks on 3 nodes: run one `fsdpzero launch` per node "
+                                         r"\(srun --ntasks-per-node=1\)"):
+        launch.plan_launch(_args("t.py"), None, gpu_count=8, hostname="gpu12", environ=dict(SRUN, SLURM_NTASKS="24"))
+    # a one-node allocation is one machine, as without SLURM
+    plan = launch.plan_launch(_args("t.py"), None, gpu_count=2, hostname="n", environ=dict(SRUN, SLURM_NNODES="1"))
+    assert "--standalone" in plan.torchrun_args
 
 
 def test_deepspeeds_refusals_before_anything_starts():
     with pytest.raises(ValueError, match="cannot be combined with --include/--exclude"):
         launch.plan_launch(_args("--num_gpus", "1", "--include", "localhost:0", "t.py"), None, gpu_count=2,
                            hostname="box")
-    with pytest.raises(ValueError, match="need a --hostfile"):
+    with pytest.raises(ValueError, match="without a --hostfile: pass --node_rank"):
         launch.plan_launch(_args("--num_nodes", "2", "t.py"), None, gpu_count=2, hostname="box")
 
 

@@ -119,7 +119,7 @@ def test_multinode_config_is_a_torchrun_rendezvous(tmp_path):
                        env=_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     cmd = p.stdout.strip().splitlines()[-1]
-    assert "--nnodes 2 --nproc-per-node 4" in cmd and "--rdzv-endpoint 10.0.0.1:29555" in cmd, cmd
+    assert "--nnodes 2 --nproc-per-node 4 --node-rank 1 --master-addr 10.0.0.1 --master-port 29555" in cmd, cmd
     assert "--local_rank" not in cmd         # accelerate launch passes none: accelerate scripts do not parse it
     assert f"accelerate config {path}: 10 keys: 10 mapped, 0 noop" in p.stderr, p.stderr
 
