@@ -5,7 +5,9 @@ Layout (DeepSpeed 0.19.8, data-parallel ZeRO): <tag_dir>/mp_rank_00_model_states
 param_shapes, config) and, per parameter, <tag_dir>/zero/<name>/fp32.pt ({"param": the full fp32 tensor, "cat_dim":
 ...}) plus one file per optimizer state, exp_avg.pt, exp_avg_sq.pt (or momentum_buffer.pt, ...: {"param": ...}) and
 step.pt (a tensor), for trainable ones; <tag_dir>/zero/optimizer_state.pt holds the param groups, the loss scaler and
-ds_version. <save_dir>/latest_universal names the tag (DeepSpeed's `checkpoint.load_universal` reads it).
+ds_version. <save_dir>/latest_universal names the tag (DeepSpeed's `checkpoint.load_universal` reads it). From a
+ZeRO-3 checkpoint ds_to_universal writes zero_pp_rank_N_mp_rank_00_model_states.pt instead, bare flat tensors and no
+step.pt (the step is in optimizer_state.pt's optimizer_state_dict), which DeepSpeed's ZeRO-3 load also expects.
 
 Reading: every file goes through fsdpzero.checkpoint.deepspeed_reader.load_ds_file (weights_only + DeepSpeed
 stand-ins) and is checked as DeepSpeed's loader would use it (an fp32 tensor of the shape the model states give, each
@@ -18,7 +20,8 @@ merged whole by the layout in universal_checkpoint_info: each whole tensor must 
 
 Writing (`write_universal`): a training state (ours, read by convert.ours_training_state, or a DeepSpeed ZeRO one)
 becomes the files DeepSpeed's engine.load_checkpoint reads with `checkpoint.load_universal: true`: mp_rank_00 model
-states, zero/optimizer_state.pt (no `clip_grad`, so DeepSpeed keeps its config's clipping), zero/<name>/<state>.pt.
+states (and their ZeRO-3 name), zero/optimizer_state.pt (no `clip_grad`, so DeepSpeed keeps its config's clipping;
+the ZeRO-3 step and groups too), zero/<name>/<state>.pt.
 An fp16 run's dynamic loss scaler is kept as numbers under `fsdpzero_loss_scaler`, which fsdpzero reads back;
 DeepSpeed replaces its scaler only with an instance of its own class, which needs its config's values (window,
 minimum, hysteresis) that our checkpoints do not hold, so DeepSpeed starts its scaler afresh from its config. A state
@@ -47,6 +50,7 @@ COMMON = "optimizer_state.pt"
 FP32 = "fp32"
 STEP = "step"
 UNSTEPPED_KEY = "fsdpzero_unstepped"   # in zero/optimizer_state.pt: the states were saved before the first step
+ZERO3_MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"   # where DeepSpeed's ZeRO-3 universal load looks
 OWN_LOSS_SCALER = "fsdpzero_loss_scaler"   # in zero/optimizer_state.pt: an fp16 run's dynamic scaler, as numbers
 DS_FORMAT_VERSION = "0.19.8"           # the DeepSpeed version whose universal format is written (its ds_version)
 # torch optimizer flags that say how a step is computed, not what it computes: the loading side keeps its own
@@ -80,8 +84,10 @@ def _slice_shape(meta: dict, name: str, default: tuple) -> tuple:
 
 
 def _param(path: Path) -> torch.Tensor:
+    """The tensor of a zero/<name>/<state>.pt: {"param": tensor, ...}, or (ZeRO-3's ds_to_universal) the bare
+    flat tensor."""
     entry = load_ds_file(path)
-    tensor = entry.get("param") if isinstance(entry, dict) else None
+    tensor = entry.get("param") if isinstance(entry, dict) else entry
     if not torch.is_tensor(tensor) or not tensor.is_floating_point():
         raise MalformedCheckpointError(f"{path}: no floating 'param' tensor in this universal checkpoint file")
     return tensor
@@ -96,14 +102,38 @@ def _step(path: Path):
     raise MalformedCheckpointError(f"{path}: the step is {type(step).__name__}, not a number")
 
 
+def _common_step(common: dict, path: Path):
+    """The step a ZeRO-3 universal checkpoint keeps once, in optimizer_state.pt's optimizer_state_dict (None if
+    absent)."""
+    inner = common.get("optimizer_state_dict")
+    state = inner.get("state") if isinstance(inner, dict) else None
+    first = state.get(0) if isinstance(state, dict) else None
+    step = first.get(STEP) if isinstance(first, dict) else None
+    if step is None:
+        return None
+    if torch.is_tensor(step) and step.numel() == 1:
+        return step.detach().clone().float().reshape(())
+    if isinstance(step, (int, float)) and not isinstance(step, bool):
+        return torch.tensor(float(step))
+    raise MalformedCheckpointError(f"{path}: optimizer_state_dict's step is {type(step).__name__}, not a number")
+
+
 @checked
 def training_state(tag_dir: str | Path) -> dict:
     """fp32 weights, optimizer states by name, hyperparameters, scaler, counters of a universal checkpoint."""
     tag_dir = Path(tag_dir)
-    model_files = sorted(tag_dir.glob("*_model_states.pt"))
-    if not model_files or [f.name for f in model_files] != [f"mp_rank_{i:02d}_model_states.pt"
-                                                           for i in range(len(model_files))]:
-        raise NotImplementedError(f"{tag_dir}: universal checkpoints with {[f.name for f in model_files]} are not "
+    found = sorted(tag_dir.glob("*_model_states.pt"))
+    mp = [f for f in found if re.fullmatch(r"mp_rank_\d+_model_states\.pt", f.name)]
+    zero3 = [f for f in found if re.fullmatch(r"zero_pp_rank_\d+_mp_rank_00_model_states\.pt", f.name)]
+    if mp and len(mp) + len(zero3) == len(found):   # mp_rank_NN (and ours: a copy for DeepSpeed's ZeRO-3 load)
+        model_files = mp
+    elif zero3 and len(zero3) == len(found) and (tag_dir / ZERO3_MODEL_STATES).is_file():
+        model_files = [tag_dir / ZERO3_MODEL_STATES]   # DeepSpeed's ZeRO-3 universal: rank 0's model states
+    else:
+        model_files = []
+    if not model_files or (model_files == mp and [f.name for f in mp] != [f"mp_rank_{i:02d}_model_states.pt"
+                                                                         for i in range(len(mp))]):
+        raise NotImplementedError(f"{tag_dir}: universal checkpoints with {[f.name for f in found]} are not "
                                   f"supported; mp_rank_00_model_states.pt, and one more per tensor-parallel rank "
                                   f"(no pipeline stages, no expert files), are")
     metas = [load_ds_file(f) for f in model_files]
@@ -131,6 +161,7 @@ def training_state(tag_dir: str | Path) -> dict:
     # AutoTP: each mp_rank file gives that rank's slice shapes; the zero/ tensors are the merged, whole ones
     slice_numel = {name: sum(math.prod(_slice_shape(m, name, shape)) for m in metas) for name, shape in shapes.items()}
     trainable = [name for g in groups for name in g]
+    common_step = _common_step(common, tag_dir / ZERO_DIR / COMMON)   # ZeRO-3's: one step, no step.pt
     weights, states = {}, {}
     zero = tag_dir / ZERO_DIR
     for name in list(shapes) + sorted(p.name for p in zero.iterdir() if p.is_dir()):
@@ -138,6 +169,8 @@ def training_state(tag_dir: str | Path) -> dict:
         if name in weights or not (pdir / f"{FP32}.pt").is_file():
             continue
         weights[name] = _param(pdir / f"{FP32}.pt").float()
+        if name in shapes and weights[name].dim() == 1 and weights[name].numel() == math.prod(shapes[name]):
+            weights[name] = weights[name].reshape(shapes[name])   # ZeRO-3's flat fp32
         # whole: the model states' shape (one file, or a tensor-parallel-replicated one), or all ranks' slices
         if name in shapes and tuple(weights[name].shape) != shapes[name] and (
                 len(metas) == 1 or weights[name].numel() != slice_numel[name]):
@@ -158,7 +191,7 @@ def training_state(tag_dir: str | Path) -> dict:
                                                f"{weights[name].numel()} (a tensor-parallel slice?)")
             entry[key] = value.float().reshape(weights[name].shape)
         if entry:
-            entry[STEP] = _step(pdir / f"{STEP}.pt") if (pdir / f"{STEP}.pt").is_file() else None
+            entry[STEP] = _step(pdir / f"{STEP}.pt") if (pdir / f"{STEP}.pt").is_file() else common_step
             if entry[STEP] is None and {"exp_avg", "exp_avg_sq"} <= set(entry):
                 raise MalformedCheckpointError(f"{pdir}: Adam moments without step.pt")
             if entry[STEP] is None:
@@ -258,9 +291,14 @@ def write_universal(st: dict, save_dir: str | Path, tag: str) -> Path:
         group = {k: v for k, v in st["param_groups"][0].items() if k != "params" and k not in IMPL_FLAGS}
         group["params"] = [0]
         world = int(st.get("world_size") or 1)
+        steps = [v for n in trainable for k, v in (st["states"].get(n) or {}).items() if k == STEP]
+        step = (steps[0].detach().float().reshape(()).clone() if steps and torch.is_tensor(steps[0])
+                else torch.tensor(float(steps[0] if steps else 0)))
         common = {"dynamic_loss_scale": bool(st.get("loss_scaler") and st["loss_scaler"].get("dynamic", True)),
                   "overflow": False, "ds_version": DS_FORMAT_VERSION, "partition_count": [world],
-                  "param_groups": [group]}
+                  "param_groups": [group],
+                  # what DeepSpeed's ZeRO-3 universal load reads instead: the step and the hyperparameters
+                  "optimizer_state_dict": {"state": {0: {STEP: step}}, "param_groups": [group]}}
         if st.get("loss_scaler"):   # see the module doc: DeepSpeed starts its own scaler from its config
             common[OWN_LOSS_SCALER] = {k: v for k, v in st["loss_scaler"].items()
                                        if isinstance(v, (int, float, bool, type(None)))}
@@ -284,6 +322,8 @@ def write_universal(st: dict, save_dir: str | Path, tag: str) -> Path:
             "ds_config": st.get("ds_config"), "ds_version": DS_FORMAT_VERSION,
         }
         _save(meta, tmp / "mp_rank_00_model_states.pt")
+        # DeepSpeed's ZeRO-3 universal load reads its model states from this name (ds_to_universal copies them so)
+        shutil.copyfile(tmp / "mp_rank_00_model_states.pt", tmp / ZERO3_MODEL_STATES)
         for d in [tmp / ZERO_DIR, *(p for p in (tmp / ZERO_DIR).iterdir() if p.is_dir())]:
             fsync_path(d)
         os.rename(tmp, out)

@@ -3,10 +3,10 @@
 - a DeepSpeed ZeRO-2 run on 4 ranks saves; DeepSpeed's own ds_to_universal makes the universal checkpoint; fsdpzero
   resumes it on 2 ranks (`checkpoint.load_universal: true`): the losses continue DeepSpeed's uninterrupted run;
 - fsdpzero on 2 ranks saves; `fsdpzero convert --to universal` writes the universal checkpoint; DeepSpeed resumes it
-  on 4 ranks with `checkpoint.load_universal: true` (data parallel, and with its AutoTP, tp 2 x dp 2): the losses
-  continue fsdpzero's uninterrupted run;
-- DeepSpeed's own AutoTP run (tp 2 x dp 2) saves on 4 ranks; ds_to_universal merges its slices; fsdpzero resumes it
-  on 2 ranks with tp 2.
+  on 4 ranks with `checkpoint.load_universal: true` (ZeRO-2 data parallel, with its AutoTP, tp 2 x dp 2, and at
+  ZeRO-3): the losses continue fsdpzero's uninterrupted run;
+- DeepSpeed's own AutoTP run (tp 2 x dp 2) and its ZeRO-3 run save on 4 ranks; ds_to_universal converts them;
+  fsdpzero resumes them on 2 ranks (tp 2, and data parallel).
 Both carry the optimizer state (AdamW moments and step), the scheduler (WarmupLR, mid-warmup: the lr moves every step)
 and the counters; clipping at 1.0 engages. fsdpzero runs data parallel (dp2) and with AutoTP (tp2: one data replica,
 the blocks' Linears split over the 2 ranks). fp32; tolerance 5e-6 on losses of ~4.9 (measured <= 9.5e-7), where a
@@ -53,7 +53,7 @@ def _model() -> torch.nn.Module:
     return transformers.LlamaForCausalLM(cfg)
 
 
-def _config(world: int, universal: bool = False, optimizer: dict | None = None, tp: int = 1) -> dict:
+def _config(world: int, universal: bool = False, optimizer: dict | None = None, tp: int = 1, stage: int = 2) -> dict:
     """tp > 1: AutoTP (tensor_parallel.autotp_size) on a (world / tp, tp) mesh; a tp group reads one micro-batch."""
     cfg = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // (world // tp), "gradient_accumulation_steps": 1,
            "steps_per_print": 10 ** 9, "gradient_clipping": 1.0,
@@ -61,7 +61,7 @@ def _config(world: int, universal: bool = False, optimizer: dict | None = None, 
                                                                   "weight_decay": 0.01, "torch_adam": True}},
            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
                                                         "warmup_num_steps": 10, "warmup_type": "linear"}},
-           "zero_optimization": {"stage": 2}}
+           "zero_optimization": {"stage": stage}}
     if universal:
         cfg["checkpoint"] = {"load_universal": True}
     if tp > 1:
@@ -100,19 +100,22 @@ def _steps(engine, rank: int, world: int, steps: range, tp: int = 1) -> list[flo
     return losses
 
 
-def _ds_job(rank, world, root, mode, tp=1):
+def _ds_job(rank, world, root, mode, runs=(("ds", 1, 2),)):
     _deepspeed()
-    if mode == "train":   # the uninterrupted DeepSpeed run, saved at SAVE (tp 2: DeepSpeed's AutoTP, tp x dp 2 x 2)
-        engine = _engine("deepspeed", _config(world, tp=tp))
-        losses = _steps(engine, rank, world, range(SAVE), tp)
-        engine.save_checkpoint(str(Path(root) / "ds"))
-        return losses + _steps(engine, rank, world, range(SAVE, TOTAL), tp)
+    if mode == "train":   # uninterrupted DeepSpeed runs (dir, tp, stage), saved at SAVE (tp 2: its AutoTP, 2 x dp 2)
+        out = {}
+        for name, tp, stage in runs:
+            engine = _engine("deepspeed", _config(world, tp=tp, stage=stage))
+            losses = _steps(engine, rank, world, range(SAVE), tp)
+            engine.save_checkpoint(str(Path(root) / name))
+            out[name] = losses + _steps(engine, rank, world, range(SAVE, TOTAL), tp)
+        return out["ds"] if list(out) == ["ds"] else out
     resumed = {}
-    for name, ds_tp in mode:   # resume each of fsdpzero's universal checkpoints (ds_tp 2: with DeepSpeed's AutoTP)
-        engine = _engine("deepspeed", _config(world, universal=True, tp=ds_tp))
+    for name, ds_tp, ds_stage in mode:   # resume each of fsdpzero's universal checkpoints (ds_tp 2: DeepSpeed AutoTP)
+        engine = _engine("deepspeed", _config(world, universal=True, tp=ds_tp, stage=ds_stage))
         path, _ = engine.load_checkpoint(str(Path(root) / name))
         assert path is not None and engine.global_steps == SAVE, (path, engine.global_steps)
-        resumed[name, ds_tp] = _steps(engine, rank, world, range(SAVE, TOTAL), ds_tp)
+        resumed[name, ds_tp, ds_stage] = _steps(engine, rank, world, range(SAVE, TOTAL), ds_tp)
     return resumed
 
 
@@ -152,15 +155,17 @@ def test_universal_round_trip_with_deepspeed(tmp_path):
                               "--to", "universal"], capture_output=True, text=True, timeout=300, cwd=ROOT)
         assert out.returncode == 0, out.stderr[-2000:]
         assert (tmp_path / f"ours_tp{tp}" / "latest_universal").read_text() == f"global_step{SAVE}_universal"
-    resumes = [("ours_tp1", 1), ("ours_tp2", 1), ("ours_tp2", 2)]   # the last one by DeepSpeed's AutoTP (tp 2 x dp 2)
+    # DeepSpeed resumes at ZeRO-2 data parallel, with its AutoTP (tp 2 x dp 2), and at ZeRO-3
+    resumes = [("ours_tp1", 1, 2), ("ours_tp1", 1, 3), ("ours_tp2", 1, 2), ("ours_tp2", 2, 2)]   # AutoTP last: it
+    # leaves DeepSpeed's global tensor-parallel state behind for any engine after it in the process
     ds_resumed = run_distributed(_ds_job, 4, str(tmp_path), resumes, timeout=600)[0]
-    for name, ds_tp in resumes:
+    for name, ds_tp, ds_stage in resumes:
         # fsdpzero 2 ranks -> universal -> DeepSpeed 4 ranks: fsdpzero's curve goes on
         tp = int(name[-1])
         from_ds, ours_run = ours[tp]
-        resumed = ds_resumed[name, ds_tp]
-        assert _close(resumed, ours_run[SAVE:]), (name, ds_tp, resumed, ours_run[SAVE:])
-        print(json.dumps({"ours tp": tp, "deepspeed tp": ds_tp,
+        resumed = ds_resumed[name, ds_tp, ds_stage]
+        assert _close(resumed, ours_run[SAVE:]), (name, ds_tp, ds_stage, resumed, ours_run[SAVE:])
+        print(json.dumps({"ours tp": tp, "deepspeed tp": ds_tp, "deepspeed stage": ds_stage,
                           "ds->ours": max(abs(a - b) for a, b in zip(from_ds, ds_run[SAVE:])),
                           "ours->ds": max(abs(a - b) for a, b in zip(resumed, ours_run[SAVE:])),
                           "uninterrupted ds vs ours": max(abs(a - b) for a, b in zip(ds_run, ours_run))}))
@@ -168,11 +173,14 @@ def test_universal_round_trip_with_deepspeed(tmp_path):
     assert max(abs(a - b) for a, b in zip(ds_run[SAVE:], ds_run[:SAVE])) > 100 * TOL
 
 
-def _resume_job(rank, world, root, tp):
-    engine = _engine("fsdpzero", _config(world, universal=True, tp=tp))
-    path, _ = engine.load_checkpoint(str(Path(root) / "ds"))
-    assert Path(path).name == f"global_step{SAVE}_universal" and engine.global_steps == SAVE
-    return _steps(engine, rank, world, range(SAVE, TOTAL), tp)
+def _resume_job(rank, world, root, runs):
+    out = {}
+    for name, tp in runs:
+        engine = _engine("fsdpzero", _config(world, universal=True, tp=tp))
+        path, _ = engine.load_checkpoint(str(Path(root) / name))
+        assert Path(path).name == f"global_step{SAVE}_universal" and engine.global_steps == SAVE
+        out[name] = _steps(engine, rank, world, range(SAVE, TOTAL), tp)
+    return out
 
 
 def _ds_to_universal(ds_dir: Path):
@@ -187,17 +195,22 @@ def _ds_to_universal(ds_dir: Path):
 
 @pytest.mark.oracle
 @pytest.mark.slow
-def test_deepspeed_autotp_universal_resumes_on_tp2(tmp_path):
-    """DeepSpeed's own AutoTP run (tensor_parallel.autotp_size 2, tp x dp = 2 x 2, ZeRO-2) saves on 4 ranks;
-    ds_to_universal merges its tensor-parallel slices (one mp_rank file per tp rank, whole tensors under zero/);
-    fsdpzero resumes it on 2 ranks with tp 2, and its losses follow DeepSpeed's uninterrupted AutoTP run."""
+def test_deepspeed_autotp_and_zero3_universal_resume_here(tmp_path):
+    """DeepSpeed's own AutoTP run (tensor_parallel.autotp_size 2, tp x dp = 2 x 2, ZeRO-2) and its ZeRO-3 run save on
+    4 ranks; ds_to_universal converts each (AutoTP: one mp_rank file per tp rank, the slices merged into whole
+    tensors under zero/; ZeRO-3: zero_pp_rank_N model states); fsdpzero resumes the AutoTP one on 2 ranks with tp 2
+    and the ZeRO-3 one on 2 ranks data parallel, and its losses follow each uninterrupted DeepSpeed run."""
     _deepspeed()
-    ds_run = run_distributed(_ds_job, 4, str(tmp_path), "train", 2, timeout=600)[0]
-    _ds_to_universal(tmp_path / "ds")
-    assert (tmp_path / "ds" / f"global_step{SAVE}_universal" / "mp_rank_01_model_states.pt").is_file()
-    resumed = run_distributed(_resume_job, 2, str(tmp_path), 2, timeout=600)[0]
-    print(json.dumps({"autotp ds->ours tp2": max(abs(a - b) for a, b in zip(resumed, ds_run[SAVE:]))}))
-    assert _close(resumed, ds_run[SAVE:]), (resumed, ds_run[SAVE:])
+    ds_runs = run_distributed(_ds_job, 4, str(tmp_path), "train", (("ds_z3", 1, 3), ("ds_tp", 2, 2)),
+                              timeout=600)[0]   # AutoTP last: it leaves DeepSpeed's global tp state behind
+    for name in ds_runs:
+        _ds_to_universal(tmp_path / name)
+    assert (tmp_path / "ds_tp" / f"global_step{SAVE}_universal" / "mp_rank_01_model_states.pt").is_file()
+    assert not list((tmp_path / "ds_z3" / f"global_step{SAVE}_universal").glob("mp_rank_*"))
+    resumed = run_distributed(_resume_job, 2, str(tmp_path), (("ds_tp", 2), ("ds_z3", 1)), timeout=600)[0]
+    for name, losses in resumed.items():
+        print(json.dumps({f"{name} ds->ours": max(abs(a - b) for a, b in zip(losses, ds_runs[name][SAVE:]))}))
+        assert _close(losses, ds_runs[name][SAVE:]), (name, losses, ds_runs[name][SAVE:])
 
 
 # ---- without DeepSpeed: ours -> universal -> ours, the unstepped mark, DeepSpeed ZeRO -> universal ---------------
