@@ -250,14 +250,31 @@ def _unstepped_job(rank, world, root):
     adamw = _engine("fsdpzero", _config(world))
     _steps(adamw, rank, world, range(2))
     adamw.save_checkpoint(str(Path(root) / "adamw"))
-    return losses, _params(straight), resumed_losses, _params(resumed)
+    # stage 1 in bf16: flat per-parameter states and fp32 masters beside bf16 weights; its universal file (the
+    # masters, the flat moments reshaped) resumes a stage-1 bf16 run as the uninterrupted one goes on
+    z1 = {**_config(world), "zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}
+    z1_straight = _engine("fsdpzero", z1)
+    z1_losses = _steps(z1_straight, rank, world, range(4))
+    z1_saved = _engine("fsdpzero", z1)
+    _steps(z1_saved, rank, world, range(2))
+    z1_saved.save_checkpoint(str(Path(root) / "z1"))
+    if rank == 0:
+        to_universal(Path(root) / "z1")
+    dist.barrier()
+    z1_resumed = _engine("fsdpzero", {**z1, "checkpoint": {"load_universal": True}})
+    z1_resumed.load_checkpoint(str(Path(root) / "z1"))
+    z1_resumed_losses = _steps(z1_resumed, rank, world, range(2, 4))
+    return (losses, _params(straight), resumed_losses, _params(resumed), z1_losses[2:], z1_resumed_losses,
+            _params(z1_straight), _params(z1_resumed))
 
 
 def test_ours_to_universal_and_back(tmp_path):
     from fsdpzero.checkpoint import universal
     from fsdpzero.checkpoint.convert import ours_training_state, to_universal
-    losses, params, resumed_losses, resumed_params = run_distributed(_unstepped_job, 2, str(tmp_path),
-                                                                     timeout=300)[0]
+    (losses, params, resumed_losses, resumed_params, z1_losses, z1_resumed_losses, z1_params,
+     z1_resumed_params) = run_distributed(_unstepped_job, 2, str(tmp_path), timeout=300)[0]
+    assert z1_resumed_losses == z1_losses   # stage 1 bf16 -> universal -> stage 1 bf16: bit for bit
+    assert all(torch.equal(z1_params[n], z1_resumed_params[n]) for n in z1_params)
     # the unstepped mark went through the universal files: bit-identical to the run without the save
     assert resumed_losses == losses
     assert all(torch.equal(params[n], resumed_params[n]) for n in params)
