@@ -11,7 +11,8 @@ and divides the loss by it; here the engine runs gradient_accumulation_steps 1 a
   picks them per piece of its ZeRO-1/2 flat partition: each rank takes the top max(1, int(n * topk_ratio)) of the n
   whole columns inside its piece of the parameter (columns cut by a partition boundary are never picked), so the
   pieces are computed here from the same partition (ds_column_pieces) and the sums over FSDP2's row shards are
-  all-reduced into whole columns first.
+  all-reduced into whole columns first. ZeRO 3 partitions each parameter on its own and picks the top
+  max(1, int(n * topk_ratio)) of all n whole columns of its rank parts together (ds3_column_pieces).
 - every step k >= W: the selected columns and every 1-D parameter take an AdamW step on the device (torch's
   single-tensor AdamW, unclipped gradient) -- at an update boundary after the CPU step, from their values before it.
 - every step: the gradient accumulates in fp32, where it is (on a GPU: 4 bytes per parameter, 8 with overlap_step;
@@ -67,12 +68,30 @@ def ds_column_pieces(shapes: list[tuple[int, ...]], world: int) -> list[list[tup
     return out
 
 
+def ds3_column_pieces(shape: tuple[int, ...], world: int) -> list[tuple[int, int]]:
+    """DeepSpeed ZeRO-3's partition of one parameter (ceil(numel / world) elements per rank, in ZenFlow's transposed
+    layout): the (first, end) whole columns of each rank's part (engine_stage3.update_selected_channels). Empty for
+    1-D."""
+    if len(shape) != 2:
+        return []
+    rows, n = shape[0], math.prod(shape)
+    size = -(-n // world)
+    return [(-(-(r * size) // rows), min((r + 1) * size, n) // rows) for r in range(world) if r * size < n]
+
+
 def num_selected(columns: int, ratio: float) -> int:
     return 0 if columns <= 0 else max(1, int(columns * ratio))
 
 
-def select_columns(colsum: torch.Tensor, pieces: list[tuple[int, int]], ratio: float) -> torch.Tensor:
-    """The selected column indices, ascending: the top num_selected of each piece's columns by |grad| sum."""
+def select_columns(colsum: torch.Tensor, pieces: list[tuple[int, int]], ratio: float,
+                   per_piece: bool = True) -> torch.Tensor:
+    """The selected column indices, ascending: the top num_selected of each piece's columns by |grad| sum (ZeRO 1/2),
+    or of all the pieces' columns together (per_piece=False: ZeRO 3, which gathers the whole columns' sums)."""
+    if not per_piece:
+        candidates = torch.cat([torch.arange(a, e, device=colsum.device) for a, e in pieces if e > a] or
+                               [torch.zeros(0, dtype=torch.long, device=colsum.device)])
+        k = num_selected(candidates.numel(), ratio)
+        return candidates[torch.topk(colsum[candidates], k).indices].sort().values if k else candidates
     picked = []
     for first, end in pieces:
         k = num_selected(end - first, ratio)
@@ -117,14 +136,15 @@ class _Slot:
         self.sel_device = sel_device                    # offload: the CPU
         self.sel_grad = self.temp = None
 
-    def allocate(self, ratio: float, dtype: torch.dtype) -> None:
+    def allocate(self, ratio: float, dtype: torch.dtype, per_piece: bool = True) -> None:
         """The selection's tensors: their sizes are fixed by the pieces (so a checkpoint loads in place). And the CPU
         step's result in the device dtype, written by the fused kernel in its pass (out=): what lands on the device
         (with overlap_step: DeepSpeed's stale snapshot, landing one interval late)."""
         local = local_tensor(self.param)
         self.out = torch.empty(self.master.shape, dtype=dtype, pin_memory=self.pin)
         if self.matrix:
-            count = sum(num_selected(end - first, ratio) for first, end in self.pieces)
+            count = sum(num_selected(end - first, ratio) for first, end in self.pieces) if per_piece else \
+                num_selected(sum(max(0, end - first) for first, end in self.pieces), ratio)
             self.selected = torch.zeros(count, dtype=torch.long, device=local.device)
             shape = (local.shape[0], count)
         else:
@@ -158,10 +178,11 @@ class ZenFlowGradPath(GradPath):
         self.slots = [_Slot(n, p, group_of[id(p)], sets, torch.device("cpu") if zf.offload else dev)
                       for n, p in named]
         world = dist.get_world_size() if dist.is_initialized() else 1
-        for g in optimizer.param_groups:   # DeepSpeed partitions each param group on its own
+        self.per_piece = plan.shard.stage != 3   # ZeRO 3 partitions each parameter on its own, and picks globally
+        for g in optimizer.param_groups:   # ZeRO 1/2 partition each param group on its own
             members = [s for s in self.slots if s.group is g]
             for s, pieces in zip(members, ds_column_pieces([tuple(s.param.shape) for s in members], world)):
-                s.pieces = pieces
+                s.pieces = pieces if self.per_piece else ds3_column_pieces(tuple(s.param.shape), world)
         self.threads = threads
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="zenflow-cpu-adam") if zf.overlap_step else None
         model.register_load_state_dict_post_hook(lambda *_: self.refresh_masters())
@@ -192,7 +213,7 @@ class ZenFlowGradPath(GradPath):
             for s in path.slots:
                 s.param = now[s.name]
         for s in path.slots:
-            s.allocate(plan.zenflow.topk_ratio, low)
+            s.allocate(plan.zenflow.topk_ratio, low, path.per_piece)
         if threads is not None:
             torch.set_num_threads(threads)
         return path
@@ -262,7 +283,7 @@ class ZenFlowGradPath(GradPath):
         offset = 0
         for (s, _), colsum in zip(matrices, sums):
             n = colsum.numel()
-            s.selected.copy_(select_columns(flat[offset:offset + n], s.pieces, self.zf.topk_ratio))
+            s.selected.copy_(select_columns(flat[offset:offset + n], s.pieces, self.zf.topk_ratio, self.per_piece))
             offset += n
 
     def grad_norm(self) -> torch.Tensor:

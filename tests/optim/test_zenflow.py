@@ -142,6 +142,14 @@ def test_ds_column_pieces():
     # lost to both; rank 1's piece (offset 22) starts at column ceil(22/4)=6
     assert ds_column_pieces([(4, 10), (4,)], 2) == [[(0, 5), (6, 10)], []]
     assert [num_selected(n, 0.25) for n in (0, 1, 3, 4, 9)] == [0, 1, 1, 1, 2]
+    # ZeRO 3: each parameter partitioned on its own (ceil(20 / 3) = 7 elements per rank of a 4x5 matrix): columns 1
+    # and 3 are cut; the top-k is taken over the rest together
+    from fsdpzero.optim.zenflow import ds3_column_pieces, select_columns
+    assert ds3_column_pieces((4, 5), 3) == [(0, 1), (2, 3), (4, 5)]
+    assert ds3_column_pieces((4, 10), 2) == [(0, 5), (5, 10)] and ds3_column_pieces((5,), 2) == []
+    colsum = torch.tensor([0.0, 9.0, 5.0, 8.0, 1.0])
+    assert select_columns(colsum, [(0, 1), (2, 3), (4, 5)], 0.7, per_piece=False).tolist() == [2, 4]
+    assert select_columns(colsum, [(0, 1), (2, 3), (4, 5)], 0.7).tolist() == [0, 2, 4]
 
 
 # -- a pure-torch reference of DeepSpeed's algorithm (zenflow_stage_1_and_2.py, zenflow_torch_adam.py, engine.py),
@@ -156,7 +164,7 @@ def _adam(p, g, m, v, t, lr, b1, b2, eps, wd):
 
 def reference_zenflow(config, steps):
     """Per step: the mean loss over the WORLD ranks' micro-batches, and each matrix's selected columns."""
-    from fsdpzero.optim.zenflow import ds_column_pieces, num_selected
+    from fsdpzero.optim.zenflow import ds3_column_pieces, ds_column_pieces, num_selected
     from tests.engine.test_oracle_deepspeed import _model
     zf, hp = config["zero_optimization"]["zenflow"], config["optimizer"]["params"]
     U, S, W, ratio = zf["update_interval"], zf["select_interval"], zf["full_warm_up_rounds"], zf["topk_ratio"]
@@ -164,7 +172,10 @@ def reference_zenflow(config, steps):
     lr, (b1, b2), eps, wd = hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"]
     model = _model("llama")
     named = [(n, p) for n, p in model.named_parameters()]
+    stage3 = config["zero_optimization"]["stage"] == 3   # ZeRO 3: per-parameter partitions, one global top-k
     pieces = dict(zip([n for n, _ in named], ds_column_pieces([tuple(p.shape) for _, p in named], WORLD)))
+    if stage3:
+        pieces = {n: ds3_column_pieces(tuple(p.shape), WORLD) for n, p in named}
     sets = 2 if overlap else 1
     master = {n: p.detach().clone() for n, p in named}
     mom = {n: [[torch.zeros_like(p), torch.zeros_like(p)] for _ in range(sets)] for n, p in named}
@@ -200,9 +211,14 @@ def reference_zenflow(config, steps):
                 for n, p in named:
                     if p.ndim == 2:
                         colsum = grads[n].abs().sum(0)
-                        picked = [torch.topk(colsum[a:e], num_selected(e - a, ratio)).indices.sort().values + a
-                                  for a, e in pieces[n] if num_selected(e - a, ratio)]
-                        sel[n] = torch.cat(picked)
+                        if stage3:
+                            cand = torch.tensor([c for a, e in pieces[n] for c in range(a, e)])
+                            top = torch.topk(colsum[cand], num_selected(len(cand), ratio)).indices
+                            sel[n] = cand[top].sort().values
+                        else:
+                            picked = [torch.topk(colsum[a:e], num_selected(e - a, ratio)).indices.sort().values + a
+                                      for a, e in pieces[n] if num_selected(e - a, ratio)]
+                            sel[n] = torch.cat(picked)
                     shape = (p.shape[0], len(sel[n])) if p.ndim == 2 else p.shape
                     sel_state[n] = [torch.zeros(shape), torch.zeros(shape)]
             selections.append({n: sel[n].tolist() for n, p in named if p.ndim == 2 and n in sel})
@@ -248,14 +264,15 @@ def reference_zenflow(config, steps):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("overlap,warm,update,select,resume", [(False, 0, 2, 2, True), (True, 0, 2, 2, True),
-                                                                (False, 2, 2, 4, False), (True, 1, 2, 2, False)])
-def test_zenflow_matches_the_reference(overlap, warm, update, select, resume, tmp_path):
+@pytest.mark.parametrize("overlap,warm,update,select,resume,stage", [
+    (False, 0, 2, 2, True, 2), (True, 0, 2, 2, True, 2), (False, 2, 2, 4, False, 2), (True, 1, 2, 2, False, 2),
+    (False, 0, 2, 2, False, 3)])
+def test_zenflow_matches_the_reference(overlap, warm, update, select, resume, stage, tmp_path):
     """2 gloo ranks, stage 2, fp32, clipping 1.0: per-step losses and selected column sets equal the pure-torch
     reference of DeepSpeed's algorithm (losses and final weights within 1e-5; selections exact), sequential and
     overlapped, with and without warm-up rounds; a run saved after step 3 (mid-interval: an accumulated gradient, and
     with overlap a CPU result not yet landed) and resumed equals the uninterrupted one bitwise."""
-    config = _config(overlap=overlap, warm=warm, update=update, select=select)
+    config = _config(overlap=overlap, warm=warm, update=update, select=select, stage=stage)
     ours = run_distributed(_train, WORLD, "fsdpzero", copy.deepcopy(config), STEPS,
                            str(tmp_path / "ckpt") if resume else None, timeout=600)
     losses, selections, params = reference_zenflow(config, STEPS)
