@@ -390,7 +390,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     os.environ.update(plan.env)
     try:
-        torchrun.run(torchrun.parse_args(plan.torchrun_args))
+        # the script's own arguments bypass torchrun's parser: its argparse pre-scan rejects one that abbreviates
+        # two of its flags (`--run` could be --run-path or --run_path) even after the script's name
+        head = plan.torchrun_args[:len(plan.torchrun_args) - len(args.user_args)]
+        config = torchrun.parse_args(head)
+        config.training_script_args = [*config.training_script_args, *args.user_args]
+        torchrun.run(config)
     except ChildFailedError as e:      # torchrun has printed which rank failed and how; exit with its status
         codes = [f.exitcode for f in e.failures.values() if f.exitcode and f.exitcode > 0]
         return codes[0] if codes else 1

@@ -258,13 +258,14 @@ sys.exit(3 if rank == "1" else 0)
 def test_launch_runs_ranks_passes_arguments_and_exit_status(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(_PROBE)
-    p = subprocess.run([*FSDPZERO, "launch", "--num_gpus", "2", str(script),
+    # `--run x`: abbreviates two of torchrun's flags (--run-path, --run_path); the script's, passed unchanged
+    p = subprocess.run([*FSDPZERO, "launch", "--num_gpus", "2", str(script), "--run", "x",
                         "--deepspeed", "ds config.json", str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 3, p.stderr[-2000:]                  # rank 1's status, as DeepSpeed's launcher returns
     for rank in (0, 1):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert got["argv"] == [f"--local_rank={rank}", "--deepspeed", "ds config.json", str(tmp_path)]
+        assert got["argv"] == [f"--local_rank={rank}", "--run", "x", "--deepspeed", "ds config.json", str(tmp_path)]
         assert got["env"] == {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": got["env"]["MASTER_ADDR"]}
     assert p.stderr.count("unchanged-script mode") == 1          # said once, by rank 0
