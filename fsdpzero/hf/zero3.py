@@ -267,14 +267,44 @@ def _conversion_mapping(model: nn.Module) -> list:
     return get_model_conversion_mapping(model) if isinstance(model, transformers.PreTrainedModel) else []
 
 
+def _expert_rows(converter, target) -> slice | None:
+    """The rows of dim 0 this rank holds of `target`, when its converter stacks one source tensor per row
+    (MergeModulelist over dim 0, then at most concatenations along later dims, one target): Mixtral's and Qwen-MoE's
+    fused experts. None for any other converter (built whole instead)."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+    ops = getattr(converter, "operations", None) or []
+    if target is None or len(converter.target_patterns) != 1 or not ops or not isinstance(ops[0], MergeModulelist) \
+            or ops[0].dim != 0 or not all(isinstance(op, Concatenate) and op.dim >= 1 for op in ops[1:]):
+        return None
+    return _local_box(target)[1][0]
+
+
+def _load_expert_rows(folder: Path, where: dict[str, Path], converter, first: str, target, rows: slice,
+                      model: nn.Module) -> None:
+    """Read only the source tensors of this rank's rows (experts), convert them, copy them in."""
+    local, box = _local_box(target)
+    for pattern, keys in list(converter.collected_tensors.items()):
+        if len(keys) != target.shape[0]:   # one source per row, or it is not the checkpoint of this model
+            raise _mismatch(folder, first, (len(keys),) + tuple(target.shape[1:]), tuple(target.shape))
+        converter.collected_tensors[pattern] = [_read(where, k) for k in keys[rows]]
+    if not local.numel():
+        return
+    (value,) = converter.convert(first, model=model, config=getattr(model, "config", None)).values()
+    value = value[0] if isinstance(value, list) else value
+    if tuple(value.shape) != (rows.stop - rows.start,) + tuple(target.shape[1:]):
+        raise _mismatch(folder, first, (target.shape[0],) + tuple(value.shape[1:]), tuple(target.shape))
+    local.copy_(value[(slice(None),) + tuple(box[1:])].to(dtype=local.dtype))
+
+
 def load_converted_safetensors(model: nn.Module, path: str | os.PathLike, transforms: list | None = None) -> None:
     """Fill a sharded (or plain) transformers model in place from its safetensors checkpoint as transformers'
     from_pretrained would: checkpoint keys renamed and tensors converted by transformers' own conversion mapping
     (`get_model_conversion_mapping`: Mixtral's and Qwen-MoE's per-expert weights fused into one (experts, ...)
     tensor, legacy renamings, the base model's prefix added or dropped). A tensor that is only renamed is read as
-    this rank's rows alone (safetensors' get_slice); a converted one is built whole from its sources by the
-    converter's operations, one target at a time, and this rank's rows of it are copied (so host memory per rank
-    peaks at one converted tensor, e.g. one layer's fused experts). Every shape is compared with the model's (one
+    this rank's rows alone (safetensors' get_slice). Fused experts (one source tensor per row of dim 0, the dim
+    FSDP2 shards) are built from the sources of this rank's experts only. Any other converted tensor is built whole
+    from its sources by the converter's operations, one target at a time, and this rank's rows of it are copied (so
+    host memory per rank peaks at one such tensor). Every shape is compared with the model's (one
     ValueError naming the tensor), and every parameter and persistent buffer must be filled (KeyError naming the
     missing ones), the same on every rank. transforms: transformers' mapping for the model as built, before
     sharding (default: taken from `model` now)."""
@@ -324,6 +354,11 @@ def load_converted_safetensors(model: nn.Module, path: str | os.PathLike, transf
                 local.copy_(_read(where, key, box if local.dim() else None).to(dtype=local.dtype))
             filled.add(target)
         for first, converter in converted.items():
+            rows = _expert_rows(converter, tensors.get(first))
+            if rows is not None:   # this rank's experts only (MergeModulelist over dim 0, the dim FSDP2 shards)
+                _load_expert_rows(folder, where, converter, first, tensors[first], rows, model)
+                filled.add(first)
+                continue
             for pattern, keys in list(converter.collected_tensors.items()):   # the source keys -> their tensors
                 converter.collected_tensors[pattern] = [_read(where, k) for k in keys]
             for name, value in converter.convert(first, model=model, config=getattr(model, "config", None)).items():
