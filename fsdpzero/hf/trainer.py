@@ -176,8 +176,10 @@ class TrainingArguments(transformers.TrainingArguments):
         super().__post_init__()
 
 
-def trainer_context(args: transformers.TrainingArguments, model: nn.Module, train_dataset=None) -> dict:
-    """The values HF's DeepSpeed integration fills "auto" from (names as in TrainingArguments)."""
+def trainer_context(args: transformers.TrainingArguments, model: nn.Module, train_dataset=None,
+                    tp_size: int = 1) -> dict:
+    """The values HF's DeepSpeed integration fills "auto" from (names as in TrainingArguments). tp_size: the
+    config's tensor_parallel.autotp_size; a tp group reads one data replica's batches (the step count below)."""
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     ctx = {k: getattr(args, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
                                          "learning_rate", "weight_decay", "adam_beta1", "adam_beta2",
@@ -189,7 +191,7 @@ def trainer_context(args: transformers.TrainingArguments, model: nn.Module, trai
     elif train_dataset is not None and hasattr(train_dataset, "__len__"):
         # as the Trainer counts them: batches per rank, optimizer steps per epoch (a partial window counts), then
         # ceil(epochs x steps per epoch), so fractional num_train_epochs gives the schedule the Trainer runs
-        per_rank = args.per_device_train_batch_size * world
+        per_rank = args.per_device_train_batch_size * max(1, world // tp_size)
         n = len(train_dataset)
         batches = n // per_rank if args.dataloader_drop_last else math.ceil(n / per_rank)
         per_epoch = max(batches // args.gradient_accumulation_steps
@@ -283,6 +285,49 @@ def _log_choice(raw: dict, client_optimizer, client_scheduler, args) -> None:
     logging.getLogger("fsdpzero").info("Trainer: optimizer from %s; scheduler from %s", opt, sched)
 
 
+def _autotp_size(raw: dict) -> int:
+    size = (raw.get("tensor_parallel") or {}).get("autotp_size", 1) if isinstance(raw, dict) else 1
+    return size if isinstance(size, int) and size > 1 else 1
+
+
+def shard_loaders_over_data_replicas(accelerator, mesh) -> None:
+    """With tensor parallelism (a mesh with model-parallel dimensions), `accelerator.prepare_data_loader` shards each
+    loader over the data-parallel replicas, the tp ranks of one replica reading the same batches, as accelerate does
+    under DeepSpeed AutoTP (its `ds_device_mesh`: process_index // tp of num_processes // tp): accelerate's
+    prepare_data_loader with this rank's replica and their number (fsdpzero.parallel.data_rank_and_size). Nothing
+    to do without model-parallel dimensions. Dispatched batches (rank 0 reads and splits them over every rank) are
+    refused with the fix."""
+    from fsdpzero.parallel import data_rank_and_size
+    rank, replicas = data_rank_and_size(mesh)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if replicas == world:
+        return
+    from accelerate.data_loader import prepare_data_loader
+
+    def prepare(data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        if getattr(data_loader, "_is_accelerate_prepared", False):
+            return accelerator.__class__.prepare_data_loader(accelerator, data_loader, device_placement,
+                                                             slice_fn_for_dispatch)
+        dispatch = accelerator.dispatch_batches
+        if dispatch is None:   # accelerate's default: dispatched for an IterableDataset
+            dispatch = isinstance(getattr(data_loader, "dataset", None), torch.utils.data.IterableDataset)
+        if dispatch:
+            raise ValueError("TrainingArguments accelerator_config dispatch_batches: rank 0 would split each batch "
+                             "over every rank, where with tensor_parallel.autotp_size the tp ranks of one replica "
+                             "read the same batch -> pass accelerator_config={\"dispatch_batches\": False}")
+        prepared = prepare_data_loader(
+            data_loader, accelerator.device, num_processes=replicas, process_index=rank,
+            split_batches=accelerator.split_batches,
+            put_on_device=accelerator.device_placement if device_placement is None else device_placement,
+            rng_types=accelerator.rng_types.copy(), dispatch_batches=False, even_batches=accelerator.even_batches,
+            use_seedable_sampler=accelerator.use_seedable_sampler,
+            data_seed=accelerator.dataloader_config.data_seed, non_blocking=accelerator.non_blocking,
+            use_stateful_dataloader=accelerator.use_stateful_dataloader)
+        accelerator._dataloaders.append(prepared)
+        return prepared
+    accelerator.prepare_data_loader = prepare
+
+
 class Trainer(transformers.Trainer):
     """`transformers.Trainer` running the DeepSpeed config of `args.deepspeed` (use this module's
     TrainingArguments) or `ds_config=` on fsdpzero: sharding, precision policy, optimizer and scheduler come from
@@ -324,7 +369,7 @@ class Trainer(transformers.Trainer):
         if "optimizer" not in raw:   # transformers + DeepSpeed: the Trainer's optimizer (or the client's) is used
             raw["zero_allow_untested_optimizer"] = True   # and, as transformers does, allowed under ZeRO
             optimizer = client_optimizer if client_optimizer is not None else trainers_optimizer(model, args)
-        context = trainer_context(args, model, kwargs.get("train_dataset"))
+        context = trainer_context(args, model, kwargs.get("train_dataset"), tp_size=_autotp_size(raw))
         self.engine = fsdpzero.wrap(model, raw, optimizer=optimizer, lr_scheduler=client_scheduler, **context)
         _log_choice(raw, client_optimizer, client_scheduler, args)
         sharded = self.engine.module
@@ -359,6 +404,12 @@ class Trainer(transformers.Trainer):
             return prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         self.accelerator.prepare_model = _prepare_model
         self._inference_engines: list = []
+        shard_loaders_over_data_replicas(self.accelerator, self.engine.mesh)
+
+    def get_tp_size(self) -> int:
+        """The tensor-parallel size (transformers reads it from DeepSpeed's config, which the Trainer here does not
+        see): the tokens it counts over every rank hold each tp group's batch tp times."""
+        return self.engine.plan.tensor_parallel.size
 
     def _shard_for_inference(self, model: nn.Module) -> bool:
         """A second model the trainer only runs forward (TRL's DPO/KTO/GRPO reference model, which TRL prepares

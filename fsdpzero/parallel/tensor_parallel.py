@@ -181,8 +181,8 @@ def check_same_batch_once(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             raise RuntimeError("the ranks of one tensor-parallel group got different batches: with "
                                "tensor_parallel.autotp_size each data-parallel replica is tp ranks, which must read "
                                "the same samples -> shard the data over fsdpzero.parallel.data_rank_and_size(mesh) "
-                               "(fsdpzero.make_dataloader does), not over every rank (the Hugging Face Trainer's and "
-                               "accelerate's loaders shard over every rank: not supported with autotp_size yet)")
+                               "(fsdpzero.make_dataloader, fsdpzero's Hugging Face Trainer and accelerate's DeepSpeed "
+                               "door do), not over every rank (a torch DistributedSampler's default)")
     handle = model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
 
 
