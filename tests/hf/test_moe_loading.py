@@ -115,3 +115,30 @@ def test_autoep_enabled_is_unsupported_with_the_reason(tmp_path):
                                              timeout=300)[0]
     assert refused is not None and "expert_parallel" in refused and "AutoEP" in refused and not touched
     assert loss == loss   # the same model and config with enabled false trains
+
+
+def _wrong_experts_job(rank, world, path):
+    import fsdpzero
+    from fsdpzero.hf import HfDeepSpeedConfig
+    dschf = HfDeepSpeedConfig(ZERO3)   # noqa: F841
+    model = transformers.MixtralForCausalLM.from_pretrained(path)
+    try:
+        fsdpzero.initialize(model=model, config_params=ZERO3)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_moe_checkpoint_missing_an_expert_is_one_line(tmp_path):
+    """A checkpoint whose files lack expert 2 of 3 (the router still says 3): one ValueError naming the fused tensor
+    and both shapes, on every rank (each rank reads only its experts, so the count is checked against the model's,
+    not left to a short read on the rank that holds expert 2)."""
+    from safetensors.torch import load_file, save_file
+    path = _save(tmp_path, "mixtral")
+    weights = load_file(path / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if ".experts.2." not in k}, path / "model.safetensors",
+              metadata={"format": "pt"})
+    errors = run_distributed(_wrong_experts_job, 2, str(path), timeout=300)
+    assert errors[0] == errors[1] and errors[0] is not None, errors
+    assert "size mismatch for model.layers.0.mlp.experts" in errors[0] and "\n" not in errors[0], errors[0]
+    assert "(2, " in errors[0] and "(3, " in errors[0], errors[0]
