@@ -6,13 +6,15 @@ weight is a DTensor on the tp mesh; FSDP2 then shards it over dp as well: a 2-D 
     column_gather  as column                    ... its output all-gathered over tp (an untied LM head)
     row            weight Shard(1), bias whole  input features sharded, output all-reduced over tp
 
-A plain nn.Linear computes on its local shards (ParallelLinear, Megatron's and DeepSpeed's LinearLayer /
-LinearAllreduce): one all-reduce of the input gradient per column layer in backward, one of the output per row layer
-in forward, nothing else. The weights stay DTensors (checkpoints, export, clipping and FSDP2 see them as before) and
-are read through to_local once per forward. DTensor's ColwiseParallel / RowwiseParallel (parallelize_module) compute
-the same thing through DTensor dispatch of every aten op of every layer, forward and backward (13 per Linear), which
-left 2 H200s CPU-bound at tp 2: 1.47x DeepSpeed's step time (BENCHMARKS.md S12). They remain the path for Linear
-subclasses, whose own forward the local path would bypass (`dtensor_styles=True` forces them: the reference).
+A plain nn.Linear computes on its local shards (ParallelLinear, as Megatron's and DeepSpeed's LinearLayer /
+LinearAllreduce): in backward one all-reduce of the input gradient per column-layer input (column layers reading one
+tensor, q/k/v or gate/up, share it: SharedInput), in forward one all-reduce of the output per row layer, nothing else.
+The weights stay DTensors (checkpoints, export, clipping and FSDP2 see them as before), read through to_local once per
+forward. DTensor's ColwiseParallel / RowwiseParallel (parallelize_module) compute the same thing through DTensor
+dispatch of every aten op of every layer, forward and backward (13 per Linear), and one all-reduce per column layer:
+the suspected cause of tp 2 on 2 H200s taking 1.47x DeepSpeed's step time (BENCHMARKS.md S12). They remain the path
+for Linear subclasses, whose own forward the local path would bypass (`dtensor_styles=True` forces them everywhere:
+the reference the tests and bench/autotp.py's fsdpzero_dtensor compare with).
 
 Activations between layers are plain local tensors: the transformers attention reshapes with -1 heads, so each rank
 runs its heads. Everything the plan leaves out (embeddings, norms, a tied head) stays whole on every tp rank; its
@@ -21,6 +23,7 @@ gradient is the same on each (the inputs and output gradients it sees are replic
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -97,9 +100,32 @@ class GatherFromTP(torch.autograd.Function):
         return grad.narrow(-1, ctx.start, ctx.n).contiguous(), None
 
 
+class SharedInput:
+    """The CopyToTP of the last input a column layer read, reused by the next column layers that read the same tensor
+    (q, k and v read one hidden state, gate and up another): autograd sums their input gradients first, so one
+    all-reduce per shared input replaces one per layer (per block 2 instead of 5). Holds the last input until the
+    next column layer reads another one."""
+
+    def __init__(self):
+        self.key: tuple | None = None
+        self.value: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor, group) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            return x   # no backward: CopyToTP is the identity
+        key = self.key
+        if key is not None and key[0]() is x and key[1] == x._version and key[2] is group:
+            return self.value
+        self.key, self.value = (weakref.ref(x), x._version, group), CopyToTP.apply(x, group)
+        return self.value
+
+
 def local(t: torch.Tensor | None) -> torch.Tensor | None:
     """A DTensor parameter's local shard, differentiably (its gradient comes back as a DTensor of the same layout)."""
     return t.to_local() if t is not None and hasattr(t, "to_local") else t
+
+
+shared_input = SharedInput()
 
 
 class ParallelLinear(nn.Linear):
@@ -114,7 +140,7 @@ class ParallelLinear(nn.Linear):
         if self.tp_style == "row":
             y = ReduceFromTP.apply(F.linear(x, local(self.weight)), self.tp_group)
             return y if self.bias is None else y + local(self.bias)
-        y = F.linear(CopyToTP.apply(x, self.tp_group), local(self.weight), local(self.bias))
+        y = F.linear(shared_input(x, self.tp_group), local(self.weight), local(self.bias))
         return GatherFromTP.apply(y, self.tp_group) if self.tp_style == "column_gather" else y
 
     def extra_repr(self) -> str:

@@ -426,8 +426,10 @@ def _reshaped_specs(c: Ctx) -> bool:
 RESHAPED_SPECS = When("a layer spec with shape / partition_dim / grad_allreduce", _reshaped_specs)
 _AUTOTP_RULES = (   # first: what AutoTP changes or cannot run with, before the stage and offload rules
     Rule(_TP + "autotp_size", value_above(1), M,
-         "TensorParallelPlan.size: a (dp, tp) DeviceMesh, tp = {value} innermost; DTensor parallelize_module over tp "
-         "(ColwiseParallel / RowwiseParallel per Linear) with the plan from partition_config / preset_model, else "
+         "TensorParallelPlan.size: a (dp, tp) DeviceMesh, tp = {value} innermost; each planned Linear's weight a "
+         "DTensor over tp, computed on its local shards (ParallelLinear: DeepSpeed's collectives; DTensor's "
+         "ColwiseParallel / RowwiseParallel for Linear subclasses) with the plan from partition_config / "
+         "preset_model, else "
          "the model's transformers tp_plan (base_model_tp_plan + _tp_plan); then fully_shard over dp. The batch "
          "triad counts the whole world, tp ranks included, as DeepSpeed 0.19.8's config does (a step reads "
          "micro x GA x dp distinct samples). No plan at all (DeepSpeed's name heuristic) is refused with the fix"),
@@ -435,13 +437,13 @@ _AUTOTP_RULES = (   # first: what AutoTP changes or cannot run with, before the 
          "{value}: its fused layer specs (shape, partition_dim) are not implemented; give a partition_config "
          "over the unfused layers"),
     Rule(_TP + "preset_model", When("set", lambda c: c.value is not None) & TP_ON, M,
-         "TensorParallelPlan.preset_model: DeepSpeed's AutoTPPresets layer specs, as DTensor styles (column: "
-         "ColwiseParallel, row: RowwiseParallel, skip: left whole); before the model's tp_plan"),
+         "TensorParallelPlan.preset_model: DeepSpeed's AutoTPPresets layer specs (column: output features sharded, "
+         "row: input features sharded, skip: left whole); before the model's tp_plan"),
     Rule(_TP + "partition_config", When("set", lambda c: c.value is not None) & TP_ON & RESHAPED_SPECS, U,
          "layer specs with shape / partition_dim (fused sub-parameters) or grad_allreduce are not implemented"),
     Rule(_TP + "partition_config", When("set", lambda c: c.value is not None) & TP_ON, M,
          "TensorParallelPlan.partition_config: DeepSpeed's AutoTPConfig (first matching spec per Linear weight; "
-         "gather_output: ColwiseParallel(output_layouts=Replicate()); use_default_specs merges a preset after it; "
+         "gather_output: the column output all-gathered; use_default_specs merges a preset after it; "
          "strict_mode: an unmatched Linear is an error); unknown keys are errors"),
     Rule(_TP + "vocab_parallel_lm_head", ON & TP_ON, U, "the vocabulary-parallel head and its distributed loss are "
          "not implemented: set it to null or false (the head then follows the plan)"),
