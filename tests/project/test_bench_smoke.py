@@ -147,3 +147,28 @@ def test_autotp_bench_cpu_smoke(tmp_path):
     assert (summary["tp"], summary["dp"], row["impl"], row["stage"]) == (2, 1, "fsdpzero", 2)
     assert len(row["losses"]) == 3 and row["losses"][-1] < row["losses"][0] and row["tokens_per_s_per_gpu"] > 0
     assert "| 2 | 2 x 1 | fsdpzero |" in (tmp_path / "summary.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_trl_sft_lora_bench_cpu_smoke(tmp_path):
+    """bench/trl_sft_lora.py end to end on 2 gloo ranks (tiny Llama, fp32, TRL SFTTrainer + LoRA at ZeRO-3): the same
+    script through `fsdpzero launch` (the shim's stand-in) and under torchrun with DeepSpeed 0.19.8, a row each, the
+    same trainable LoRA size, losses that agree (rtol 1e-4: only reduction order may differ) and fall, the table."""
+    env = dict(os.environ, FSDPZERO_BENCH_CPU="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(ROOT / "bench/trl_sft_lora.py"), "--nproc", "2", "--steps", "2", "--warmup", "1",
+           "--out", str(tmp_path), "--run-timeout", "130"]
+    res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=290)
+    assert res.returncode == 0, res.stdout + res.stderr
+    summary = json.loads((tmp_path / "trl_sft_lora.json").read_text())
+    failed = [r for r in summary["rows"] if "error" in r]
+    assert not failed, failed
+    rows = {r["impl"]: r for r in summary["rows"]}
+    assert "fsdpzero launch" in rows["fsdpzero"]["engine"] and "+fsdpzero" not in rows["deepspeed"]["engine"]
+    for r in rows.values():
+        assert r["world_size"] == 2 and r["timed_steps"] == 2 and len(r["losses"]) == 3 and r["step_s"] > 0
+    assert rows["fsdpzero"]["trainable_params"] == rows["deepspeed"]["trainable_params"] > 0
+    assert rows["fsdpzero"]["losses"] == pytest.approx(rows["deepspeed"]["losses"], rel=1e-4)
+    assert rows["fsdpzero"]["losses"][-1] < rows["fsdpzero"]["losses"][0]
+    assert summary["compare"]["max_abs_loss_diff"] < 1e-3
+    assert "| fsdpzero |" in (tmp_path / "summary.md").read_text()
