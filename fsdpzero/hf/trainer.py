@@ -127,10 +127,15 @@ def from_pretrained(path: str | Path, ds_config: Any, *, model_class: Any = None
         config._attn_implementation = attn_implementation
     model_class = model_class or transformers.AutoModelForCausalLM
     with torch.device("meta"):
-        model = model_class.from_config(config)
+        # an Auto class builds through from_config, a model class (MixtralForCausalLM) through _from_config
+        model = (model_class.from_config if hasattr(model_class, "from_config") else model_class._from_config)(config)
     wrap_kwargs.setdefault("hidden_size", getattr(config, "hidden_size", None))
+    # transformers' conversion mapping (Mixtral's per-expert tensors fused, legacy renames), taken before sharding:
+    # fully_shard's FSDP<Model> class reads to transformers as custom code, with no mapping
+    from fsdpzero.hf.zero3 import conversion_mapping, load_converted_safetensors
+    transforms = conversion_mapping(model)
     engine = fsdpzero.wrap(model, ds_config, **wrap_kwargs)
-    load_sharded_safetensors(engine.module, path)
+    load_converted_safetensors(engine.module, path, transforms)
     return engine
 
 

@@ -212,7 +212,7 @@ def sharded_from_pretrained(cls, name: str | os.PathLike, *model_args: Any, **kw
         model.generation_config = transformers.GenerationConfig.from_pretrained(str(folder))
     model.eval()                       # as from_pretrained returns it
     # transformers' conversion mapping, taken before sharding: fully_shard's FSDP<Model> class reads as custom code
-    transforms = _conversion_mapping(model)
+    transforms = conversion_mapping(model)
     defer_weights(model, lambda _model: functools.partial(load_converted_safetensors, path=folder,
                                                           transforms=transforms))
     if want_info:
@@ -261,7 +261,7 @@ def _mismatch(folder: Path, key: str, saved: tuple, live: tuple) -> ValueError:
                       f"is it the same architecture and config?")
 
 
-def _conversion_mapping(model: nn.Module) -> list:
+def conversion_mapping(model: nn.Module) -> list:
     """transformers' weight renamings and converters for `model` (what its from_pretrained applies)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     return get_model_conversion_mapping(model) if isinstance(model, transformers.PreTrainedModel) else []
@@ -319,7 +319,7 @@ def load_converted_safetensors(model: nn.Module, path: str | os.PathLike, transf
     tensors = {clean_fqn(n): p for n, p in model.named_parameters()}
     persistent = {clean_fqn(k) for k in model.state_dict().keys()}
     tensors.update({clean_fqn(n): b for n, b in model.named_buffers() if clean_fqn(n) in persistent})
-    transforms = _conversion_mapping(model) if transforms is None else transforms
+    transforms = conversion_mapping(model) if transforms is None else transforms
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     by_pattern = {p: c for c in converters for p in c.source_patterns}

@@ -34,6 +34,7 @@ def _save(root, name):
 
 def _job(rank, world, paths):
     import fsdpzero
+    import fsdpzero.hf
     from torch.distributed.tensor import DTensor
 
     from fsdpzero.hf import HfDeepSpeedConfig
@@ -50,6 +51,11 @@ def _job(rank, world, paths):
                     model = cls.from_pretrained(path)
             engine = fsdpzero.initialize(model=model, config_params=ZERO3)[0]
             out[name, mode] = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                               for n, p in engine.module.named_parameters()}
+        # fsdpzero.hf.from_pretrained (meta build, wrap, each rank reads its shard): the same conversion
+        engine = fsdpzero.hf.from_pretrained(path, {**ZERO3, "optimizer": {"type": "AdamW", "params": {"lr": 0.0}}},
+                                             model_class=cls)
+        out[name, "engine"] = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                                for n, p in engine.module.named_parameters()}
         # the base model from the *ForCausalLM checkpoint: the `model.` prefix dropped, as transformers does
         dschf = HfDeepSpeedConfig(ZERO3)   # noqa: F841
@@ -70,7 +76,7 @@ def test_moe_sharded_loading_equals_plain_load(tmp_path, world):
         base = getattr(transformers, MODELS[name][1].replace("ForCausalLM", "Model")).from_pretrained(path)
         assert any(p.dim() == 3 for p in plain.parameters())   # the fused (experts, ...) tensors are there
         for rank_result in got:
-            for mode in ("hf", "zero_init", "base"):
+            for mode in ("hf", "zero_init", "engine", "base"):
                 ref = dict((base if mode == "base" else plain).named_parameters())
                 loaded = rank_result[name, mode]
                 assert set(loaded) == set(ref), (name, mode, set(loaded) ^ set(ref))
