@@ -5,6 +5,9 @@ real DeepSpeed, the same model, LoRA, data, seed and SFTConfig. Prints one JSON 
 time, peak GPU memory (max over ranks), the loss curve of each and their max difference.
 
     PYTHONPATH=$PWD/.dsdist python bench/trl_sft_lora.py --nproc 2 --out out/trl_sft_lora     # 2 GPUs, < 5 min
+    # on the GPU image (no trl, datasets, dill, multiprocess, pydantic): install .whl/ first, as bench/gpu_suite.sh does
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site:$PWD/.dsdist NCCL_NVLS_ENABLE=0 python3 bench/trl_sft_lora.py --nproc 2 --out out/trl_sft_lora
     FSDPZERO_BENCH_CPU=1 python bench/trl_sft_lora.py --nproc 2 --steps 2 --warmup 1          # CPU smoke (gloo)
 
 Setup: bench/common.py's 0.89 B Llama (random init, seed 1234, bf16 weights: the frozen base as LoRA users load it),
@@ -114,7 +117,7 @@ def launch(impl: str, args, out: Path) -> dict:
     else:                     # real DeepSpeed (torchrun: no shim, `import deepspeed` is DeepSpeed's)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", *script]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "ops"), os.environ.get("PYTHONPATH")])),
                TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions")))
     if CPU:
         env["DS_ACCELERATOR"] = "cpu"
