@@ -32,22 +32,9 @@ from torch import nn
 
 from fsdpzero.dist import clean_fqn
 from fsdpzero.hf.lora import is_peft_model, save_adapters, save_merged_model
+from fsdpzero.hf.zero3 import checkpoint_keys
 
 # -- sharded loading -----------------------------------------------------------------------------------------------
-
-
-def _weight_map(path: Path) -> dict[str, Path]:
-    """Checkpoint key -> safetensors file, for a single file or an index (model.safetensors.index.json)."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-    single = path / "model.safetensors"
-    if not single.is_file():
-        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json (only safetensors "
-                                f"checkpoints load sharded; convert .bin files with save_pretrained first)")
-    from safetensors import safe_open
-    with safe_open(str(single), framework="pt") as f:
-        return {k: single for k in f.keys()}
 
 
 def _local_box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
@@ -66,7 +53,7 @@ def load_sharded_safetensors(model: nn.Module, path: str | Path) -> None:
     the rows it holds. Every parameter and persistent buffer must be found (tied weights count once)."""
     from safetensors import safe_open
     path = Path(path)
-    where = _weight_map(path)
+    where = checkpoint_keys(path)
     tensors = dict(model.named_parameters())
     persistent = set(model.state_dict().keys())
     tensors.update({n: b for n, b in model.named_buffers() if n in persistent})

@@ -220,7 +220,7 @@ def sharded_from_pretrained(cls, name: str | os.PathLike, *model_args: Any, **kw
     return model
 
 
-def _checkpoint_keys(folder: Path) -> dict[str, Path]:
+def checkpoint_keys(folder: Path) -> dict[str, Path]:
     """Checkpoint key -> safetensors file (one file, or model.safetensors.index.json's weight map)."""
     import json
 
@@ -315,7 +315,7 @@ def load_converted_safetensors(model: nn.Module, path: str | os.PathLike, transf
 
     from fsdpzero.dist import clean_fqn
     folder = Path(path)
-    where = _checkpoint_keys(folder)
+    where = checkpoint_keys(folder)
     tensors = {clean_fqn(n): p for n, p in model.named_parameters()}
     persistent = {clean_fqn(k) for k in model.state_dict().keys()}
     tensors.update({clean_fqn(n): b for n, b in model.named_buffers() if clean_fqn(n) in persistent})
