@@ -60,9 +60,12 @@ class NVMeAdam(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, adamw_mode=False,
                  bias_correction=True, nvme_path, rank: int | None = None, sub_group_size: int = 1_000_000_000,
                  buffer_count: int = 4, aio: AioConfig | None = None, pin_memory: bool = False,
-                 impl: str | None = None, initial: dict[int, torch.Tensor] | None = None):
+                 impl: str | None = None, initial: dict[int, torch.Tensor] | None = None,
+                 aio_backend: str = "auto", build: bool = True):
         """initial: id(param) -> the starting value of its fp32 master, when not the param itself (the offload
-        path hands in low-precision CPU buffers and keeps the fp32 weights only until they are on disk)."""
+        path hands in low-precision CPU buffers and keeps the fp32 weights only until they are on disk).
+        impl / aio_backend / build: the engine's op choices (knobs cpu_adam_impl, aio_backend, no_build), passed
+        to fsdpzero_ops as arguments."""
         if sub_group_size < 1:
             raise ValueError(f"zero_optimization.sub_group_size={sub_group_size}: must be >= 1")
         if buffer_count < 1:
@@ -72,7 +75,7 @@ class NVMeAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
         if rank is None:
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        self.impl = impl
+        self.impl, self.build = impl, build
         self.before_update = None   # callback(param) before a slice is stepped (offload_param nvme swaps it in)
         self._ring_pos, self._writes, self._prefetched = 0, [], []    # the swap pipeline, across steps
         self._io_lock = threading.Lock()       # DCP's writer threads read states concurrently
@@ -81,7 +84,8 @@ class NVMeAdam(torch.optim.Optimizer):
         self.swap_dir = SwapDir(nvme_path, rank)                       # may raise: before any state is written
         try:
             self.swap_dir.check_space(self.swap_bytes + ALIGN)
-            self._reader, self._writer = AioHandle(aio or aio_config()), AioHandle(aio or aio_config())
+            self._reader, self._writer = (AioHandle(aio or aio_config(), aio_backend, build),
+                                          AioHandle(aio or aio_config(), aio_backend, build))
             self._file = self.swap_dir.create_file("optimizer_states.swp")
             size = max((g.numel for g in self._groups), default=0)
             self._buffers = [aligned_empty(size, torch.float32, pin=pin_memory)
@@ -250,7 +254,8 @@ class NVMeAdam(torch.optim.Optimizer):
             adam_step_(v["master"], grads[id(p)][start:stop], v["exp_avg"], v["exp_avg_sq"], out, lr=group["lr"],
                        beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                        step=int(self.state[p]["step"].item()), adamw=group["decoupled_weight_decay"],
-                       bias_correction=group["bias_correction"], grad_scale=grad_scale, impl=self.impl)
+                       bias_correction=group["bias_correction"], grad_scale=grad_scale, impl=self.impl,
+                       build=self.build)
 
     # -- checkpoints: the normal path, with the states read from disk
     def state_dict(self):
@@ -374,8 +379,12 @@ def nvme_optimizer_from_plan(params, plan, rank: int | None = None) -> NVMeAdam:
                     aio=aio_config(off.aio))   # swap buffers never meet the GPU: pinning them buys nothing
 
 
-def nvme_optimizer(groups: list[dict], plan, initial: dict[int, torch.Tensor] | None = None) -> NVMeAdam:
-    """NVMeAdam over Adam hyperparameter groups (fsdpzero.offload.build's), configured by the plan's offload section."""
+def nvme_optimizer(groups: list[dict], plan, initial: dict[int, torch.Tensor] | None = None,
+                   knobs=None) -> NVMeAdam:
+    """NVMeAdam over Adam hyperparameter groups (fsdpzero.offload.build's), configured by the plan's offload section
+    and the engine's settings `knobs` (its CPU Adam kernel and aio engine; None: the ops' defaults)."""
     off = plan.offload
+    ops = {} if knobs is None else dict(impl=knobs.cpu_adam_impl, aio_backend=knobs.aio_backend,
+                                        build=not knobs.no_build)
     return NVMeAdam(groups, nvme_path=off.optimizer_nvme_path, sub_group_size=off.sub_group_size,
-                    buffer_count=off.buffer_count, aio=aio_config(off.aio), initial=initial)
+                    buffer_count=off.buffer_count, aio=aio_config(off.aio), initial=initial, **ops)

@@ -89,7 +89,7 @@ class ParamSwapper:
 
     def __init__(self, units: list[nn.Module], *, nvme_path, rank: int = 0, buffer_count: int = 5,
                  buffer_size: int = 100_000_000, max_in_cpu: int = 1_000_000_000, prefetch_depth: int = 1,
-                 aio: AioConfig | None = None):
+                 aio: AioConfig | None = None, aio_backend: str = "auto", build: bool = True):
         if not units:
             raise ValueError("offload_param.device=nvme: the model has no fully_shard-ed module to swap")
         lazy_init(units[0])   # FSDP2 re-pads the shards at lazy init: in memory, now
@@ -131,7 +131,8 @@ class ParamSwapper:
         self.swap_dir = SwapDir(nvme_path, rank, key="offload_param.nvme_path")
         try:
             self.swap_dir.check_space(offset + ALIGN)
-            self._reader, self._writer = AioHandle(aio or aio_config()), AioHandle(aio or aio_config())
+            self._reader, self._writer = (AioHandle(aio or aio_config(), aio_backend, build),   # the engine's
+                                          AioHandle(aio or aio_config(), aio_backend, build))   # aio knobs
             self._file = self.swap_dir.create_file("params.swp")
             for u in self.units:                 # everything on disk, then evict down to the budget
                 u.dirty = True
@@ -395,11 +396,12 @@ class ParamSwapper:
         close_swap_io(handles, file, getattr(self, "swap_dir", None))
 
 
-def param_swapper_from_plan(model: nn.Module, plan) -> ParamSwapper:
-    """After own_resizable_storages(fsdp_units(model)) and before step 1."""
+def param_swapper_from_plan(model: nn.Module, plan, backend: str = "auto", build: bool = True) -> ParamSwapper:
+    """After own_resizable_storages(fsdp_units(model)) and before step 1. backend/build: the engine's aio_backend
+    and no_build knobs (Tuning.aio_args())."""
     off, units = plan.offload, fsdp_units(model)
     return ParamSwapper(units, nvme_path=off.param_nvme_path,
                         rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0,
                         buffer_count=off.param_buffer_count, buffer_size=off.param_buffer_size,
                         max_in_cpu=off.max_in_cpu, prefetch_depth=fsdp_prefetch_depth(units),
-                        aio=aio_config(off.aio))
+                        aio=aio_config(off.aio), aio_backend=backend, build=build)

@@ -174,23 +174,59 @@ def test_docs_table_is_current():
                                    "python -c \"import fsdpzero.tuning as t; print(t.table())\"")
 
 
+def _nvme_config(nvme_path: str) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 5e-4, "weight_decay": 0.01}},
+            "zero_optimization": {"stage": 2, "sub_group_size": 20000,
+                                  "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path}}}
+
+
 def _two_engines_job(rank, world, tmp):
     """Two engines in one process (TRL's policy and reference model), each with its own knobs: every save writes
-    one DCP data file per writer thread and rank, so the files a save leaves show whose ckpt_writer_threads it read."""
+    one DCP data file per writer thread and rank, so the files a save leaves show whose ckpt_writer_threads it read.
+    Then two NVMe-offload engines with different op knobs: which CPU Adam kernel each one's step runs."""
     from pathlib import Path
 
     from fsdpzero.api import wrap
-    from tests.engine_cases import build_model, make_plan
+    from fsdpzero_ops import cpu_adam
+    from tests.engine_cases import batches, build_model, engine_losses, make_plan
     one = wrap(build_model("gpt2", 0), make_plan(2, world=world, micro=1), tuning={"ckpt_writer_threads": 1})
     three = wrap(build_model("gpt2", 1), make_plan(2, world=world, micro=1), tuning={"ckpt_writer_threads": 3})
-    os.environ["FSDPZERO_CKPT_WRITER_THREADS"] = "2"   # read when used: an engine without its own setting sees it
+    os.environ["FSDPZERO_CKPT_WRITER_THREADS"] = "2"   # the process default when `plain` is built
     plain = wrap(build_model("gpt2", 2), make_plan(2, world=world, micro=1))
+    os.environ["FSDPZERO_CKPT_WRITER_THREADS"] = "5"   # after every wrap: no engine reads it any more
     for engine, tag in ((one, "one"), (three, "three"), (plain, "plain"), (one, "one_again")):
         engine.save_checkpoint(tmp, tag=tag)
-    return {tag: len(list((Path(tmp) / tag).glob("*.distcp"))) for tag in ("one", "three", "plain", "one_again")}
+    files = {tag: len(list((Path(tmp) / tag).glob("*.distcp"))) for tag in ("one", "three", "plain", "one_again")}
+
+    # the ops' knobs: `reference` is built first with the pure-torch kernel and the python aio engine, `native` after
+    # it with the defaults; each one's step runs its own kernel (the ops keep no process-wide default)
+    os.environ.pop("FSDPZERO_CKPT_WRITER_THREADS")
+    for name in ("nvme_ref", "nvme_native"):
+        (Path(tmp) / name).mkdir()
+    reference = wrap(build_model("gpt2", 3), _nvme_config(f"{tmp}/nvme_ref"),
+                     tuning={"cpu_adam_impl": "reference", "aio_backend": "python"})
+    native = wrap(build_model("gpt2", 4), _nvme_config(f"{tmp}/nvme_native"))
+    calls, real = [], cpu_adam.reference_adam_step_
+    cpu_adam.reference_adam_step_ = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    kernels = {}
+    for engine, name in ((reference, "reference"), (native, "native"), (reference, "reference_again")):
+        calls.clear()
+        engine_losses(engine, batches(1, 1, 2 * world, seed=len(kernels)), rank, world)
+        engine.wait_for_params()   # the CPU step may still run (offload_overlap)
+        opt = engine.grad_path.optimizer
+        kernels[name] = ("reference" if calls else "native", opt._reader.backend)
+    cpu_adam.reference_adam_step_ = real
+    return files, kernels, cpu_adam.available_impls()[0]
 
 
 def test_two_engines_in_one_process_keep_their_own_knobs(tmp_path):
+    """Failed with the process-wide design: `plain` saved 5 files (the environment re-read at each save), and the
+    `reference` engine's NVMe steps ran the native kernel once `native` was built (the ops' module default)."""
     from tests.multirank import run_distributed
-    files = run_distributed(_two_engines_job, 1, str(tmp_path), timeout=240)[0]
+    files, kernels, best = run_distributed(_two_engines_job, 1, str(tmp_path), timeout=300)[0]
     assert files == {"one": 1, "three": 3, "plain": 2, "one_again": 1}, files
+    assert best != "reference", "the CPU Adam op could not be built here: the kernels cannot be told apart"
+    native_aio = kernels["native"][1]
+    assert kernels == {"reference": ("reference", "python"), "native": ("native", native_aio),
+                       "reference_again": ("reference", "python")}, kernels
