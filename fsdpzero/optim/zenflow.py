@@ -198,7 +198,7 @@ class ZenFlowGradPath(GradPath):
                              "are Adam/AdamW; use optimizer.type AdamW")
         bad = [n for n, p in named if p.ndim > 2]
         if bad:
-            raise ValueError(f"zero_optimization.zenflow: parameter {bad[0]} has {named[0][1].ndim} dimensions; "
+            raise ValueError(f"zero_optimization.zenflow: parameter {bad[0]} has {dict(named)[bad[0]].ndim} dimensions; "
                              "ZenFlow selects columns of matrices and updates vectors whole")
         threads = None
         if local_tensor(named[0][1]).device.type == "cuda":   # pt_reserved_cores_perc: the rest is the CPU step's
@@ -341,12 +341,16 @@ class ZenFlowGradPath(GradPath):
         norm = float(sq.sqrt())
         return 1.0 / max(1.0, (norm + 1e-6) / self.max_norm)
 
-    def _cpu_step(self, k: int, buf: int, scale: float) -> None:
+    def _hyper(self) -> list[dict]:
+        """Each slot's hyper-parameters now, on the main thread: the engine steps the LR scheduler right after
+        step(), while an overlapped CPU step may still be running (as offload/path.py takes them at step())."""
+        return [{k: s.group[k] for k in ("lr", "betas", "eps", "weight_decay")} for s in self.slots]
+
+    def _cpu_step(self, k: int, buf: int, scale: float, hyper: list[dict]) -> None:
         from fsdpzero_ops.cpu_adam import adam_step_
         if self.threads is not None:
             torch.set_num_threads(self.threads)
-        for s in self.slots:
-            h = s.group
+        for s, h in zip(self.slots, hyper):
             grad = s.acc[buf] if s.host_grad is None else s.host_grad
             adam_step_(s.master, grad, s.m[buf], s.v[buf], s.out, lr=h["lr"], beta1=h["betas"][0],
                        beta2=h["betas"][1], eps=h["eps"], weight_decay=h["weight_decay"], step=k + 1,
@@ -373,7 +377,7 @@ class ZenFlowGradPath(GradPath):
         if not self.zf.overlap_step or k < W:   # sequential, or a warm-up round: synchronous
             self._join()
             self._to_host(buf)
-            self._cpu_step(k, buf, scale)
+            self._cpu_step(k, buf, scale, self._hyper())
             self._land()
             return
         self.after_warmup += 1
@@ -382,7 +386,7 @@ class ZenFlowGradPath(GradPath):
         if self.after_warmup >= first_landing:
             self._land()
         self._to_host(buf)
-        self.pending = self.executor.submit(self._cpu_step, k, buf, scale)
+        self.pending = self.executor.submit(self._cpu_step, k, buf, scale, self._hyper())
 
     def _join(self) -> None:
         if self.pending is not None:

@@ -5,8 +5,9 @@ ones, innermost last (tensor parallelism talks every layer: its ranks are neighb
     (replicate, shard)           stage 0, MiCS / hybrid sharding
     (dp, tp) / (replicate, shard, tp)   with tensor_parallel.autotp_size = tp > 1
 
-A model-parallel dimension of size 1 is left out, so a run without it has the mesh it always had. Other wings (sequence
-parallelism) add their dimension here: `build_parallel_mesh` takes every model-parallel size by name.
+A model-parallel dimension of size 1 is left out, so a run without it has the mesh it always had. Ulysses sequence
+parallelism is not a dimension here: ZeRO shards over dp x sp as DeepSpeed does, so its groups are process groups
+inside the data dimension (fsdpzero/parallel/ulysses.py); a model-parallel dimension would leave sp out of ZeRO.
 """
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ import math
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # Model-parallel dimension names, outermost first; every other dimension of a mesh is a data-parallel one.
-MODEL_DIMS = ("sp", "tp")
+MODEL_DIMS = ("tp",)
 
 
 def build_parallel_mesh(device_type: str, data_shape: tuple[int, ...], data_names: tuple[str, ...],
                         **model_sizes: int) -> DeviceMesh:
-    """init_device_mesh over (data dims..., model dims...). model_sizes: sizes by name in MODEL_DIMS (tp=2, sp=4);
+    """init_device_mesh over (data dims..., model dims...). model_sizes: sizes by name in MODEL_DIMS (tp=2);
     a size of 1 (or absent) adds no dimension. Raises ValueError when the sizes do not multiply to the world."""
     unknown = set(model_sizes) - set(MODEL_DIMS)
     if unknown:

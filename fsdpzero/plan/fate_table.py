@@ -544,6 +544,8 @@ CONDITIONAL: tuple[Rule, ...] = (
     Rule(_OP + "device", value_is("cpu"), M,
          "fully_shard(offload_policy=CPUOffloadPolicy(pin_memory)); the optimizer steps on CPU"),
     Rule(_OO + "device", value_is("cpu"), M, "ops cpuadam: fp32 master + Adam state on CPU, grad shards copied D2H"),
+    Rule(_OO + "device", value_is("nvme") & stage_in(1), U, "stage 1 offloads the optimizer to the CPU only: use "
+         "\"cpu\", or stage 2/3 for NVMe offload"),
     Rule(_OO + "device", value_is("nvme"), M, "ops aio NVMe optimizer-state swapper + ops cpuadam"),
     Rule(_OO + "ratio", value_below(1) & NO_OFFLOADED_OPT, N, "no optimizer offload: the whole step is on the "
          "GPU whatever the ratio"),
@@ -579,6 +581,11 @@ CONDITIONAL: tuple[Rule, ...] = (
         c.cfg.optimizer.type or "").lower() not in ("adam", "adamw")), U,
          "ZenFlow's two steps are AdamW (DeepSpeed: ZenFlowSelectiveAdamW and ZenFlowCPUAdam); use optimizer.type "
          "Adam or AdamW"),
+    Rule(_Z + "zenflow", ZENFLOW & When("mics_shard_size > 0 or hpZ at stage 3", lambda c: (
+        c.cfg.zero_optimization.mics_shard_size > 0
+        or (c.stage == 3 and c.cfg.zero_optimization.zero_hpz_partition_size > 1))), U,
+         "ZenFlow on a replicated (HSDP) mesh is not implemented: its column pieces and its clip norm are taken over "
+         "the whole world, so replicas would count the norm twice; remove mics_shard_size / zero_hpz_partition_size"),
     Rule(_Z + "zenflow", ZENFLOW & device_is("offload_param", "cpu", "nvme"), U,
          "offload_param with zenflow: the selective step updates the parameters on the device; remove "
          "offload_param"),

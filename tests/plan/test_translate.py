@@ -187,3 +187,22 @@ def test_translation_goldens(name):
         path.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
     assert got == json.loads(path.read_text()), f"plan changed for {name}; review, then regenerate with " \
                                                 "FSDPZERO_REGEN_GOLDENS=1"
+
+
+@pytest.mark.parametrize("cfg, key", [
+    ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
+     "zero_optimization.offload_optimizer.device"),
+    ({"zero_optimization": {"stage": 3, "mics_shard_size": 2, "offload_optimizer": {"device": "cpu"},
+                            "zenflow": {"topk_ratio": 0.1, "update_interval": 4}},
+      "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, "zero_optimization.zenflow"),
+])
+def test_unsupported_combinations_are_refused_before_any_process_group(cfg, key):
+    """Stage 1 with NVMe optimizer offload (Stage1GradPath.build refused it only after init_process_group) and
+    ZenFlow on a replicated MiCS mesh (its clip norm would count replicas): the plan's fate says unsupported, and
+    wrap's pre-process-group check raises one line naming the key."""
+    from fsdpzero.api import refuse_unsupported
+    plan = plan_of(cfg, world=4)
+    assert any(d.key == key and d.status == "unsupported" for d in plan.decisions), [
+        (d.key, d.status) for d in plan.decisions if d.key == key]
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        refuse_unsupported(plan)
