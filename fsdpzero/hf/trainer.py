@@ -32,19 +32,9 @@ from torch import nn
 
 from fsdpzero.dist import clean_fqn
 from fsdpzero.hf.lora import is_peft_model, save_adapters, save_merged_model
-from fsdpzero.hf.zero3 import checkpoint_keys
+from fsdpzero.hf.zero3 import checkpoint_keys, local_box
 
 # -- sharded loading -----------------------------------------------------------------------------------------------
-
-
-def _local_box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
-    """(the tensor this rank writes, the slice of the full tensor it holds)."""
-    from torch.distributed.tensor import DTensor
-    if not isinstance(t, DTensor):
-        return t.data, tuple(slice(0, n) for n in t.shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return t.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
 @torch.no_grad()
@@ -66,7 +56,7 @@ def load_sharded_safetensors(model: nn.Module, path: str | Path) -> None:
         keyed[key] = t
     _check_shapes(path, where, keyed)
     for key, t in keyed.items():
-        local, box = _local_box(t)
+        local, box = local_box(t)
         if local.numel() == 0:
             continue
         # one open per tensor: safetensors memory-maps the file and touched pages count as this process's memory

@@ -244,7 +244,7 @@ def _read(where: dict[str, Path], key: str, box=None):
         return f.get_tensor(key) if box is None else f.get_slice(key)[box]
 
 
-def _local_box(t):
+def local_box(t):
     """(the tensor this rank writes, the slice of the full tensor it holds)."""
     from torch.distributed.tensor import DTensor
     if not isinstance(t, DTensor):
@@ -276,13 +276,13 @@ def _expert_rows(converter, target) -> slice | None:
     if target is None or len(converter.target_patterns) != 1 or not ops or not isinstance(ops[0], MergeModulelist) \
             or ops[0].dim != 0 or not all(isinstance(op, Concatenate) and op.dim >= 1 for op in ops[1:]):
         return None
-    return _local_box(target)[1][0]
+    return local_box(target)[1][0]
 
 
 def _load_expert_rows(folder: Path, where: dict[str, Path], converter, first: str, target, rows: slice,
                       model: nn.Module) -> None:
     """Read only the source tensors of this rank's rows (experts), convert them, copy them in."""
-    local, box = _local_box(target)
+    local, box = local_box(target)
     for pattern, keys in list(converter.collected_tensors.items()):
         if len(keys) != target.shape[0]:   # one source per row, or it is not the checkpoint of this model
             raise _mismatch(folder, first, (len(keys),) + tuple(target.shape[1:]), tuple(target.shape))
@@ -349,7 +349,7 @@ def load_converted_safetensors(model: nn.Module, path: str | os.PathLike, transf
     filled = set()
     with torch.no_grad():
         for target, key in direct.items():
-            local, box = _local_box(tensors[target])
+            local, box = local_box(tensors[target])
             if local.numel():
                 local.copy_(_read(where, key, box if local.dim() else None).to(dtype=local.dtype))
             filled.add(target)
@@ -367,7 +367,7 @@ def load_converted_safetensors(model: nn.Module, path: str | os.PathLike, transf
                     continue
                 if tuple(value.shape) != tuple(tensors[name].shape):
                     raise _mismatch(folder, name, tuple(value.shape), tuple(tensors[name].shape))
-                local, box = _local_box(tensors[name])
+                local, box = local_box(tensors[name])
                 if local.numel():
                     local.copy_(value[box].to(dtype=local.dtype))
                 filled.add(name)
