@@ -113,10 +113,10 @@ MUTATIONS = [
     Mutation("muon_ns_on_shard", "Muon's Newton-Schulz runs on each rank's rows instead of the whole matrix",
              "optim/muon.py", "        piece = u_local.new_zeros((chunk, *p.shape[1:]))\n",
              "        return orthogonalize(u_local, ns_method)\n",
-             ("tests/optim/test_muon.py::test_muon_matches_deepspeed[2]",)),
+             ("tests/optim/test_muon.py::test_muon_matches_deepspeed[2-1.0]",)),
     Mutation("muon_split_takes_head", "the output head gets Muon (DeepSpeed gives it AdamW)", "optim/muon.py",
              'for word in ("embed", "lm_head")', 'for word in ("embed",)',
-             ("tests/optim/test_muon.py::test_muon_matches_deepspeed[3]",)),
+             ("tests/optim/test_muon.py::test_muon_matches_deepspeed[3-1.0]",)),
     Mutation("ulysses_labels_shifted_per_slice", "Ulysses shifts each rank's slice of the labels, not the whole "
              "sequence's (the token at each slice boundary is lost)", "parallel/ulysses.py",
              '        labels = torch.nn.functional.pad(batch.pop("labels"), (0, 1), value=-100)\n'
