@@ -23,7 +23,7 @@ from fsdpzero.log import log_startup, setup_logging
 from fsdpzero.optim.muon import tag_muon_params
 from fsdpzero.optim import FSDPGradPath, GradPath, OptimizerFactory, check_optimizer, make_optimizer_factory
 from fsdpzero.optim.grad_path import ForwardOnlyPath
-from fsdpzero.parallel import data_mesh, data_rank_and_size, model_mesh
+from fsdpzero.parallel import check_user_mesh, data_mesh, data_rank_and_size, model_mesh
 from fsdpzero.parallel.tensor_parallel import apply_tensor_parallel
 from fsdpzero.parallel.tp_plan import resolve_tp_plan, style_counts
 from fsdpzero.parallel.ulysses import apply_sequence_parallel
@@ -88,6 +88,8 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
     tp_styles = resolve_tp_plan(model, plan.tensor_parallel)   # AutoTP: its errors before any process group
     if plan.sequence_parallel.size > 1:   # Ulysses: heads, KV heads and attention checked before any process group
         check_sequence_parallel(model, plan.sequence_parallel.size, plan.tensor_parallel.size)
+    if mesh is not None:   # the caller's mesh: its shape alone, so the same error on every rank, before any collective
+        check_user_mesh(mesh, plan.tensor_parallel.size)
     info = init_distributed_env(env.device_type)
     # before the first collective: ranks started with different configs or models would otherwise meet in
     # mismatched collectives (a gloo abort or a hang) with nothing saying what differs

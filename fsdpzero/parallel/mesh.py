@@ -45,6 +45,29 @@ def build_parallel_mesh(device_type: str, data_shape: tuple[int, ...], data_name
     return mesh
 
 
+def check_user_mesh(mesh: DeviceMesh, tp: int) -> None:
+    """A mesh the caller built (wrap(mesh=...)) agrees with tensor_parallel.autotp_size = tp: a "tp" dimension of
+    that size, or none when tp is 1. Reads the mesh's shape only (no collective), so every rank raises the same
+    error. Without this a mesh lacking "tp" silently trains without tensor parallelism, and a "tp" dimension the
+    config does not ask for leaves its ranks unsynchronized replicas (FSDP2 reduces over the data dimensions only)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    have = mesh.size(names.index("tp")) if "tp" in names else 1
+    if have == tp:
+        return
+    shape = dict(zip(names, mesh.shape)) if names else tuple(mesh.shape)
+    if "tp" not in names:
+        raise ValueError(f"tensor_parallel.autotp_size = {tp} but the mesh passed in (mesh=...) has no 'tp' "
+                         f"dimension ({shape}): add a 'tp' dimension of size {tp} innermost (fsdpzero.parallel."
+                         f"build_parallel_mesh(..., tp={tp})) or leave mesh= out and fsdpzero builds it")
+    if tp > 1:
+        raise ValueError(f"tensor_parallel.autotp_size = {tp} but the mesh passed in (mesh=...) has a 'tp' "
+                         f"dimension of size {have} ({shape}): give the mesh a 'tp' dimension of size {tp}, or set "
+                         f"tensor_parallel.autotp_size to {have}")
+    raise ValueError(f"tensor_parallel.autotp_size = 1 (or absent) but the mesh passed in (mesh=...) has a 'tp' "
+                     f"dimension of size {have} ({shape}): set tensor_parallel.autotp_size to {have}, or pass a mesh "
+                     f"without 'tp'")
+
+
 def mesh_size(mesh: DeviceMesh) -> int:
     return math.prod(mesh.shape)
 
@@ -87,5 +110,5 @@ def data_rank_and_size(mesh: DeviceMesh | None) -> tuple[int, int]:
     return rank, size
 
 
-__all__ = ["MODEL_DIMS", "build_parallel_mesh", "data_dims", "data_mesh", "data_rank_and_size", "mesh_size",
-           "model_mesh"]
+__all__ = ["MODEL_DIMS", "build_parallel_mesh", "check_user_mesh", "data_dims", "data_mesh", "data_rank_and_size",
+           "mesh_size", "model_mesh"]
