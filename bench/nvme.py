@@ -32,6 +32,7 @@ from fsdpzero.offload.swapdir import aio_config  # noqa: E402
 from fsdpzero_ops.aio import AioConfig, AioHandle, aligned_empty  # noqa: E402
 from fsdpzero_ops.aio_bench import block_sizes, measure, request_size  # noqa: E402
 from fsdpzero.offload.nvme_adam import NVMeAdam  # noqa: E402
+from fsdpzero.plan import AioPlan, OffloadPlan  # noqa: E402
 
 
 def dd(path: Path, size: int, bs: int, write: bool) -> float:
@@ -74,15 +75,15 @@ def deepspeed_aio(path: Path, size: int, cfg: AioConfig):
     return run
 
 
-def optimizer_pipeline(nvme_dir: Path, n_params: int, sub_group_size: int, cfg: AioConfig, buffer_count: int,
+def optimizer_pipeline(nvme_dir: Path, n_params: int, sub_group_size: int, aio: AioPlan, buffer_count: int,
                        steps: int) -> dict:
     """Median NVMeAdam.step() time vs the per-sub-group stages timed alone (bf16 params: 24 B/param of I/O)."""
     chunk = 10_000_000                                   # params of up to 1e7 elements, like transformer matrices
     params = [torch.randn(min(chunk, n_params - i)).bfloat16().requires_grad_() for i in range(0, n_params, chunk)]
     for p in params:
         p.grad = torch.randn(p.shape).bfloat16()
-    opt = NVMeAdam(params, lr=1e-4, adamw_mode=True, nvme_path=nvme_dir, sub_group_size=sub_group_size,
-                   buffer_count=buffer_count, aio=cfg)
+    opt = NVMeAdam(params, lr=1e-4, adamw_mode=True, offload=OffloadPlan(
+        optimizer_nvme_path=str(nvme_dir), sub_group_size=sub_group_size, buffer_count=buffer_count, aio=aio))
     try:
         opt.step()                                       # warm-up
         times = []
@@ -137,7 +138,8 @@ def main() -> int:
     size, bs = request_size(args.size), block_sizes(args.block_size)[0]
     size -= size % bs
     path = Path(args.dir) / f".fsdpzero_nvme_bench.{os.getpid()}.bin"
-    cfg = aio_config(block_size=bs, queue_depth=args.queue_depth, intra_op_parallelism=args.parallelism)   # + defaults
+    aio = AioPlan(block_size=bs, queue_depth=args.queue_depth, intra_op_parallelism=args.parallelism)  # + defaults
+    cfg = aio_config(aio)
     buf = aligned_empty(size)
     buf.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
     rows: dict[str, list[float]] = {}
@@ -178,7 +180,7 @@ def main() -> int:
               "GBps": {k: {"write": round(w, 3), "read": round(r, 3)} for k, (w, r) in rows.items()},
               "ratio": {"write": round(ours_w / raw_w, 3), "read": round(ours_r / raw_r, 3)}}
     if args.opt_params:
-        opt = optimizer_pipeline(Path(args.dir), int(args.opt_params), int(args.sub_group_size), cfg,
+        opt = optimizer_pipeline(Path(args.dir), int(args.opt_params), int(args.sub_group_size), aio,
                                  args.buffer_count, args.steps)
         result["optimizer_step"] = opt
         print(f"\noptimizer step, states on disk: {opt['params']:.3g} bf16 params, {opt['sub_groups']} sub-groups, "

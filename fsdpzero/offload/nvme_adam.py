@@ -1,7 +1,8 @@
 """NVMe offload of the optimizer (`offload_optimizer.device: nvme`, ZeRO-Infinity): the fp32 master weights and
 both Adam moments live in a swap file on disk; gradients and the model's parameters stay in (CPU) memory.
 
-    opt = NVMeAdam(model.parameters(), lr=1e-4, adamw_mode=True, nvme_path="/local_nvme", sub_group_size=1e8)
+    opt = NVMeAdam(model.parameters(), lr=1e-4, adamw_mode=True,
+                   offload=OffloadPlan(optimizer_nvme_path="/local_nvme", sub_group_size=100_000_000))
     ...backward...
     opt.step()          # per sub-group: read(i+1) | fused CPU Adam step(i) | write(i-1), on `buffer_count` buffers
     opt.close()         # removes the swap directory (also done at exit and when the optimizer is collected)
@@ -25,7 +26,9 @@ import threading
 import torch
 
 from fsdpzero.offload.swapdir import SwapDir, aio_config, close_swap_io
-from fsdpzero_ops.aio import ALIGN, AioConfig, AioHandle, aligned_empty
+from fsdpzero.plan.types import OffloadPlan
+from fsdpzero.tuning import Tuning, or_defaults
+from fsdpzero_ops.aio import ALIGN, AioHandle, aligned_empty
 from fsdpzero_ops.cpu_adam import adam_step_
 from fsdpzero.dist import local_tensor
 
@@ -57,15 +60,16 @@ class NVMeAdam(torch.optim.Optimizer):
     """Adam/AdamW with master weights and moments on disk. Hyperparameters and state_dict layout as CPUAdam
     (torch.optim.Adam's keys); adamw_mode=True is AdamW. See the module docstring for the swap layout."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, adamw_mode=False,
-                 bias_correction=True, nvme_path, rank: int | None = None, sub_group_size: int = 1_000_000_000,
-                 buffer_count: int = 4, aio: AioConfig | None = None, pin_memory: bool = False,
-                 impl: str | None = None, initial: dict[int, torch.Tensor] | None = None,
-                 aio_backend: str = "auto", build: bool = True):
-        """initial: id(param) -> the starting value of its fp32 master, when not the param itself (the offload
-        path hands in low-precision CPU buffers and keeps the fp32 weights only until they are on disk).
-        impl / aio_backend / build: the engine's op choices (knobs cpu_adam_impl, aio_backend, no_build), passed
-        to fsdpzero_ops as arguments."""
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, offload: OffloadPlan,
+                 adamw_mode=False, bias_correction=True, rank: int | None = None,
+                 initial: dict[int, torch.Tensor] | None = None, tuning: Tuning | None = None):
+        """offload: the plan's offload section (optimizer_nvme_path, buffer_count, sub_group_size, aio: the
+        schema declares their defaults; this class declares none). tuning: the engine's settings (its CPU Adam
+        kernel and aio engine, passed to fsdpzero_ops as arguments; None: the process defaults, built now).
+        initial: id(param) -> the starting value of its fp32 master, when not the param itself (the offload path
+        hands in low-precision CPU buffers and keeps the fp32 weights only until they are on disk)."""
+        tuning = or_defaults(tuning)
+        sub_group_size, buffer_count = offload.sub_group_size, offload.buffer_count
         if sub_group_size < 1:
             raise ValueError(f"zero_optimization.sub_group_size={sub_group_size}: must be >= 1")
         if buffer_count < 1:
@@ -75,20 +79,21 @@ class NVMeAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
         if rank is None:
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        self.impl, self.build = impl, build
+        self.impl, self.build = tuning.cpu_adam_impl, not tuning.no_build
         self.before_update = None   # callback(param) before a slice is stepped (offload_param nvme swaps it in)
         self._ring_pos, self._writes, self._prefetched = 0, [], []    # the swap pipeline, across steps
         self._io_lock = threading.Lock()       # DCP's writer threads read states concurrently
         self._groups = self._plan_sub_groups(int(sub_group_size))
         self.swap_bytes = sum(g.numel for g in self._groups) * 4
-        self.swap_dir = SwapDir(nvme_path, rank)                       # may raise: before any state is written
+        self.swap_dir = SwapDir(offload.optimizer_nvme_path, rank)    # may raise: before any state is written
         try:
             self.swap_dir.check_space(self.swap_bytes + ALIGN)
-            self._reader, self._writer = (AioHandle(aio or aio_config(), aio_backend, build),
-                                          AioHandle(aio or aio_config(), aio_backend, build))
+            self._reader, self._writer = (AioHandle(aio_config(offload.aio), **tuning.aio_args()),
+                                          AioHandle(aio_config(offload.aio), **tuning.aio_args()))
             self._file = self.swap_dir.create_file("optimizer_states.swp")
             size = max((g.numel for g in self._groups), default=0)
-            self._buffers = [aligned_empty(size, torch.float32, pin=pin_memory)
+            # the swap buffers never meet the GPU: pinning them (offload_optimizer.pin_memory) buys nothing
+            self._buffers = [aligned_empty(size, torch.float32, pin=False)
                              for _ in range(min(buffer_count, len(self._groups)))]
             self._warn_if_buffers_hold_the_state(int(sub_group_size))
             self._write_initial_states(initial or {})
@@ -366,25 +371,12 @@ class NVMeAdam(torch.optim.Optimizer):
             pass
 
 
-def nvme_optimizer_from_plan(params, plan, rank: int | None = None) -> NVMeAdam:
+def nvme_optimizer_from_plan(params, plan, rank: int | None = None, tuning: Tuning | None = None) -> NVMeAdam:
     """`offload_optimizer.device: nvme`: the optimizer section (Adam/AdamW) over `params`, states on disk."""
-    opt, off = plan.optimizer, plan.offload
+    opt = plan.optimizer
     if opt.type not in ("adam", "adamw"):
         raise ValueError(f"offload_optimizer.device=nvme needs optimizer.type Adam or AdamW (the fused CPU Adam "
                          f"swaps its states), got {opt.type!r}; use device \"cpu\" for other optimizers")
     kw = {k: v for k, v in opt.params.items() if k in ("lr", "betas", "eps", "weight_decay", "bias_correction")}
     adamw = opt.adam_w_mode if opt.type == "adam" else True
-    return NVMeAdam(params, **kw, adamw_mode=adamw, nvme_path=off.optimizer_nvme_path, rank=rank,
-                    sub_group_size=off.sub_group_size, buffer_count=off.buffer_count,
-                    aio=aio_config(off.aio))   # swap buffers never meet the GPU: pinning them buys nothing
-
-
-def nvme_optimizer(groups: list[dict], plan, initial: dict[int, torch.Tensor] | None = None,
-                   knobs=None) -> NVMeAdam:
-    """NVMeAdam over Adam hyperparameter groups (fsdpzero.offload.build's), configured by the plan's offload section
-    and the engine's settings `knobs` (its CPU Adam kernel and aio engine; None: the ops' defaults)."""
-    off = plan.offload
-    ops = {} if knobs is None else dict(impl=knobs.cpu_adam_impl, aio_backend=knobs.aio_backend,
-                                        build=not knobs.no_build)
-    return NVMeAdam(groups, nvme_path=off.optimizer_nvme_path, sub_group_size=off.sub_group_size,
-                    buffer_count=off.buffer_count, aio=aio_config(off.aio), initial=initial, **ops)
+    return NVMeAdam(params, **kw, offload=plan.offload, adamw_mode=adamw, rank=rank, tuning=tuning)

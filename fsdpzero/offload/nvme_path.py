@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from fsdpzero.checkpoint.stream import streamed, streamed_state
-from fsdpzero.offload.nvme_adam import nvme_optimizer, state_segments
+from fsdpzero.offload.nvme_adam import NVMeAdam, state_segments
 from fsdpzero.offload.chunks import shard_like, on_stream
 from fsdpzero.offload.path import OffloadGradPath
 from fsdpzero.dist import local_tensor
@@ -25,7 +25,7 @@ class NVMeGradPath(OffloadGradPath):
     def step_optimizer(cls, hyper, masters, plan, knobs):
         """NVMeAdam over the stand-ins: the fp32 masters are written to disk now, while `masters.initial` still
         holds the fp32 weights (the build casts the shards next)."""
-        optimizer = nvme_optimizer(hyper, plan, masters.initial, knobs)
+        optimizer = NVMeAdam(hyper, offload=plan.offload, initial=masters.initial, tuning=knobs)
         masters.initial.clear()
         return optimizer
 

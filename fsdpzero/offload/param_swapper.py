@@ -41,7 +41,9 @@ from torch.utils._pytree import tree_flatten
 from fsdpzero.fsdp2_internals import (fsdp_params, fsdp_prefetch_depth, fsdp_units, lazy_init,
                                          own_resizable_storages, shard_data, shard_local)
 from fsdpzero.offload.swapdir import SwapDir, aio_config, close_swap_io
-from fsdpzero_ops.aio import ALIGN, AioConfig, AioHandle, padded_nbytes
+from fsdpzero.plan.types import OffloadPlan
+from fsdpzero.tuning import Tuning, or_defaults
+from fsdpzero_ops.aio import ALIGN, AioHandle, padded_nbytes
 from fsdpzero.dist import local_tensor
 
 log = logging.getLogger("fsdpzero")
@@ -87,9 +89,15 @@ def _bytes_view(storage, nbytes: int) -> torch.Tensor:
 class ParamSwapper:
     """Keeps the CPU shards of `units` (FSDP modules, forward order, root first) on disk between uses."""
 
-    def __init__(self, units: list[nn.Module], *, nvme_path, rank: int = 0, buffer_count: int = 5,
-                 buffer_size: int = 100_000_000, max_in_cpu: int = 1_000_000_000, prefetch_depth: int = 1,
-                 aio: AioConfig | None = None, aio_backend: str = "auto", build: bool = True):
+    def __init__(self, units: list[nn.Module], *, offload: OffloadPlan, rank: int | None = None,
+                 tuning: Tuning | None = None):
+        """offload: the plan's offload section (param_nvme_path, param_buffer_count, param_buffer_size, max_in_cpu,
+        aio: the schema declares their defaults; this class declares none). tuning: the engine's settings (its aio
+        engine; None: the process defaults, built now). How many units FSDP2 prefetches is read from the units."""
+        tuning = or_defaults(tuning)
+        if rank is None:
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        buffer_count, max_in_cpu = offload.param_buffer_count, offload.max_in_cpu
         if not units:
             raise ValueError("offload_param.device=nvme: the model has no fully_shard-ed module to swap")
         lazy_init(units[0])   # FSDP2 re-pads the shards at lazy init: in memory, now
@@ -110,7 +118,7 @@ class ParamSwapper:
                 offset += padded_nbytes(n)
             self.units.append(_Unit(module, shards, nbytes, offsets,
                                     sum(shard_data(fp).numel() for fp in shards)))
-        self.depth = max(1, prefetch_depth)     # FSDP2 unshards the next unit(s) from the current one's hooks
+        self.depth = max(1, fsdp_prefetch_depth(units))   # FSDP2 unshards the next unit(s) from this one's hooks
         self.buffer_count, self.max_in_cpu = buffer_count, max_in_cpu
         if not self.units:
             raise ValueError("offload_param.device=nvme: the model's FSDP units hold no parameters")
@@ -119,7 +127,7 @@ class ParamSwapper:
         # FSDP2's backward: the root's pre-backward first (it holds the head), then the other units in reverse
         root_first = self.units[0].module is units[0]
         self.backward_order = [0] + self.forward_order[:0:-1] if root_first else self.forward_order[::-1]
-        self._check_capacity(buffer_size)
+        self._check_capacity(offload.param_buffer_size)
         self._clock = 0
         self._evicted_bytes = 0     # since the last malloc_trim
         self._in_step: list[int] = []
@@ -128,11 +136,11 @@ class ParamSwapper:
         self._io_lock = threading.Lock()     # DCP's writer threads call read_shard concurrently
         self._slots = {shard_data(fp).untyped_storage()._cdata: (k, i)   # shard storage -> (unit, shard)
                        for k, u in enumerate(self.units) for i, fp in enumerate(u.shards)}
-        self.swap_dir = SwapDir(nvme_path, rank, key="offload_param.nvme_path")
+        self.swap_dir = SwapDir(offload.param_nvme_path, rank, key="offload_param.nvme_path")
         try:
             self.swap_dir.check_space(offset + ALIGN)
-            self._reader, self._writer = (AioHandle(aio or aio_config(), aio_backend, build),   # the engine's
-                                          AioHandle(aio or aio_config(), aio_backend, build))   # aio knobs
+            self._reader, self._writer = (AioHandle(aio_config(offload.aio), **tuning.aio_args()),
+                                          AioHandle(aio_config(offload.aio), **tuning.aio_args()))
             self._file = self.swap_dir.create_file("params.swp")
             for u in self.units:                 # everything on disk, then evict down to the budget
                 u.dirty = True
@@ -395,13 +403,3 @@ class ParamSwapper:
         self._reader = self._writer = self._file = None
         close_swap_io(handles, file, getattr(self, "swap_dir", None))
 
-
-def param_swapper_from_plan(model: nn.Module, plan, backend: str = "auto", build: bool = True) -> ParamSwapper:
-    """After own_resizable_storages(fsdp_units(model)) and before step 1. backend/build: the engine's aio_backend
-    and no_build knobs (Tuning.aio_args())."""
-    off, units = plan.offload, fsdp_units(model)
-    return ParamSwapper(units, nvme_path=off.param_nvme_path,
-                        rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0,
-                        buffer_count=off.param_buffer_count, buffer_size=off.param_buffer_size,
-                        max_in_cpu=off.max_in_cpu, prefetch_depth=fsdp_prefetch_depth(units),
-                        aio=aio_config(off.aio), aio_backend=backend, build=build)

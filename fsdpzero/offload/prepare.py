@@ -233,7 +233,7 @@ def swap_params_to_disk(model: nn.Module, plan: Plan, entries: list[Entry], knob
     """offload_param nvme: the CPU shards go to disk (fsdpzero.offload.param_swapper). A stand-in NVMeAdam steps
     becomes a view of its shard's storage, so it is swapped with the shard instead of being a second copy in
     memory."""
-    from fsdpzero.offload.param_swapper import param_swapper_from_plan
+    from fsdpzero.offload.param_swapper import ParamSwapper
     from fsdpzero.fsdp2_internals import fsdp_units, lazy_init, own_resizable_storages
     lazy_init(model)                           # FSDP2 re-pads (replaces) the shards at lazy init: do it first
     own_resizable_storages(fsdp_units(model))  # resize_(0) evicts; FSDP2's pinned shards refuse it
@@ -242,7 +242,7 @@ def swap_params_to_disk(model: nn.Module, plan: Plan, entries: list[Entry], knob
             local = local_tensor(e.param)
             if e.master is not local and e.master.dtype == local.dtype and e.grad_buf is None:
                 e.master.set_(local)
-    return param_swapper_from_plan(model, plan, **knobs.aio_args())
+    return ParamSwapper(fsdp_units(model), offload=plan.offload, tuning=knobs)
 
 
 def check_plan(plan: Plan) -> bool:

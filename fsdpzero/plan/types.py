@@ -277,11 +277,11 @@ CONSUMERS: dict[str, tuple[str, ...]] = {
     "OffloadPlan.optimizer_device": ("fsdpzero.api:grad_path_type",),
     "OffloadPlan.param_device": ("fsdpzero.sharding:offload_policy",),
     "OffloadPlan.pin_memory": ("fsdpzero.sharding:offload_policy",),
-    "OffloadPlan.optimizer_nvme_path": ("fsdpzero.offload.nvme_adam:nvme_optimizer_from_plan",),
-    "OffloadPlan.buffer_count": ("fsdpzero.offload.nvme_adam:nvme_optimizer_from_plan",),
-    "OffloadPlan.aio": ("fsdpzero.offload.nvme_adam:nvme_optimizer_from_plan",
-                        "fsdpzero.offload.param_swapper:param_swapper_from_plan"),
-    **{f"OffloadPlan.{f}": ("fsdpzero.offload.param_swapper:param_swapper_from_plan",) for f in (
+    "OffloadPlan.optimizer_nvme_path": ("fsdpzero.offload.nvme_adam:NVMeAdam.__init__",),
+    "OffloadPlan.buffer_count": ("fsdpzero.offload.nvme_adam:NVMeAdam.__init__",),
+    "OffloadPlan.aio": ("fsdpzero.offload.nvme_adam:NVMeAdam.__init__",
+                        "fsdpzero.offload.param_swapper:ParamSwapper.__init__"),
+    **{f"OffloadPlan.{f}": ("fsdpzero.offload.param_swapper:ParamSwapper.__init__",) for f in (
         "param_nvme_path", "param_buffer_count", "param_buffer_size", "max_in_cpu")},
     "OffloadPlan.ratio": ("fsdpzero.offload.path:OffloadGradPath.build",),
     "OffloadPlan.cpuadam_cores_perc": ("fsdpzero.offload.path:OffloadGradPath.build",),

@@ -151,3 +151,42 @@ def test_zenflow_plan_defaults_are_the_schemas():
     zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {}}
     got = translate(load_config({"train_batch_size": 8, "zero_optimization": zero}), Env()).zenflow
     assert {k: getattr(got, k) for k in ZENFLOW_KEYS} == defaults
+
+
+# the NVMe ops take the plan's offload section and the engine's settings whole: a constructor parameter named after
+# a key of those sections (or any other literal default) would be a second declaration of the schema's default
+def test_the_nvme_ops_declare_no_default_of_the_offload_sections(tmp_path):
+    import inspect
+
+    import torch
+
+    from fsdpzero.offload.nvme_adam import NVMeAdam
+    from fsdpzero.offload.param_swapper import ParamSwapper
+    from fsdpzero.offload.swapdir import aio_config
+    from fsdpzero.tuning import Tuning
+
+    keys = ({f.name for f in dataclasses.fields(OffloadPlan)} | {f.name for f in dataclasses.fields(Tuning)}
+            | set(OffloadOptimizer.model_fields) | set(OffloadParam.model_fields) | set(Aio.model_fields)
+            | set(ZeroOptimization.model_fields) | {"backend", "impl", "build"})
+    adam = inspect.signature(torch.optim.Adam).parameters
+    own = {"adamw_mode": False, "bias_correction": True}   # NVMeAdam's Adam/AdamW switches, as CPUAdam's
+    for cls in (NVMeAdam, ParamSwapper):
+        params = inspect.signature(cls).parameters
+        assert params["offload"].default is inspect.Parameter.empty, cls
+        assert params["offload"].annotation in ("OffloadPlan", OffloadPlan), cls
+        assert not set(params) & keys, f"{cls.__name__} declares {set(params) & keys}: read them from `offload`"
+        literal = {k: p.default for k, p in params.items() if p.default not in (inspect.Parameter.empty, None)
+                   and not (k in adam and adam[k].default == p.default) and own.get(k, ...) != p.default}
+        assert not literal, f"{cls.__name__} declares defaults {literal}"
+
+    # and what the section says is what the optimizer runs with
+    offload = OffloadPlan(optimizer_nvme_path=str(tmp_path), buffer_count=2, sub_group_size=1000,
+                          aio=AioPlan(**AIO))
+    p = [torch.zeros(3000, requires_grad=True)]
+    opt = NVMeAdam(p, offload=offload, tuning=Tuning(cpu_adam_impl="reference"))
+    try:
+        assert len(opt._buffers) == 2 and len(opt._groups) == 3
+        assert opt._reader.config == opt._writer.config == aio_config(offload.aio)
+        assert opt.impl == "reference"
+    finally:
+        opt.close()

@@ -16,8 +16,7 @@ from torch.distributed.fsdp import fully_shard
 import fsdpzero_ops  # noqa: F401
 from fsdpzero.offload import nvme_adam as nvme
 from fsdpzero.offload.nvme_adam import NVMeAdam, SwapDir, nvme_optimizer_from_plan
-from fsdpzero.plan import OffloadPlan, OptimizerPlan, Plan
-from fsdpzero.offload.swapdir import aio_config
+from fsdpzero.plan import AioPlan, OffloadPlan, OptimizerPlan, Plan
 from fsdpzero_ops.cpu_adam import CPUAdam
 from fsdpzero.offload import swapdir
 from tests.multirank import run_distributed
@@ -29,6 +28,11 @@ SHAPES = [(37,), (100, 30), (5000,), (3,), (64, 65)]
 def _params(dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in SHAPES]
+
+
+def _disk(nvme_path, **offload):
+    """The plan's offload section with the optimizer's states under nvme_path (the schema's defaults otherwise)."""
+    return OffloadPlan(optimizer_nvme_path=nvme_path, **offload)
 
 
 def _groups(params):
@@ -50,8 +54,9 @@ def _train(opt, params, steps, dtype, seed=1, skip=None):
 def test_matches_cpu_adam_bit_exact(tmp_path, dtype, sub_group_size, buffer_count):
     ref, ours = _params(dtype), _params(dtype)
     a = CPUAdam(_groups(ref), betas=(0.8, 0.99), adamw_mode=True)
-    b = NVMeAdam(_groups(ours), betas=(0.8, 0.99), adamw_mode=True, nvme_path=tmp_path,
-                 sub_group_size=sub_group_size, buffer_count=buffer_count, aio=aio_config(block_size=8192))
+    b = NVMeAdam(_groups(ours), betas=(0.8, 0.99), adamw_mode=True,
+                 offload=_disk(tmp_path, sub_group_size=sub_group_size, buffer_count=buffer_count,
+                               aio=AioPlan(block_size=8192)))
     if sub_group_size < 5000:
         assert any(s[2] > 0 for g in b._groups for s in g.slices)       # a param split across sub-groups
     _train(a, ref, 6, dtype, skip=3)
@@ -82,7 +87,7 @@ def test_state_dict_round_trip(tmp_path):
     _train(a, ref, 3, dtype)
     for x, y in zip(ref, ours):
         y.data.copy_(x.data)
-    b = NVMeAdam(_groups(ours), adamw_mode=True, nvme_path=tmp_path, sub_group_size=3000)
+    b = NVMeAdam(_groups(ours), adamw_mode=True, offload=_disk(tmp_path, sub_group_size=3000))
     b.load_state_dict(a.state_dict())
     assert all(set(st) == {"step"} for st in b.state.values())          # moments went to disk, not memory
     _train(a, ref, 3, dtype, seed=5)
@@ -102,7 +107,7 @@ def test_from_plan_and_errors(tmp_path):
     with pytest.raises(ValueError, match="needs optimizer.type Adam or AdamW .* got 'sgd'"):
         nvme_optimizer_from_plan(_params(torch.float32), Plan(optimizer=OptimizerPlan(type="sgd")))
     with pytest.raises(ValueError, match="'offload_optimizer.nvme_path' is not set"):
-        NVMeAdam(_params(torch.float32), nvme_path=None)
+        NVMeAdam(_params(torch.float32), offload=_disk(None))
 
 
 def test_warns_when_swap_buffers_hold_most_of_the_state(tmp_path, caplog):
@@ -112,17 +117,17 @@ def test_warns_when_swap_buffers_hold_most_of_the_state(tmp_path, caplog):
     for size, warned in ((10**9, True), (1 << 19, False)):
         caplog.clear()
         with caplog.at_level("WARNING", logger="fsdpzero"):
-            NVMeAdam([p], nvme_path=tmp_path, sub_group_size=size).close()
+            NVMeAdam([p], offload=_disk(tmp_path, sub_group_size=size)).close()
         assert any("lower sub_group_size" in r.getMessage() for r in caplog.records) == warned, size
 
 
 def test_missing_path_errors_before_anything(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"offload_optimizer.nvme_path' = '.*/nope': the directory does not "
                                                 r"exist; create it"):
-        NVMeAdam(_params(torch.float32), nvme_path=tmp_path / "nope")
+        NVMeAdam(_params(torch.float32), offload=_disk(tmp_path / "nope"))
     (tmp_path / "file").write_text("x")
     with pytest.raises(NotADirectoryError, match="is not a directory"):
-        NVMeAdam(_params(torch.float32), nvme_path=tmp_path / "file")
+        NVMeAdam(_params(torch.float32), offload=_disk(tmp_path / "file"))
 
 
 def test_unwritable_path(tmp_path):
@@ -134,9 +139,9 @@ def test_unwritable_path(tmp_path):
 
     def attempt():
         if os.geteuid() == 0:          # root ignores modes: drop to nobody, after a warm-up run for lazy imports
-            NVMeAdam(_params(torch.float32), nvme_path=tmp_path).close()
+            NVMeAdam(_params(torch.float32), offload=_disk(tmp_path)).close()
             os.setgid(65534), os.setuid(65534)
-        NVMeAdam(_params(torch.float32), nvme_path=d)
+        NVMeAdam(_params(torch.float32), offload=_disk(d))
         return "constructed"
     try:
         msg = _in_child(attempt)
@@ -153,7 +158,7 @@ def test_not_enough_free_space(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=12345))
     with pytest.raises(OSError, match=r"needs 1\d+ bytes \(0.00 GiB\) of swap space, the file system has 12345 "
                                       r"bytes") as e:
-        NVMeAdam(_params(torch.float32), nvme_path=tmp_path)
+        NVMeAdam(_params(torch.float32), offload=_disk(tmp_path))
     assert e.value.errno == errno.ENOSPC
     assert not (tmp_path / swapdir.SWAP_ROOT).exists()                     # nothing left behind
 
@@ -166,7 +171,7 @@ def test_real_small_file_system(tmp_path):
         pytest.skip("cannot mount a tmpfs here")
     try:
         with pytest.raises(OSError, match=r"needs \d+ bytes .* swap space, the file system has \d+ bytes"):
-            NVMeAdam(_params(torch.float32), nvme_path=mnt)
+            NVMeAdam(_params(torch.float32), offload=_disk(mnt))
         assert not (mnt / swapdir.SWAP_ROOT).exists()
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
@@ -177,7 +182,7 @@ def test_write_limit_hit_during_setup(tmp_path):
     constructor, before step 1, naming the file; the swap directory is removed."""
     def attempt():
         resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))
-        NVMeAdam(_params(torch.float32), nvme_path=tmp_path, sub_group_size=1000)
+        NVMeAdam(_params(torch.float32), offload=_disk(tmp_path, sub_group_size=1000))
         return "constructed"
     msg = _in_child(attempt)
     assert msg.startswith("OSError: [Errno 27] fsdpzero aio: write of") and "optimizer_states.swp" in msg, msg
@@ -197,7 +202,7 @@ def test_killed_mid_step_leaves_nothing_after_next_start(tmp_path, monkeypatch):
         real_step = nvme.adam_step_
         nvme.adam_step_ = dying_step
         ps = _params(torch.float32)
-        opt = NVMeAdam(ps, nvme_path=tmp_path, sub_group_size=1000)
+        opt = NVMeAdam(ps, offload=_disk(tmp_path, sub_group_size=1000))
         _train(opt, ps, 2, torch.float32)
         os._exit(3)
     _, status = os.waitpid(pid, 0)
@@ -205,7 +210,7 @@ def test_killed_mid_step_leaves_nothing_after_next_start(tmp_path, monkeypatch):
     stale = list((tmp_path / swapdir.SWAP_ROOT).iterdir())
     assert len(stale) == 1 and f".{pid}." in stale[0].name and stale[0].name.endswith(".rank0")
     assert any(stale[0].iterdir())
-    opt = NVMeAdam(_params(torch.float32), nvme_path=tmp_path)            # the next start
+    opt = NVMeAdam(_params(torch.float32), offload=_disk(tmp_path))            # the next start
     assert list((tmp_path / swapdir.SWAP_ROOT).iterdir()) == [opt.swap_dir.path]
     opt.close()
     assert not (tmp_path / swapdir.SWAP_ROOT).exists()
@@ -273,13 +278,15 @@ def test_two_rank_fsdp_nvme_equals_cpu_offload(tmp_path):
 def test_removed_when_collected_and_at_exit(tmp_path):
     import gc
     import sys
-    opt = NVMeAdam(_params(torch.float32), nvme_path=tmp_path)
+    opt = NVMeAdam(_params(torch.float32), offload=_disk(tmp_path))
     assert (tmp_path / swapdir.SWAP_ROOT).exists()
     del opt
     gc.collect()
     assert not (tmp_path / swapdir.SWAP_ROOT).exists()
-    code = ("import torch, fsdpzero.offload.nvme_adam as n; p = [torch.zeros(10, requires_grad=True)]; "
-            f"o = n.NVMeAdam(p, nvme_path={str(tmp_path)!r}); p[0].grad = torch.ones(10); o.step(); "
+    code = ("import torch, fsdpzero.offload.nvme_adam as n; from fsdpzero.plan import OffloadPlan; "
+            "p = [torch.zeros(10, requires_grad=True)]; "
+            f"o = n.NVMeAdam(p, offload=OffloadPlan(optimizer_nvme_path={str(tmp_path)!r})); "
+            "p[0].grad = torch.ones(10); o.step(); "
             "print(o.swap_dir.path)")           # exits without close(): the atexit finalizer cleans up
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[2])

@@ -216,9 +216,9 @@ def _swapper_errors(rank, world, nvme_path):
     from tests.offload.test_offload import _model
     model = _model(cpu_offload=True)                 # per rank: the root ~160 elements, 3 blocks ~1776 each
     errors = []
-    for knobs in (dict(buffer_size=1000), dict(buffer_count=1), dict(max_in_cpu=3000)):
+    for knobs in (dict(param_buffer_size=1000), dict(param_buffer_count=1), dict(max_in_cpu=3000)):
         try:
-            ParamSwapper(fsdp_units(model), nvme_path=nvme_path, **knobs)
+            ParamSwapper(fsdp_units(model), offload=OffloadPlan(param_nvme_path=nvme_path, **knobs))
             errors.append(None)
         except ValueError as e:
             errors.append(str(e))
@@ -344,7 +344,8 @@ def _evict_rss_run(rank, world, nvme_path):
     offload_fsdp.own_resizable_storages(units)
     pinned_down = [torch.ones(4096) for _ in range(16)]   # later small allocations: the heap cannot just shrink
     before = _rss_bytes()
-    sw = nvme_params.ParamSwapper(units, nvme_path=nvme_path, buffer_count=2, max_in_cpu=10**9, buffer_size=10**8)
+    sw = nvme_params.ParamSwapper(units, offload=OffloadPlan(param_nvme_path=nvme_path, param_buffer_count=2,
+                                                           max_in_cpu=10**9, param_buffer_size=10**8))
     dropped = before - _rss_bytes()
     evicted = sum(sum(u.nbytes) for u in sw.units if not u.resident)
     sw.close(restore=False)
