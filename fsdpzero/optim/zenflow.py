@@ -27,12 +27,17 @@ and divides the loss by it; here the engine runs gradient_accumulation_steps 1 a
   first two, land nothing); it alternates between two gradient buffers and two sets of Adam moments, as
   DeepSpeed's ZenFlowAdam does. Warm-up steps are synchronous.
 - offload: the selective moments live on the CPU between steps (moved to the device for each step).
+
+The CPU step is placed as the offload path's (fsdpzero/host.py place_cpu_step, knobs offload_threads and
+offload_bind): this rank's own slice of cores, one thread per CPU of it. With overlap_step, pt_reserved_cores_perc
+leaves ceil(pt_reserved_cores_perc x n) of those n threads to the training thread (DeepSpeed's _split_affinity);
+the knob offload_threads sets the CPU step's threads outright.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -41,8 +46,10 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdpzero.dist import local_tensor
+from fsdpzero.host import place_cpu_step
 from fsdpzero.optim.grad_path import MASTER, GradPath, global_grad_norm
 from fsdpzero.precision import DTYPES
+from fsdpzero.tuning import or_defaults
 
 
 def ds_column_pieces(shapes: list[tuple[int, ...]], world: int) -> list[list[tuple[int, int]]]:
@@ -77,6 +84,17 @@ def ds3_column_pieces(shape: tuple[int, ...], world: int) -> list[tuple[int, int
     rows, n = shape[0], math.prod(shape)
     size = -(-n // world)
     return [(-(-(r * size) // rows), min((r + 1) * size, n) // rows) for r in range(world) if r * size < n]
+
+
+def cpu_step_threads(placed: int, pt_reserved_cores_perc: float, overlap: bool, knob_set: bool) -> int:
+    """The CPU step's threads, from the `placed` threads of this rank's slice (host.place_cpu_step): with
+    overlap_step, DeepSpeed's split of the n cores (zenflow_utils._split_affinity): ceil(pt_reserved_cores_perc x n)
+    stay with the training thread, the rest step Adam, and both share all n where that rounds to 0 or n. Without
+    overlap the step runs alone, on every thread; the knob offload_threads (knob_set) is taken as it is."""
+    if knob_set or not overlap:
+        return placed
+    reserved = math.ceil(pt_reserved_cores_perc * placed)
+    return placed - reserved if 0 < reserved < placed else placed
 
 
 def num_selected(columns: int, ratio: float) -> int:
@@ -200,11 +218,10 @@ class ZenFlowGradPath(GradPath):
         if bad:
             raise ValueError(f"zero_optimization.zenflow: parameter {bad[0]} has {dict(named)[bad[0]].ndim} dimensions; "
                              "ZenFlow selects columns of matrices and updates vectors whole")
-        threads = None
-        if local_tensor(named[0][1]).device.type == "cuda":   # pt_reserved_cores_perc: the rest is the CPU step's
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-            cores = max(1, len(os.sched_getaffinity(0)) // local)
-            threads = max(1, cores - math.ceil(plan.zenflow.pt_reserved_cores_perc * cores))
+        knobs = or_defaults(tuning)
+        placement = place_cpu_step(knobs)   # as the offload path's CPU step; before the masters are first touched
+        threads = cpu_step_threads(placement.threads or torch.get_num_threads(), plan.zenflow.pt_reserved_cores_perc,
+                                   bool(plan.zenflow.overlap_step), knobs.offload_threads is not None)
         path = cls(model, named, optimizer, plan, threads)
         low = DTYPES[plan.precision.param_dtype]
         if low != torch.float32:
@@ -214,8 +231,11 @@ class ZenFlowGradPath(GradPath):
                 s.param = now[s.name]
         for s in path.slots:
             s.allocate(plan.zenflow.topk_ratio, low, path.per_piece)
-        if threads is not None:
-            torch.set_num_threads(threads)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            why = "knob offload_threads" if knobs.offload_threads is not None else \
+                f"pt_reserved_cores_perc {plan.zenflow.pt_reserved_cores_perc:g}" if plan.zenflow.overlap_step else \
+                "sequential: every thread of the slice"
+            logging.getLogger("fsdpzero").info("zenflow: CPU step %d threads (%s)", threads, why)
         return path
 
     # -- the schedule ---------------------------------------------------------------------------------------------
@@ -348,7 +368,7 @@ class ZenFlowGradPath(GradPath):
 
     def _cpu_step(self, k: int, buf: int, scale: float, hyper: list[dict]) -> None:
         from fsdpzero_ops.cpu_adam import adam_step_
-        if self.threads is not None:
+        if self.threads is not None:   # per thread: the overlapped step's worker sets its own
             torch.set_num_threads(self.threads)
         for s, h in zip(self.slots, hyper):
             grad = s.acc[buf] if s.host_grad is None else s.host_grad

@@ -379,3 +379,70 @@ def test_bench_zenflow_cpu_smoke(tmp_path):
         assert r["median_step_s"] > 0 and len(r["losses"]) == r["warmup"] + r["timed"], r
         assert r["losses"][-1] < r["losses"][0]
     assert "x offload_ours" in rows["zenflow_ours"]["note"] and "median s" in res.stdout
+
+
+# -- where ZenFlow's CPU step runs: placed as the offload path's (fsdpzero/host.py), threads by DeepSpeed's split ------
+
+@pytest.mark.oracle
+def test_cpu_step_threads_split_the_cores_as_deepspeed():
+    """With overlap_step, the CPU step gets the cores pt_reserved_cores_perc leaves, as DeepSpeed 0.19.8's
+    zenflow_utils._split_affinity splits a rank's core list (its first part is the optimizer process's); without
+    overlap every thread; the knob offload_threads as it is."""
+    _deepspeed()
+    from deepspeed.runtime.zenflow.zenflow_utils import _split_affinity
+
+    from fsdpzero.optim.zenflow import cpu_step_threads
+    for n in range(1, 18):
+        for perc in (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0):
+            assert cpu_step_threads(n, perc, True, False) == len(_split_affinity(list(range(n)), perc)[0]), (n, perc)
+            assert cpu_step_threads(n, perc, False, False) == n and cpu_step_threads(n, perc, True, True) == n
+    assert cpu_step_threads(16, 0.5, True, False) == 8 and cpu_step_threads(16, 0.3, True, False) == 11
+
+
+def _placed_zenflow(rank, world):
+    import os
+    import threading
+
+    import fsdpzero
+    from fsdpzero import host
+    from fsdpzero.optim.zenflow import cpu_step_threads
+    from tests.engine.test_oracle_deepspeed import _model
+    config = _config(overlap=True, update=1)
+    out = {}
+    for label, tuning in (("bind", {"offload_bind": 1}), ("threads", {"offload_threads": 3, "offload_bind": 0})):
+        model = _model("llama")
+        engine = fsdpzero.initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(config),
+                                     tuning=tuning)[0]
+        path, seen = engine.grad_path, {}
+        real = path._cpu_step
+
+        def spy(*args, real=real, seen=seen):
+            real(*args)   # then, in the thread that ran it: its CPUs and torch threads
+            seen[threading.current_thread().name] = (sorted(os.sched_getaffinity(0)), torch.get_num_threads())
+        path._cpu_step = spy
+        for x in _data(rank)[:3]:
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            engine.step()
+        engine.destroy()
+        placement = host.applied()
+        out[label] = {"seen": seen, "cores": list(placement.cores) if placement else None,
+                      "expect": cpu_step_threads(placement.threads, 0.5, True, False) if placement else None}
+    return out
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="two ranks need two CPUs to be pinned apart")
+@pytest.mark.timeout(300)
+def test_zenflow_cpu_step_is_placed_like_the_offload_path():
+    """2 gloo ranks, stage 2, overlap_step: with offload_bind 1 each rank's ZenFlow CPU step runs in its worker thread
+    on the rank's own slice of cores (disjoint between the ranks), with DeepSpeed's split of the slice's threads;
+    with offload_threads 3 it runs on 3 threads (the knob, not the split). Before, ZenFlow placed nothing and took
+    torch's threads of the moment."""
+    got = run_distributed(_placed_zenflow, WORLD, timeout=280)
+    cores = [set(g["bind"]["cores"] or ()) for g in got]
+    assert cores[0] and cores[1] and not cores[0] & cores[1], cores
+    for g, mine in zip(got, cores):
+        bound, knob = g["bind"]["seen"], g["threads"]["seen"]
+        assert bound and all(name.startswith("zenflow-cpu-adam") for name in bound), bound
+        for cpus, threads in bound.values():
+            assert set(cpus) <= mine and threads == g["bind"]["expect"], (cpus, threads, mine, g["bind"]["expect"])
+        assert knob and all(threads == 3 for _, threads in knob.values()), knob
