@@ -159,14 +159,16 @@ class TrainingArguments(transformers.TrainingArguments):
 
 
 def trainer_context(args: transformers.TrainingArguments, model: nn.Module, train_dataset=None,
-                    tp_size: int = 1) -> dict:
+                    tp_size: int = 1, sp_size: int = 1) -> dict:
     """The values HF's DeepSpeed integration fills "auto" from (names as in TrainingArguments). tp_size: the
-    config's tensor_parallel.autotp_size; a tp group reads one data replica's batches (the step count below)."""
+    config's tensor_parallel.autotp_size; a tp group reads one data replica's batches (the step count below).
+    sp_size: sequence_parallel_size; the batch triad counts world / sp (accelerate sets train_batch_size so for
+    DeepSpeed's ALST), and the Ulysses adapter hands each rank sp micro-batches per batch of its loader."""
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     ctx = {k: getattr(args, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
                                          "learning_rate", "weight_decay", "adam_beta1", "adam_beta2",
                                          "adam_epsilon", "max_grad_norm", "warmup_steps", "bf16", "fp16")}
-    ctx["world_size"] = world
+    ctx["world_size"] = world // sp_size
     ctx["hidden_size"] = getattr(getattr(model, "config", None), "hidden_size", None)
     if args.max_steps and args.max_steps > 0:
         ctx["max_steps"] = ctx["num_training_steps"] = args.max_steps
@@ -175,7 +177,7 @@ def trainer_context(args: transformers.TrainingArguments, model: nn.Module, trai
         # ceil(epochs x steps per epoch), so fractional num_train_epochs gives the schedule the Trainer runs
         per_rank = args.per_device_train_batch_size * max(1, world // tp_size)
         n = len(train_dataset)
-        batches = n // per_rank if args.dataloader_drop_last else math.ceil(n / per_rank)
+        batches = (n // per_rank if args.dataloader_drop_last else math.ceil(n / per_rank)) * sp_size
         per_epoch = max(batches // args.gradient_accumulation_steps
                         + int(batches % args.gradient_accumulation_steps > 0), 1)
         ctx["num_training_steps"] = math.ceil(args.num_train_epochs * per_epoch)
@@ -272,6 +274,35 @@ def _autotp_size(raw: dict) -> int:
     return size if isinstance(size, int) and size > 1 else 1
 
 
+def sequence_parallel_size(raw: dict, args: transformers.TrainingArguments):
+    """Ulysses under the Trainer: the size from the DeepSpeed config's `sequence_parallel_size` or from
+    `TrainingArguments(parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=N))` (how transformers +
+    accelerate users ask for DeepSpeed's ALST; its mpu then gives DeepSpeed the size). Both given must agree; the
+    config gets the size (wrap builds the groups from it). Returns (size, the ParallelismConfig the accelerator will
+    hold: the user's, or one made here; None for size 1)."""
+    pc = getattr(args, "parallelism_config", None)
+    asked = (getattr(pc, "sp_size", None) or 1) if pc is not None else 1
+    key = raw.get("sequence_parallel_size")
+    size = key if isinstance(key, int) and key > 1 else 1
+    if asked > 1:
+        others = {f"{d}_size": getattr(pc, f"{d}_size", 1) for d in ("dp_replicate", "dp_shard", "tp", "cp")}
+        others = {k: v for k, v in others.items() if (v or 1) > 1}
+        if others:
+            raise ValueError(f"TrainingArguments parallelism_config {others} with sp_size = {asked}: under fsdpzero "
+                             "only sp_size is read from it (sharding and tensor parallelism come from the DeepSpeed "
+                             "config: zero_optimization, tensor_parallel.autotp_size) -> leave those sizes at 1")
+        if size > 1 and size != asked:
+            raise ValueError(f"sequence_parallel_size = {size} in the DeepSpeed config but TrainingArguments "
+                             f"parallelism_config sp_size = {asked}: make them equal, or set only one")
+        size = raw["sequence_parallel_size"] = asked
+    if size == 1:
+        return 1, None
+    if asked == 1:
+        from accelerate import ParallelismConfig
+        pc = ParallelismConfig(sp_backend="deepspeed", sp_size=size)
+    return size, pc
+
+
 def shard_loaders_over_data_replicas(accelerator, mesh) -> None:
     """With tensor parallelism (a mesh with model-parallel dimensions), `accelerator.prepare_data_loader` shards each
     loader over the data-parallel replicas, the tp ranks of one replica reading the same batches, as accelerate does
@@ -351,7 +382,8 @@ class Trainer(transformers.Trainer):
         if "optimizer" not in raw:   # transformers + DeepSpeed: the Trainer's optimizer (or the client's) is used
             raw["zero_allow_untested_optimizer"] = True   # and, as transformers does, allowed under ZeRO
             optimizer = client_optimizer if client_optimizer is not None else trainers_optimizer(model, args)
-        context = trainer_context(args, model, kwargs.get("train_dataset"), tp_size=_autotp_size(raw))
+        sp, self._sequence_parallel_config = sequence_parallel_size(raw, args)
+        context = trainer_context(args, model, kwargs.get("train_dataset"), tp_size=_autotp_size(raw), sp_size=sp)
         self.engine = fsdpzero.wrap(model, raw, optimizer=optimizer, lr_scheduler=client_scheduler, **context)
         _log_choice(raw, client_optimizer, client_scheduler, args)
         sharded = self.engine.module
@@ -369,10 +401,18 @@ class Trainer(transformers.Trainer):
         # state; here the engine saves and resumes it (save_model, _save_optimizer_and_scheduler below), so the
         # refusal is stepped around for the constructor only and the user's save_only_model is kept.
         save_only_model, args.save_only_model = args.save_only_model, True
+        # Ulysses: the accelerator gets its ParallelismConfig after it is built (create_accelerator_and_postprocess):
+        # accelerate's constructor refuses one on CPU ranks (MULTI_CPU is none of its FSDP2 / multi-device /
+        # DeepSpeed types)
+        hidden = self._sequence_parallel_config is not None
+        if hidden:
+            parallelism_config, args.parallelism_config = args.parallelism_config, None
         try:
             super().__init__(sharded, args, *pos, **kwargs)
         finally:
             args.save_only_model = save_only_model
+            if hidden:
+                args.parallelism_config = parallelism_config
         # transformers before the "sharded at load time" flag (5.17 seen) hands the sharded model to
         # accelerate.prepare, which on several GPUs refuses its DTensors or wraps it in DDP; newer versions prepare
         # it as for evaluation (no DDP, no placement). Do that on every version.
@@ -387,6 +427,39 @@ class Trainer(transformers.Trainer):
         self.accelerator.prepare_model = _prepare_model
         self._inference_engines: list = []
         shard_loaders_over_data_replicas(self.accelerator, self.engine.mesh)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """With Ulysses, transformers' own DeepSpeed ALST hooks, driven by the accelerator's ParallelismConfig
+        (sp_backend="deepspeed"): the batch and step counts over world / sp, model_accepts_loss_kwargs off, and the
+        train loader wrapped after preparation by `accelerator.deepspeed_ulysses_dl_adapter`, here fsdpzero's
+        UlyssesSPDataLoaderAdapter over the engine's group (accelerate's imports DeepSpeed's). The loss is
+        compute_loss's; evaluation runs unsplit, as accelerate registers DeepSpeed's attention (disable_in_eval)."""
+        super().create_accelerator_and_postprocess()
+        pc = getattr(self, "_sequence_parallel_config", None)
+        if pc is None:
+            held = self.accelerator.state.parallelism_config   # process-wide: an earlier Trainer's Ulysses
+            if held is not None and held.sp_size > 1:
+                self.accelerator.state.parallelism_config = None
+            return
+        self.accelerator.state.parallelism_config = pc
+        sp = self.engine.sequence_parallel
+        sp.attention.disable_in_eval = True
+        self.accelerator.deepspeed_ulysses_dl_adapter = lambda dl, model: sp.dataloader(dl, self.engine.device)
+
+    def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False,
+                     num_items_in_batch=None):
+        """Training under Ulysses: the mean over the real tokens of each whole sequence, on every rank of the group
+        (transformers' deepspeed_sp_compute_loss, on the engine's group: that one reads DeepSpeed's groups, and its
+        all_gather backward fails on gloo when sp < world). Otherwise the Trainer's."""
+        sp = self.engine.sequence_parallel
+        if sp is None or not model.training:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        from fsdpzero.parallel.ulysses import sequence_parallel_loss
+        inputs = sp.model_inputs(inputs)   # labels = shift_labels; a batch the adapter never split is refused
+        outputs = model(**inputs)
+        loss = sequence_parallel_loss(outputs.loss, inputs["shift_labels"], sp.group)
+        return (loss, outputs) if return_outputs else loss
 
     def get_tp_size(self) -> int:
         """The tensor-parallel size (transformers reads it from DeepSpeed's config, which the Trainer here does not

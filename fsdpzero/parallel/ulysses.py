@@ -148,10 +148,13 @@ class UlyssesAttention:
     """The attention function registered for a model: all-to-all, the core attention on whole sequences and 1/N of
     the heads, all-to-all back."""
 
-    def __init__(self, core: str, group, size: int, heads: int, kv_heads: int):
-        self.core, self.group, self.size = core, group, size
+    def __init__(self, core: str, group, size: int, heads: int, kv_heads: int, key: str = ""):
+        self.core, self.group, self.size, self.key = core, group, size, key
         self.heads, self.kv_heads = heads, kv_heads
         self.kv_repeat = size // kv_heads if kv_heads < size else 1   # DeepSpeed's kv_replication_factor
+        # DeepSpeed's disable_in_eval (accelerate sets it for the HF Trainer, whose evaluation batches are whole
+        # sequences, one per rank): in eval mode the core attention runs on this rank's batch alone
+        self.disable_in_eval = False
 
     def core_function(self, module):
         if self.core == "eager":   # each modeling file has its own eager, called directly by the model
@@ -159,17 +162,24 @@ class UlyssesAttention:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
         return ALL_ATTENTION_FUNCTIONS[self.core]
 
+    @staticmethod
+    def causal_mask(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Eager adds the mask it gets; without one it would not be causal (the mask builder gives none)."""
+        n, m = q.shape[2], k.shape[2]
+        return torch.full((n, m), torch.finfo(q.dtype).min, dtype=q.dtype, device=q.device).triu(m - n + 1)[None, None]
+
     def __call__(self, module, query, key, value, attention_mask, *args, **kwargs):
+        if self.disable_in_eval and not module.training:
+            mask = self.causal_mask(query, key) if self.core == "eager" else None
+            out, _ = self.core_function(module)(module, query, key, value, mask, *args, **kwargs)
+            return out, None
         if self.kv_repeat > 1:
             key = key.repeat_interleave(self.kv_repeat, dim=1)
             value = value.repeat_interleave(self.kv_repeat, dim=1)
         q = heads_to_sequence(query, self.group, self.size)
         k = heads_to_sequence(key, self.group, self.size)
         v = heads_to_sequence(value, self.group, self.size)
-        mask = None
-        if self.core == "eager":   # eager adds the mask it gets; without one it would not be causal
-            n = q.shape[2]
-            mask = torch.full((n, n), torch.finfo(q.dtype).min, dtype=q.dtype, device=q.device).triu(1)[None, None]
+        mask = self.causal_mask(q, k) if self.core == "eager" else None
         if self.core.startswith("flash") and kwargs.get("position_ids") is not None:
             # flash reads position_ids to find packed documents: the global ones, as DeepSpeed gathers them
             pos = kwargs["position_ids"].contiguous()
@@ -193,10 +203,10 @@ def _no_mask(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def register_with_transformers(model, group, size: int, tp: int = 1) -> str:
-    """Register the Ulysses attention for `model` and switch the model to it; returns the key. The core is the
-    model's attn_implementation (sdpa, eager, flash_attention_2/3). `tp`: tensor-parallel ranks, each holding
-    1/tp of the heads."""
+def register_with_transformers(model, group, size: int, tp: int = 1) -> UlyssesAttention:
+    """Register the Ulysses attention for `model` and switch the model to it; returns it (its `key` is the
+    registered name). The core is the model's attn_implementation (sdpa, eager, flash_attention_2/3). `tp`:
+    tensor-parallel ranks, each holding 1/tp of the heads."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
     core = check_model(model, size, tp)
@@ -204,13 +214,14 @@ def register_with_transformers(model, group, size: int, tp: int = 1) -> str:
     heads = text.num_attention_heads // tp
     kv = (getattr(text, "num_key_value_heads", None) or text.num_attention_heads) // tp
     key = f"{PREFIX}-{id(group):x}-{core}"
-    AttentionInterface.register(key, UlyssesAttention(core, group, size, heads, kv))
+    attention = UlyssesAttention(core, group, size, heads, kv, key)
+    AttentionInterface.register(key, attention)
     AttentionMaskInterface.register(key, _no_mask)
     model.set_attn_implementation(key)
     if model.config._attn_implementation != key:   # transformers only warns when a model cannot switch
         raise ValueError(f"{KEY} = {size}: {type(model).__name__} kept attn_implementation "
                          f"{model.config._attn_implementation!r}; Ulysses cannot wrap its attention")
-    return key
+    return attention
 
 
 # -- data ----------------------------------------------------------------------------------------------------------
@@ -324,6 +335,7 @@ class SequenceParallel:
     rank: int           # in the group
     group: Any          # the ranks [i*size, (i+1)*size), as DeepSpeed's parallel_state_sp
     key: str            # the attention key registered for the model
+    attention: UlyssesAttention | None = None   # what is registered under it
 
     def model_inputs(self, kwargs: dict) -> dict:
         """Before the model: a sharded batch carries position_ids (else RoPE would restart on every slice), and its
@@ -383,11 +395,11 @@ def apply_sequence_parallel(model, plan) -> SequenceParallel | None:
         group = dist.new_group(ranks)   # every rank creates every group, in the same order
         if rank in ranks:
             mine = group
-    key = register_with_transformers(model, mine, size, tp)
+    attention = register_with_transformers(model, mine, size, tp)
     log.info("sequence parallelism: %d groups of %d ranks%s, %s attention behind head/sequence all-to-alls",
              dist.get_world_size() // size, size, f" (one per tp rank, {tp})" if tp > 1 else " (consecutive)",
-             key.rsplit("-", 1)[1])
-    return SequenceParallel(size=size, rank=dist.get_rank(mine), group=mine, key=key)
+             attention.core)
+    return SequenceParallel(size=size, rank=dist.get_rank(mine), group=mine, key=attention.key, attention=attention)
 
 
 __all__ = ["CORES", "SequenceParallel", "UlyssesAttention", "UlyssesSPDataLoaderAdapter", "apply_sequence_parallel",
