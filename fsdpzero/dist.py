@@ -7,7 +7,9 @@ the same FSDP2 code runs without a launcher.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -251,31 +253,108 @@ def check_same_on_all_ranks(facts: dict[str, str], what: str, group=None, limit:
 # -- interpreter exit ------------------------------------------------------------------------------------------------
 # A gloo worker thread marks a collective complete and only then drops its reference to the collective's tensors.
 # For a tensor Python also holds, that drop takes the GIL (torch 2.13: while C++ holds a second reference, the
-# tensor keeps its PyObject alive, and giving it up decrefs the PyObject). If the main thread does not block after
-# the last collective, it keeps winning the GIL (releasing and retaking it around I/O restarts the waiter's switch
-# interval) until the interpreter starts finalizing; CPython then ends the waiting thread with pthread_exit, whose
-# unwinding meets a noexcept destructor (~AsyncWork): `terminate called without an active exception`, SIGABRT, exit
-# -6, after the script's last line. `dist.destroy_process_group()` does not end the workers while anything still
-# holds the group (FSDP2's modules hold their mesh's groups), and ProcessGroupGloo has no shutdown of its own. So at
-# exit, before finalization, the main thread blocks a moment with the GIL released: a worker waiting for it takes
-# it and finishes. (pytorch/pytorch#190489 shows the same abort, a group left undestroyed.)
+# tensor keeps its PyObject alive, and giving it up decrefs the PyObject). If the worker is still waiting for the GIL
+# when the interpreter starts finalizing, CPython ends it with pthread_exit as soon as it gets the GIL; the unwinding
+# meets a noexcept destructor (~AsyncWork): `terminate called without an active exception`, SIGABRT, exit -6, after
+# the script's last line (core: runLoop -> ~AsyncAllreduceWork -> decref_pyobject -> take_gil ->
+# PyThread_exit_thread -> std::terminate). `dist.destroy_process_group()` does not end the workers while anything
+# still holds the group (FSDP2's modules hold their mesh's groups), and ProcessGroupGloo has no shutdown of its own
+# (Backend.shutdown is a no-op for gloo). (pytorch/pytorch#190489 shows the same abort, a group left undestroyed.)
+#
+# So at exit, before finalization, the main thread lets go of the GIL until no native thread wants it. A fixed
+# pause (0.05 s, then 0.25 s) cannot promise that: a woken worker may get no CPU in time on a loaded host (one rank
+# of a 4-rank `fsdpzero launch` aborted with the 0.05 s pause on a 2-core CI host). tests/engine/
+# test_exit_gil_handover.py makes the worker late on purpose: 4 of 4 runs aborted with the 0.25 s pause. Now the
+# main thread sleeps in slices and looks, between them, at two things: the interpreter's thread states without a
+# Python frame (a native thread taking the GIL through pybind11's gil_scoped_acquire or PyGILState_Ensure has one
+# from before it waits until after it let go; CPython's C API, reached with ctypes) and the native threads the
+# kernel lists as runnable (a waiter that was woken but has no CPU yet, or a worker between completing a collective
+# and dropping it). It returns when
+# none is runnable and no frameless thread state is left, or when the same frameless states stayed through
+# PARKED_CHECKS quiet slices (a thread parked with one, as torch's CUDA autograd threads are for life, never takes
+# the GIL here), or after EXIT_GIL_HANDOVER_MAX_S (a native thread that never stops running).
+EXIT_GIL_HANDOVER_MAX_S = 10.0
+EXIT_GIL_HANDOVER_SLICE_S = 0.01
+EXIT_GIL_HANDOVER_FALLBACK_S = 0.25   # without /proc nothing can be seen: a fixed pause, as before
+PARKED_CHECKS = 3
 
-# 0.05 s was not enough on a loaded 2-core CI host: a 4-rank `fsdpzero launch` (tests/launch/test_multinode.py) saw
-# one rank abort at exit this way while 4 other processes competed for the cores; a waiting worker needs to be
-# scheduled, not only to find the GIL free
-EXIT_GIL_HANDOVER_S = 0.25
 
-
-def hand_over_gil(seconds: float = EXIT_GIL_HANDOVER_S) -> None:
-    """Block `seconds` with the GIL released, if this process has threads Python did not start (gloo's workers,
-    the intra-op pool): a native thread waiting for the GIL to drop a tensor reference gets it. Runs at
-    interpreter exit (see above); harmless at any other time."""
+@functools.lru_cache(maxsize=1)
+def _thread_state_api():
+    """CPython's thread-state API through ctypes (PyDLL: the GIL stays held during the calls); None elsewhere."""
     try:
-        native = len(os.listdir("/proc/self/task")) > threading.active_count()
+        api = ctypes.PyDLL(None)
+        for name, restype, argtypes in (("PyInterpreterState_Get", ctypes.c_void_p, []),
+                                        ("PyInterpreterState_ThreadHead", ctypes.c_void_p, [ctypes.c_void_p]),
+                                        ("PyThreadState_Next", ctypes.c_void_p, [ctypes.c_void_p]),
+                                        ("PyThreadState_GetFrame", ctypes.c_void_p, [ctypes.c_void_p]),
+                                        ("PyThreadState_GetID", ctypes.c_uint64, [ctypes.c_void_p]),
+                                        ("Py_DecRef", None, [ctypes.c_void_p])):
+            fn = getattr(api, name)
+            fn.restype, fn.argtypes = restype, argtypes
+        return api
+    except (AttributeError, OSError):
+        return None
+
+
+def _frameless_thread_states() -> frozenset[int] | None:
+    """IDs of this interpreter's thread states that have no Python frame: native threads inside a GIL acquisition
+    (waiting for it, while the caller holds it) or parked with a thread state. None where the API is out of reach."""
+    api = _thread_state_api()
+    if api is None:
+        return None
+    ids = set()
+    tstate = api.PyInterpreterState_ThreadHead(api.PyInterpreterState_Get())
+    while tstate:
+        frame = api.PyThreadState_GetFrame(tstate)   # a new reference, or NULL
+        if frame:
+            api.Py_DecRef(frame)
+        else:
+            ids.add(api.PyThreadState_GetID(tstate))
+        tstate = api.PyThreadState_Next(tstate)
+    return frozenset(ids)
+
+
+def _runnable_native_threads() -> int:
+    """How many threads of this process that Python did not start are runnable (state R) now."""
+    python = {t.native_id for t in threading.enumerate() if not isinstance(t, threading._DummyThread)}
+    count = 0
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) in python:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:   # it ended
+            continue
+        state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]   # after "(comm)", which may hold spaces
+        count += state == b"R"
+    return count
+
+
+def hand_over_gil(max_seconds: float = EXIT_GIL_HANDOVER_MAX_S) -> None:
+    """Let go of the GIL, in slices, until no native thread (gloo's workers, ...) wants it: see above. Runs at
+    interpreter exit; harmless at any other time. Returns at once where every thread is Python's."""
+    try:
+        if len(os.listdir("/proc/self/task")) <= threading.active_count():
+            return
     except OSError:   # no /proc: cannot tell, wait anyway
-        native = True
-    if native:
-        time.sleep(seconds)
+        time.sleep(EXIT_GIL_HANDOVER_FALLBACK_S)
+        return
+    deadline = time.monotonic() + max_seconds
+    quiet, seen = 0, None
+    while time.monotonic() < deadline:
+        time.sleep(EXIT_GIL_HANDOVER_SLICE_S)   # the GIL released: a thread waiting for it is woken and takes it
+        states = _frameless_thread_states()
+        if _runnable_native_threads():
+            quiet, seen = 0, states
+            continue
+        if states is not None and not states:
+            return
+        quiet = quiet + 1 if states == seen else 1
+        seen = states
+        if quiet >= PARKED_CHECKS:
+            return
 
 
 class _ExitAnchor:

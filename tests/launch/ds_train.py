@@ -11,6 +11,7 @@ import torch.distributed as dist
 import transformers
 
 import deepspeed
+import fsdpzero.dist  # noqa: F401  the exit hand-over of the GIL to gloo's workers, for DeepSpeed's run too
 
 p = argparse.ArgumentParser()
 p.add_argument("--local_rank", type=int, default=-1)     # DeepSpeed's launchers pass it
