@@ -5,7 +5,8 @@ keys; `deepcompile` read as a request for the fastest compiled path), `engine.co
 What is compiled is what torchtitan compiles when it wraps each block in `torch.compile` before `fully_shard`: the
 block's own computation, with FSDP2's all-gather / reduce-scatter hooks outside the graph (eager) and activation
 checkpointing inside it (the partitioner then plans the recompute). fsdpzero gets the same region by compiling the
-block's `forward` after `fully_shard` (FSDP2 runs its hooks around `forward`): parameter names keep no `_orig_mod.`,
+block's `forward` after `fully_shard` (FSDP2 runs its hooks around `forward`; `CompiledForward` in front of the
+unit's class, as fully_shard puts `FSDPModule` there, runs the compiled forward): parameter names keep no `_orig_mod.`,
 and `engine.compile()` works after `initialize`, as DeepSpeed's does. Blocks of one class share one graph.
 An HF model's loss function (`model.loss_function`: the fp32 upcast of the logits and the cross-entropy) is
 compiled too, as torchtitan compiles its loss. An HF model's `config.use_cache` is turned off (the KV cache, which
@@ -20,6 +21,7 @@ lazy: it happens in the first forward and backward) and logged once on rank 0 (`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import logging
@@ -121,16 +123,38 @@ def compile_blocks(model: nn.Module, blocks: list[nn.Module], backend: Any = "in
         owner.loss_function = CompiledLoss(owner.loss_function, backend, kw)
     watch.loss = owner is not None
     for t in targets:
-        if getattr(t, "_fsdpzero_compiled", False):
+        if isinstance(t, CompiledForward) or getattr(t, "_compiled_call_impl", None) is not None:
             continue
         if isinstance(t, FSDPModule):
             # FSDP2 all-gathers in a forward pre-hook and frees in a post-hook, around `forward`: compiling the
-            # (bound, possibly checkpointed) forward keeps them eager, outside the graph
-            t.forward = torch.compile(t.forward, backend=fn, **kw)
+            # (possibly checkpointed) forward keeps them eager, outside the graph. nn.Module.compile() would compile
+            # __call__, hooks included
+            t.compiled_forward = torch.compile(t.forward, backend=fn, **kw)
+            t.__class__ = compiled_class(type(t))
         else:
             t.compile(backend=fn, **kw)
-        t._fsdpzero_compiled = True
     return watch
+
+
+class CompiledForward:
+    """In front of an FSDP2 unit's class (compile_blocks): forward runs `compiled_forward`, torch.compile of the
+    forward the unit had (its class's own, or activation checkpointing's); FSDP2's hooks around it stay eager."""
+
+    compiled_forward: Callable
+
+    def forward(self, *args, **kwargs):
+        return self.compiled_forward(*args, **kwargs)
+
+
+@functools.cache
+def compiled_class(cls: type) -> type:
+    """`cls` with CompiledForward in front, one class per class, named as `cls`; its forward keeps the signature of
+    `cls.forward` (what transformers' Trainer inspects to keep the batch's columns)."""
+    @functools.wraps(cls.forward)
+    def forward(self, *args, **kwargs):
+        return CompiledForward.forward(self, *args, **kwargs)
+    return type(cls.__name__, (CompiledForward, cls), {"forward": forward, "__module__": cls.__module__,
+                                                        "__qualname__": cls.__qualname__})
 
 
 def loss_owner(model: nn.Module) -> nn.Module | None:
@@ -213,5 +237,6 @@ def describe(report: dict[str, Any]) -> str:
     return line
 
 
-__all__ = ["COMPILE_KWARGS", "CompilePlan", "CompileWatch", "check_compile", "check_kwargs", "compile_blocks",
-           "compile_targets", "CompiledLoss", "describe", "loss_owner", "resolve_backend", "with_knob"]
+__all__ = ["COMPILE_KWARGS", "CompilePlan", "CompileWatch", "CompiledForward", "check_compile", "check_kwargs",
+           "compile_blocks", "compile_targets", "compiled_class", "CompiledLoss", "describe", "loss_owner",
+           "resolve_backend", "with_knob"]

@@ -9,7 +9,9 @@
   settings): an engine's settings are passed down, so two engines in one process keep theirs;
 - the process defaults (the FSDPZERO_* environment) are read only where settings are built, once: wrap (the
   engine's), the `fsdpzero env` report, and `or_defaults(<a parameter>)` for a call made without an engine;
-- fsdpzero_ops keeps no settings (no module global rebound but a warning latch, none set from the library).
+- fsdpzero_ops keeps no settings (no module global rebound but a warning latch, none set from the library);
+- no method of a module, optimizer or FSDP2 parameter group is replaced on an instance, but the one FSDP2 leaves no
+  hook for, in fsdpzero/fsdp2_internals.py.
 """
 from __future__ import annotations
 
@@ -382,3 +384,44 @@ def test_ops_keep_no_settings():
     bad = [f"{path.relative_to(ROOT)}:{line}: {what}" for name, path in MODULES.items()
            for line, what in _ops_state_writes(name, path.read_text())]
     assert not bad, ("fsdpzero_ops state set or rebound (pass the value as an argument instead):\n" + "\n".join(bad))
+
+
+def _method_overrides(source: str, methods: set[str]) -> list[tuple[int, str]]:
+    """(line, target) for each `obj.<method> = ...` or `setattr(obj, "<method>", ...)`: a method replaced on one
+    instance, which a reader of the object's class cannot see."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        targets = (node.targets if isinstance(node, ast.Assign) else
+                   [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        out += [(node.lineno, ast.unparse(t)) for t in targets if isinstance(t, ast.Attribute) and t.attr in methods]
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in methods):
+            out.append((node.lineno, f"setattr(..., {node.args[1].value!r})"))
+    return out
+
+
+def _wrapped_methods() -> set[str]:
+    """The methods of what the library wraps: modules, optimizers, FSDP2's parameter groups (dunders aside: Python
+    looks those up on the class)."""
+    import torch
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    return {n for cls in (torch.nn.Module, torch.optim.Optimizer, FSDPParamGroup) for n in dir(cls)
+            if callable(getattr(cls, n, None)) and not n.startswith("__")}
+
+
+def test_the_override_finder_sees_each_form():
+    methods = _wrapped_methods()
+    assert {"forward", "post_backward", "zero_grad", "state_dict", "step", "named_parameters"} <= methods
+    found = _method_overrides("block.forward = f\nsetattr(opt, 'step', g)\nself.model.zero_grad = h\n"
+                              "x.forward_count = 1\nt.compiled_forward = c\n", methods)
+    assert sorted(line for line, _ in found) == [1, 2, 3]
+
+
+def test_no_instance_overrides_a_method_but_the_fsdp2_one():
+    """Behaviour comes from classes (a mixin in front of the object's class, as fully_shard does), wrappers or
+    documented hooks; the one override FSDP2 leaves no hook for (a unit's post-backward) is in fsdp2_internals.py."""
+    methods = _wrapped_methods()
+    found = {path: _method_overrides(path.read_text(), methods) for path in MODULES.values()}
+    assert [target for _, target in found.pop(FSDP_STATE)] == ["group.post_backward"]
+    bad = [f"{path.relative_to(ROOT)}:{line}: {target}" for path, hits in found.items() for line, target in hits]
+    assert not bad, "methods replaced on an instance:\n" + "\n".join(bad)
