@@ -195,15 +195,17 @@ def ref_runner(args, name):
             return loss
         step.grad_norm = lambda: step.norm
         return step, lambda: None
-    from fsdpzero.offload.build import cpu_threads
+    import fsdpzero.host
+    import fsdpzero.tuning
     from fsdpzero.offload.chunks import CHUNK
     from fsdpzero_ops import CPUAdamW
     with torch.device("meta"):
         total = sum(p.numel() for p in build_model_meta(args).parameters())
     world = int(os.environ["WORLD_SIZE"])
     n = -(-total // world)
-    if DEVICE == "cuda":
-        torch.set_num_threads(cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"])))
+    # the threads and cores the engine's CPU step gets: its placement (fsdpzero/host.py) from the settings wrap
+    # builds (knobs offload_threads / offload_bind: defaults < FSDPZERO_* environment); collective
+    placement = fsdpzero.host.place_cpu_step(fsdpzero.tuning.resolve())
     sizes = [min(CHUNK, n - i) for i in range(0, n, CHUNK)]
     pin = DEVICE == "cuda"
     masters = [torch.zeros(k) for k in sizes]
@@ -218,6 +220,7 @@ def ref_runner(args, name):
         step.gparam_s = n / (time.perf_counter() - t0) / 1e9
         return torch.zeros(())
     step.params_per_rank = n
+    step.placement = placement.describe()
     return step, lambda: None
 
 
@@ -530,7 +533,7 @@ def suite_table(rows: list[dict]) -> str:
 
 def suite_args(argv: list[str]):
     import argparse
-    ap = argparse.ArgumentParser(add_help=False)
+    ap = argparse.ArgumentParser(add_help=False, usage="%(prog)s --suite {issue24,issue31} [suite options]")
     ap.add_argument("--suite", choices=sorted(SUITE))
     ap.add_argument("--sizes", default="0.89b,2.8b", help=f"comma-separated, of {sorted(SIZES)}")
     ap.add_argument("--configs", default=None, help="default: the suite's configs")
@@ -543,6 +546,8 @@ def suite_args(argv: list[str]):
     ap.add_argument("--seq", type=int, default=0, help="sequence length (default 2048)")
     ap.add_argument("--exact", action="store_true", help="BENCH_OFFLOAD_EXACT=1: deterministic kernels, to compare "
                     "the serial, overlapped and speculative runs' losses bit for bit (not for timings)")
+    if {"-h", "--help"} & set(argv):   # the suite's options, then the per-config command line's help
+        print(ap.format_help().replace("options:", "suite options:"))
     return ap.parse_known_args(argv)[0]
 
 

@@ -18,7 +18,7 @@ from fsdpzero.dist import local_tensor
 from fsdpzero.log import count
 from fsdpzero.precision import DTYPES
 from fsdpzero.tuning import Tuning
-from fsdpzero.host import place_this_rank
+from fsdpzero.host import place_cpu_step
 
 log = logging.getLogger("fsdpzero")
 
@@ -264,8 +264,7 @@ def cpu_step_threads(knobs: Tuning) -> int:
     """The CPU step's threads and this rank's cores (fsdpzero/host.py, knobs offload_threads and offload_bind): with a
     GPU, a slice of whole cores of its own per local rank and one thread per CPU of it; on a CPU-only run only what a
     knob asks (the user's OMP setting otherwise stands). Collective where a process group exists."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    place_this_rank(threads=knobs.offload_threads, bind=knobs.offload_bind, device=device)
+    place_cpu_step(knobs)
     return torch.get_num_threads()
 
 

@@ -30,6 +30,9 @@ def test_offload_suite_cpu_smoke(tmp_path):
            if "error" in r or r["exit_code"] != 0}
     assert not bad, bad
     assert rows["ref_cpu_adam"]["cpu_adam_gparam_s"] > 0 and rows["ref_gpu_noopt"]["step_s"] > 0
+    # the reference CPU step is placed as the engine places its own (fsdpzero/host.py, from the same settings)
+    ref_placement = rows["ref_cpu_adam"]["placement"]
+    assert ref_placement and ref_placement == rows["ours_z2_overlap"]["placement"]
     assert rows["ours_z2_overlap"]["overlap"] and not rows["ours_z2_serial"]["overlap"]
     assert rows["ours_z2_overlap"]["limit_s"] > 0 and rows["ours_z2_overlap"]["over_limit"] > 0
     assert rows["ours_z2_overlap"]["max_loss_diff_vs_serial"] == 0.0
