@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from fsdpzero.fsdp2_internals import (fsdp_params, fsdp_prefetch_depth, fsdp_units, lazy_init,
+from fsdpzero.fsdp2_internals import (fsdp_params, fsdp_prefetch_depth, lazy_init,
                                          own_resizable_storages, shard_data, shard_local)
 from fsdpzero.offload.swapdir import SwapDir, aio_config, close_swap_io
 from fsdpzero.plan.types import OffloadPlan
