@@ -2,19 +2,29 @@
 "cuda:nccl,cpu:gloo", N spawned ranks, one GPU each: the GPU tests' NCCL paths).
 
 Forking after torch/transformers are imported in the parent costs ~1 s per job instead of ~10 s of imports per rank
-(spawn). Each rank runs with one compute thread (two ranks share the CI machine's two cores; more threads than
-cores was measured 37x slower), gets a file:// rendezvous in its own temp dir (no ports to collide), a short gloo
-timeout, and the whole job a hard wall-clock limit. Return values come back through torch.save files.
+(spawn). A forked child has the parent's memory but only the forking thread: a parent with native threads (gloo's
+workers of a group something still holds, the OpenMP pool a multi-threaded op left, aio workers) hands its ranks
+their objects and locks without the threads, and a rank then hangs (a rank's main thread running a parallel region
+on 2 threads after the parent ran one: tests/project/test_multirank.py) or worse. So ranks are forked only from a
+parent without native threads (after a gc.collect(), which ends dead groups and engines here, where their threads
+are); otherwise they are spawned, with a warning naming the threads.
+
+Each rank runs with one compute thread (two ranks share the CI machine's two cores; more threads than cores was
+measured 37x slower), gets a file:// rendezvous in its own temp dir (no ports to collide), a short gloo timeout, and
+the whole job a hard wall-clock limit. Return values come back through torch.save files.
 """
 from __future__ import annotations
 
 import datetime
 import faulthandler
+import gc
 import os
 import socket
 import tempfile
+import threading
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,6 +37,36 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def native_threads() -> list[str]:
+    """Names of this process's threads that Python did not start (gloo's workers, an OpenMP pool, aio workers)."""
+    python = {t.native_id for t in threading.enumerate() if not isinstance(t, threading._DummyThread)}
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) not in python:
+            try:
+                names.append(Path(f"/proc/self/task/{tid}/comm").read_text().strip())
+            except OSError:   # it ended
+                pass
+    return sorted(names)
+
+
+def _start_method(job: str) -> str:
+    """fork where it is safe, else spawn (see the module docstring)."""
+    # fork is ~10x cheaper, but CUDA does not survive it, and merely counting devices in the parent poisons fork for
+    # the children: on a CUDA machine, spawn
+    if torch.cuda.is_available():
+        return "spawn"
+    if native_threads():
+        gc.collect()
+    native = native_threads()
+    if not native:
+        return "fork"
+    warnings.warn(f"multi-rank job {job}: the test process has native threads ({', '.join(native)}); forked ranks "
+                  f"would inherit their objects and locks without them, so the ranks are spawned (slower). Run "
+                  f"multi-threaded work of a test in a rank or a subprocess", RuntimeWarning, stacklevel=3)
+    return "spawn"
 
 
 def _child(rank: int, fn: Callable, world_size: int, workdir: str, init_pg: bool, port: int, args: tuple,
@@ -68,9 +108,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, tim
     if dist.is_initialized():
         raise RuntimeError("a process group is initialised in the test process: forked ranks would inherit it")
     with tempfile.TemporaryDirectory(prefix="fsdpzero_mr_") as workdir:
-        # fork is ~10x cheaper, but CUDA does not survive it, and merely counting devices in the parent poisons
-        # fork for the children: on a CUDA machine, spawn
-        method = "spawn" if torch.cuda.is_available() else "fork"
+        method = _start_method(fn.__name__)
         if "nccl" in backend and torch.cuda.device_count() < world_size:
             raise RuntimeError(f"{backend} with {world_size} ranks needs {world_size} GPUs, "
                                f"{torch.cuda.device_count()} visible")
@@ -95,6 +133,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, tim
             if r is not None and not r["ok"]:
                 raise RuntimeError(f"rank {rank} of {fn.__name__} failed:\n{r['error']}")
         for rank, r in enumerate(loaded):
-            if r is None:
-                raise RuntimeError(f"rank {rank} of {fn.__name__} died without a result")
+            if r is None:   # a signal shows as a negative exit code (-11: SIGSEGV); faulthandler printed its stack
+                raise RuntimeError(f"rank {rank} of {fn.__name__} ({method}ed) died without a result, exit code "
+                                   f"{ctx.processes[rank].exitcode}")
         return [r["result"] for r in loaded]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fsdpzero_ops import cpu_adam
+from tests.multirank import run_distributed
 
 IMPLS = cpu_adam.available_impls()           # e.g. ["avx512", "avx2", "scalar", "reference"]
 ALL = ["avx512", "avx2", "scalar", "reference"]
@@ -136,17 +137,20 @@ def test_low_precision_params_keep_an_fp32_master():
     assert torch.equal(p, opt.state[p]["master"].to(torch.bfloat16))
 
 
+# The 2-thread runs happen in a forked process (a 1-rank job): an OpenMP pool left in the pytest process would make
+# tests/multirank.py spawn every later job's ranks instead of forking them (tests/project/test_multirank.py).
+def _params_by_threads(rank, world):
+    res = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        res.append(_run("auto", torch.bfloat16, True, steps=3, shapes=[(100_003,)])[2][0])
+    return res
+
+
 def test_parallel_split_matches_single_thread():
     if "avx512" not in IMPLS and "avx2" not in IMPLS:
         pytest.skip("no SIMD kernel")
-    before = torch.get_num_threads()
-    try:
-        res = []
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            res.append(_run("auto", torch.bfloat16, True, steps=3, shapes=[(100_003,)])[2][0])
-    finally:
-        torch.set_num_threads(before)
+    res = run_distributed(_params_by_threads, 1, init_pg=False)[0]
     assert torch.equal(res[0], res[1])
 
 
@@ -224,20 +228,21 @@ def test_matches_deepspeed_cpu_adam(adamw, bias_correction, monkeypatch):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
+def _sumsq_by_threads(rank, world, t):
+    got = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        got.append(cpu_adam.grad_sumsq(t))
+    return got
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
 def test_grad_sumsq_fp32_accurate_and_thread_independent(dtype):
     """The offload path's norm of CPU bf16 grads: within 1e-6 of the sum in double (a bf16 result would be ~4e-3
     off), and the same bits for 1 and 2 threads (blocks summed in a fixed order)."""
     t = (torch.randn(1_000_003, generator=torch.Generator().manual_seed(3)) * 0.01).to(dtype)
     exact = float(t.double().square().sum())
-    before = torch.get_num_threads()
-    try:
-        got = []
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            got.append(cpu_adam.grad_sumsq(t))
-    finally:
-        torch.set_num_threads(before)
+    got = run_distributed(_sumsq_by_threads, 1, t, init_pg=False)[0]
     assert got[0] == got[1]
     assert abs(got[0] - exact) <= 1e-6 * exact
 
