@@ -112,6 +112,17 @@ def resolve_tp_plan(model: nn.Module, tp, allow_meta: bool = False) -> dict[str,
     unmatched = []
     for name, module in model.named_modules():
         weight = module._parameters.get("weight") if name else None
+        if weight is None and isinstance(getattr(module, "base_layer", None), nn.Module):
+            # a PEFT adapter layer (LoRA's lora.Linear): its Linear is `base_layer`, so the plan's pattern for this
+            # name would miss it and leave it whole beside sharded neighbours (a shape error in attention)
+            spec = config.find(f"{name}.weight", model_type)
+            if spec is not None and spec.partition_type != "skip":
+                raise ValueError(f"{KEY} = {tp.size}: {name} is wrapped by an adapter "
+                                 f"({type(module).__module__}.{type(module).__name__}) "
+                                 f"and {source} shards it; tensor parallelism of adapter-wrapped layers is not "
+                                 f"implemented -> leave {name.rsplit('.', 1)[-1]} out of the adapter's "
+                                 f"target_modules, or set {KEY} to 1")
+            continue
         if weight is None or weight.dim() != 2:
             continue
         spec = config.find(f"{name}.weight", model_type)

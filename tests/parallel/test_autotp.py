@@ -154,6 +154,22 @@ def test_plan_errors(model, tp, match):
         resolve_tp_plan(build_model("gpt2") if model == "gpt2" else _llama(), tp)
 
 
+def test_adapter_wrapped_layers_refused():
+    """PEFT's LoRA puts a planned Linear under `base_layer`, where the plan's pattern missed it: q_proj stayed whole
+    beside a sharded k_proj (a shape error in attention, after the process group). Now one line first; LoRA on layers
+    the plan leaves whole passes."""
+    from peft import LoraConfig, get_peft_model
+    tp = TensorParallelPlan(size=TP)
+    lora = get_peft_model(_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ValueError, match=r"^tensor_parallel.autotp_size = 2: base_model.model.model.layers.0.self_attn"
+                                         r".q_proj is wrapped by an adapter \(peft.tuners.lora.layer.Linear\) and .* "
+                                         r"-> leave q_proj out of the adapter's target_modules, or set "
+                                         r"tensor_parallel.autotp_size to 1$"):
+        resolve_tp_plan(lora, tp)
+    head = get_peft_model(_llama(), LoraConfig(r=4, target_modules=["lm_head"]))
+    assert len(resolve_tp_plan(head, tp)) == 14   # 7 planned Linear layers per block, 2 blocks
+
+
 def test_plan_error_before_any_process_group(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ValueError, match="tensor_parallel.autotp_size = 2: GPT2LMHeadModel has no transformers"):
