@@ -52,13 +52,17 @@ class Chunk:
         self.ready.set()
 
 
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")   # Adam's moments; Muon's (fsdpzero/offload/muon.py)
+
+
 def offload_state_dict(entries, optimizer, by_master) -> dict:
-    """Per parameter name: step, exp_avg, exp_avg_sq and the fp32 master, as DTensors placed like the param
-    (CPU local shards) so DCP saves each rank's own shard; plus the param groups' hyperparameters."""
+    """Per parameter name: step, exp_avg and exp_avg_sq (Muon: momentum_buffer) and the fp32 master, as DTensors
+    placed like the param (CPU local shards) so DCP saves each rank's own shard; plus the param groups'
+    hyperparameters."""
     state = {}
     for e in entries:
         st = optimizer.state_for(e.master)   # created (zeros, step 0) before the first step: DCP loads
-        tensors = {k: st[k] for k in ("exp_avg", "exp_avg_sq")}  # into this dict in place
+        tensors = {k: st[k] for k in STATE_KEYS if k in st}   # into this dict in place
         tensors["master"] = e.master
         state[e.name] = {"step": st["step"], **{k: shard_like(e.param, v) for k, v in tensors.items()}}
     groups = [{**{k: v for k, v in g.items() if k != "params"},
@@ -73,7 +77,7 @@ def load_offload_state_dict(entries, optimizer, sd: dict) -> None:
         e = names[name]
         st = optimizer.state_for(e.master)
         st["step"] = saved["step"].to(st["step"].device, torch.float32, copy=True)
-        for k in ("exp_avg", "exp_avg_sq"):
+        for k in (k for k in STATE_KEYS if k in st):
             st[k].copy_(local_tensor(saved[k]).view(st[k].shape))
         if "master" in saved:   # absent in a non-offload checkpoint: the model weights just loaded are the masters
             e.master.copy_(local_tensor(saved["master"]).view(e.master.shape))

@@ -93,7 +93,10 @@ class OffloadGradPath(GradPath):
             # super_offload: DeepSpeed gives PyTorch int((1 - cpuadam_cores_perc) * n) of the n cores, CPU Adam the rest
             threads = max(1, threads - int((1 - plan.offload.cpuadam_cores_perc) * threads))
         pin, low = prepare.copy_buffers_pinned(), DTYPES[plan.precision.param_dtype]
-        hyper = prepare.adam_groups(make_optimizer, [p for _, p in named])   # params in model order
+        muon = plan.optimizer.type == "muon"   # Muon's CPU step (fsdpzero/offload/muon.py); never speculative
+        if muon:
+            from fsdpzero.offload.muon import muon_groups
+        hyper = (muon_groups if muon else prepare.adam_groups)(make_optimizer, [p for _, p in named])   # model order
         units = prepare.forward_order(model, named)                           # then stepped in forward order
         chunk = prepare.chunk_size(plan)
         on_device = prepare.device_stepped_names(named, units, chunk, float(plan.offload.ratio), hyper)
@@ -111,7 +114,9 @@ class OffloadGradPath(GradPath):
                    prepare.pipeline(plan, knobs, threads=threads, staged=stage, on_disk=cls.on_disk,
                                     swap_params=swap_params, overlap=overlap),
                    prepare.speculation(plan, knobs, masters.entries, optimizer,
-                                       no_speculation=cls.on_disk or swap_params))
+                                       no_speculation=cls.on_disk or swap_params or muon))
+        if muon:   # the gradients' sums of squares taken during backward would be the raw ones', not the updates'
+            path.norm_cache = None
         if swap_params:
             path.param_swapper = prepare.swap_params_to_disk(model, plan, masters.entries, knobs)
         prepare.log_built(path, plan, pin)
@@ -122,7 +127,12 @@ class OffloadGradPath(GradPath):
         """The optimizer the path steps, over the masters: the fused CPU Adam (fsdpzero_ops.CPUAdam). It only holds
         the device-stepped masters' states (ratio < 1: state_dict, schedulers' groups); torch's Adam steps them."""
         from fsdpzero_ops import cpu_adam
-        optimizer = cpu_adam.CPUAdam(hyper, **knobs.cpu_adam_args())   # this engine's kernel choice
+        if any(g.get("use_muon") is not None for g in hyper):   # optimizer.type Muon
+            from fsdpzero.offload.muon import CPUMuonWithAuxAdam
+            optimizer = CPUMuonWithAuxAdam(hyper, **knobs.cpu_adam_args())
+            optimizer.bind_params(masters.entries)
+        else:
+            optimizer = cpu_adam.CPUAdam(hyper, **knobs.cpu_adam_args())   # this engine's kernel choice
         for master, st in masters.device_states.items():
             optimizer.state[master] = st
         return optimizer

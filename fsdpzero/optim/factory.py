@@ -72,12 +72,14 @@ def _check_muon(plan: Plan) -> None:
     """What fsdpzero's Muon (fsdpzero/optim/muon.py) does not carry, refused with the fix."""
     from fsdpzero.optim.muon import check_muon
     check_muon(plan.optimizer.params)
-    if plan.offload.optimizer_device != "none":
-        raise ValueError(f"config key 'zero_optimization.offload_optimizer.device' = "
-                         f"{plan.offload.optimizer_device!r} with optimizer.type \"Muon\" is not implemented in "
-                         "fsdpzero (DeepSpeed runs it); remove offload_optimizer: DeepSpeed 0.19.8's Muon with CPU "
-                         "offload computes what its Muon without offload does (the same losses at stages 2 and 3 on "
-                         "the test model), so the run is the same, with the optimizer state on the device")
+    if plan.offload.optimizer_device == "nvme":
+        raise ValueError("config key 'zero_optimization.offload_optimizer.device' = 'nvme' with optimizer.type "
+                         "\"Muon\" is not implemented in fsdpzero; use offload_optimizer.device \"cpu\" (Muon's "
+                         "momentum and the masters in CPU memory)")
+    if plan.offload.optimizer_device == "cpu" and float(plan.offload.ratio) < 1.0:
+        raise ValueError(f"config key 'zero_optimization.offload_optimizer.ratio' = {plan.offload.ratio} with "
+                         "optimizer.type \"Muon\" is not implemented in fsdpzero (its device-stepped part runs "
+                         "Adam); set ratio to 1.0")
     if plan.precision.loss_scale is not None:
         raise ValueError("config key 'fp16.enabled' = true with optimizer.type \"Muon\": DeepSpeed keeps Muon's "
                          "momentum in loss-scaled units and fsdpzero does not reproduce that; use bf16 or fp32")

@@ -195,13 +195,24 @@ def _owner_computes(piece: torch.Tensor, group, owner: int, whole, ns_method: st
     return out
 
 
-class _Orthogonalizer:
+def comm_device() -> torch.device | None:
+    """Where Muon's gathers run: the rank's GPU when the process group is NCCL (CPU-offloaded gradients and
+    momentum go there for Newton-Schulz, as DeepSpeed's _muon_all_gather_partitions moves them to its accelerator);
+    None: where the tensors are (gloo)."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+class Orthogonalizer:
     """Newton-Schulz of each matrix on one rank; the owner of the i-th matrix of a step is i mod the group's size.
     Sharded matrices (FSDP2 rows, or stage 1's flat chunks): gathered to the owner, the update scattered back.
-    Whole (replicated) matrices: the owner computes and broadcasts (every rank holds the same update)."""
+    Whole (replicated) matrices: the owner computes and broadcasts (every rank holds the same update). Tensors
+    elsewhere than comm_device() (offloaded to the CPU) go there for it and come back."""
 
     def __init__(self):
         self.count = 0
+        self.device = comm_device()
 
     def _next(self) -> int:
         self.count += 1
@@ -209,6 +220,11 @@ class _Orthogonalizer:
 
     def rows(self, u_local: torch.Tensor, p: torch.Tensor, ns_method: str) -> torch.Tensor:
         """u_local: this rank's rows of parameter p (a DTensor sharded on dim 0, or a whole tensor)."""
+        if self.device is not None and u_local.device != self.device:
+            return self._rows(u_local.to(self.device), p, ns_method).to(u_local.device)
+        return self._rows(u_local, p, ns_method)
+
+    def _rows(self, u_local: torch.Tensor, p: torch.Tensor, ns_method: str) -> torch.Tensor:
         index = self._next()
         group, chunk = _shard_layout(p)
         if group is None:
@@ -225,6 +241,8 @@ class _Orthogonalizer:
 
     def flat(self, u_chunk: torch.Tensor, shape: torch.Size, group, ns_method: str) -> torch.Tensor:
         """u_chunk: this rank's chunk of the flattened matrix (stage 1: padded to chunk * world elements)."""
+        if self.device is not None and u_chunk.device != self.device:
+            return self.flat(u_chunk.to(self.device), shape, group, ns_method).to(u_chunk.device)
         index = self._next()
         if group is None and (not dist.is_initialized() or dist.get_world_size() == 1):
             return orthogonalize(u_chunk[:shape.numel()].view(shape), ns_method).reshape(-1)
@@ -274,7 +292,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             if self.param_groups[fg.group_index]["use_muon"]:
                 self._flat_slots[id(fg.master)] = [(s.param.shape, s.offset, s.chunk) for s in fg.slots]
 
-    def _muon_update(self, group: dict, p: torch.Tensor, grad: torch.Tensor, ortho: "_Orthogonalizer"):
+    def _muon_update(self, group: dict, p: torch.Tensor, grad: torch.Tensor, ortho: "Orthogonalizer"):
         """(the new momentum, this rank's piece of the orthogonalized update) of Muon parameter p from `grad` (this
         rank's piece of the mean gradient); the stored momentum is left as it was."""
         state = self.state[p]
@@ -303,7 +321,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         if self._staged is not None:
             return
         self._staged = {}
-        ortho = _Orthogonalizer()
+        ortho = Orthogonalizer()
         for group in self.param_groups:
             if not group["use_muon"]:
                 continue
@@ -326,7 +344,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         staged, self._staged = self._staged, None
-        ortho = _Orthogonalizer()
+        ortho = Orthogonalizer()
         for group in self.param_groups:
             lr, wd = group["lr"], group["weight_decay"]
             for p in group["params"]:
@@ -388,6 +406,9 @@ class MuonGradPath(GradPath):
         return self.inner.can_skip_on_device()
 
     def step(self, found_inf: torch.Tensor | None = None) -> None:
+        commit = getattr(self.optimizer, "commit_staged", None)   # the offload path's CPU Muon (fsdpzero/offload/
+        if commit is not None:                                    # muon.py): the step happens, the momentum moves
+            commit()
         self.inner.step(found_inf)
 
     def zero_grad(self) -> None:

@@ -622,9 +622,21 @@ CONDITIONAL: tuple[Rule, ...] = (
          "{value}: compressed-communication optimizers are not implemented"),
     Rule("optimizer.type", MUON & When("fp16 on", lambda c: bool(c.cfg.fp16.enabled)), U,
          "Muon with fp16: DeepSpeed keeps the momentum in loss-scaled units; use bf16 or fp32"),
-    Rule("optimizer.type", MUON & OFFLOADED_OPT, U, "Muon with offload_optimizer: not implemented (DeepSpeed runs "
-         "it, with the same results as without offload); remove offload_optimizer (the optimizer state then stays on "
-         "the device)"),
+    Rule("optimizer.type", MUON & device_is("offload_optimizer", "nvme"), U, "Muon with offload_optimizer nvme: "
+         "not implemented (DeepSpeed 0.19.8 runs it at stage 3, the momentum swapped or, with "
+         "save_muon_momentum_buffer_in_memory, in CPU memory); use offload_optimizer.device cpu"),
+    Rule("optimizer.type", MUON & device_is("offload_optimizer", "cpu") & When(
+        "offload_optimizer.ratio < 1", lambda c: float(c.cfg.zero_optimization.offload_optimizer.ratio) < 1), U,
+         "Muon with offload_optimizer.ratio < 1: not implemented (the device-stepped part runs Adam); set ratio to "
+         "1.0"),
+    Rule("optimizer.type", MUON & device_is("offload_optimizer", "cpu") & When("bf16 on", lambda c: bool(
+        c.cfg.bf16.enabled)), A,
+         "fsdpzero.optim.muon.MuonWithAuxAdam's split, hyper-parameters and clipping order (see the fp32 row) with "
+         "offload_optimizer cpu, as DeepSpeed 0.19.8 runs it (stage_1_and_2._apply_muon_updates_cpu_offload, "
+         "stage3._muon_update_sub_group): fp32 masters and Muon's momentum on the CPU, each matrix's Newton-Schulz "
+         "once, on one rank (DeepSpeed: on every rank). Differs at stages 2/3 (fsdpzero/offload/muon.py): "
+         "the global norm reads the orthogonalized update rounded to the 16-bit gradient (DeepSpeed: its fp32 "
+         "partition); the CPU step applies the fp32 update"),
     Rule("optimizer.type", MUON, M,
          "fsdpzero.optim.muon.MuonWithAuxAdam, DeepSpeed 0.19.8's: its split (matrices but embeddings and lm_head "
          "take Muon, the rest AdamW), nesterov momentum and 5-step Newton-Schulz (ns_method gram/standard) on each "
@@ -632,7 +644,12 @@ CONDITIONAL: tuple[Rule, ...] = (
          "momentum stays sharded. gradient_clipping in DeepSpeed's order: at ZeRO 1-3 the global norm is taken "
          "over the orthogonalized Muon updates and the AdamW gradients and the clip scales both (the momentum moves "
          "with the unclipped gradient; the reported grad norm is that norm, as DeepSpeed's); at ZeRO 0 over the raw "
-         "gradients, before Muon. Refused with the fix: fp16, offload_optimizer, per_head_muon"),
+         "gradients, before Muon. offload_optimizer cpu (stages 1-3, as DeepSpeed 0.19.8's "
+         "stage_1_and_2._apply_muon_updates_cpu_offload / stage3._muon_update_sub_group, which compute what they do "
+         "without offload): the fp32 masters and the momentum on the CPU, each matrix's Newton-Schulz once, on one "
+         "rank, on the GPU where there is one (DeepSpeed: on every rank), the CPU step applies the update "
+         "(fsdpzero/offload/muon.py; stage 1 steps its flat CPU shards). Refused with the fix: fp16, "
+         "offload_optimizer nvme or ratio < 1, per_head_muon"),
     Rule("optimizer.type", When("MuAdam, MuAdamW, MuSGD or Lion", lambda c: (c.value or "").lower() in (
         "muadam", "muadamw", "musgd", "lion")), U, "{value}: no fsdpzero implementation"),
     *(Rule("optimizer.type", When(f"{k} (canonical)", lambda c, k=k: c.fields()["canon"] == k), M,

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.oracle, pytest.mark.slow]
 STEPS, GA, MICRO, SEQ, VOCAB, WORLD, TOL = 4, 2, 2, 16, 128, 2, 1e-5
 
 
-def _config(stage, clip):
+def _config(stage, clip, offload=False):
     # lr / weight_decay shared, muon_lr and adam_lr per half; betas/eps for AdamW, momentum for Muon
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GA,
            "train_batch_size": MICRO * GA * WORLD, "steps_per_print": 10 ** 9, "gradient_clipping": clip,
@@ -33,6 +33,8 @@ def _config(stage, clip):
     if stage == 3:
         # DeepSpeed: "Muon and reduce scatter cannot be used together"
         cfg["zero_optimization"]["reduce_scatter"] = False
+    if offload:   # DeepSpeed 0.19.8 runs Muon with CPU offload at ZeRO 1-3 (_apply_muon_updates_cpu_offload)
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     return cfg
 
 
@@ -85,8 +87,12 @@ def _train(rank, world, library, config, ckpt):
     before = muon.ns_calls
     norms = []
     losses = _steps(engine, _data(rank), norms)
+    path = getattr(engine.grad_path, "inner", engine.grad_path)   # stage 0 is not wrapped in MuonGradPath
     out = dict(losses=losses, norms=norms, params=_params(engine, library, stage), muon_names=muon_names,
-               ns_calls=muon.ns_calls - before)
+               ns_calls=muon.ns_calls - before, path=type(path).__name__,
+               optimizer=type(engine.grad_path.optimizer).__name__,
+               momentum_devices=sorted({str(s["momentum_buffer"].device) for s in
+                                        engine.grad_path.optimizer.state.values() if "momentum_buffer" in s}))
     # resume: 2 steps, save, a fresh engine loads and takes the last 2 == the uninterrupted 4
     first = oracle_engine("fsdpzero", config)
     _steps(first, _data(rank)[:2 * GA])
@@ -101,8 +107,21 @@ def _train(rank, world, library, config, ckpt):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("stage,clip", [(0, 0.0), (0, 1.0), (1, 1.0), (2, 1.0), (2, 0.0), (3, 1.0)])
 def test_muon_matches_deepspeed(stage, clip, tmp_path):
+    _compare(stage, clip, False, tmp_path)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_muon_with_cpu_offload_matches_deepspeed(stage, tmp_path):
+    """offload_optimizer cpu on both sides: DeepSpeed 0.19.8 runs it (stage_1_and_2._apply_muon_updates_cpu_offload,
+    stage3._muon_update_sub_group); fsdpzero steps the masters with the offload path's CPU Muon at stages 2/3
+    (fsdpzero/offload/muon.py) and its flat CPU shards at stage 1, the momentum in CPU memory."""
+    _compare(stage, 1.0, True, tmp_path)
+
+
+def _compare(stage, clip, offload, tmp_path):
     _deepspeed()
-    config = _config(stage, clip)
+    config = _config(stage, clip, offload)
     ds = run_distributed(_train, WORLD, "deepspeed", copy.deepcopy(config), None, timeout=400)
     ours = run_distributed(_train, WORLD, "fsdpzero", copy.deepcopy(config), str(tmp_path / "ckpt"), timeout=400)
     o, d = ours[0], ds[0]
@@ -121,6 +140,10 @@ def test_muon_matches_deepspeed(stage, clip, tmp_path):
     for r in range(WORLD):
         worst = max((ds[r]["params"][n] - ours[r]["params"][n]).abs().max().item() for n in d["params"])
         assert worst <= TOL, f"rank {r}: final params differ from DeepSpeed's by {worst} (stage {stage})"
+    if offload:   # the path users take with offload_optimizer cpu, the momentum in CPU memory
+        assert o["path"] == ("Stage1GradPath" if stage == 1 else "OffloadGradPath"), o["path"]
+        assert o["optimizer"] == ("MuonWithAuxAdam" if stage == 1 else "CPUMuonWithAuxAdam"), o["optimizer"]
+        assert o["momentum_devices"] == ["cpu"]
     # Newton-Schulz once per matrix and step, on one rank (round-robin: 7 matrices each)
     assert [r["ns_calls"] for r in ours] == [STEPS * 14 // WORLD] * WORLD
     # resumed == uninterrupted (exactly the same arithmetic)
@@ -158,8 +181,10 @@ BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
 
 
 @pytest.mark.parametrize("change,key", [
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
      "zero_optimization.offload_optimizer.device"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
+     "zero_optimization.offload_optimizer.ratio"),
     ({"fp16": {"enabled": True}}, "fp16.enabled"),
     ({"optimizer": {"type": "Muon", "params": {"ns_method": "svd"}}}, "optimizer.params.ns_method"),
     ({"optimizer": {"type": "Muon", "params": {"per_head_muon": True}}}, "optimizer.params.per_head_muon"),
