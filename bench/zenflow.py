@@ -11,7 +11,8 @@
   the mean is the throughput figure), and the loss per step.
 - 0.89 B Llama (16 layers, hidden 2048, micro-batch 4), ZeRO 2 without offload: muon_z2_ours against adamw_z2_ours
   (Muon: lr 0.02 for the matrices, 1e-4 for the rest), and muon_z2_ds / adamw_z2_ds when DeepSpeed is importable.
-  3 warm-up + 10 timed steps.
+  3 warm-up + 10 timed steps. muon_offload_z2_ours / muon_offload_z2_ds: the same Muon with CPU optimizer offload
+  (fsdpzero/offload/muon.py against DeepSpeed's _apply_muon_updates_cpu_offload).
 
 Each config gets what is left of --budget-s (a config that would start with under --min-left-s is skipped with a
 row), so the call ends in time. One config alone:
@@ -39,7 +40,8 @@ SIZES = {"2.8b": dict(layers=26, hidden=3072, micro=2, seq=2048, vocab=32000),
          "0.89b": dict(layers=16, hidden=2048, micro=4, seq=2048, vocab=32000),
          "tiny": dict(layers=2, hidden=64, micro=2, seq=32, vocab=512)}
 CONFIGS = {"zenflow_ours": "2.8b", "offload_ours": "2.8b", "zenflow_ds": "2.8b",
-           "adamw_z2_ours": "0.89b", "muon_z2_ours": "0.89b", "adamw_z2_ds": "0.89b", "muon_z2_ds": "0.89b"}
+           "adamw_z2_ours": "0.89b", "muon_z2_ours": "0.89b", "adamw_z2_ds": "0.89b", "muon_z2_ds": "0.89b",
+           "muon_offload_z2_ours": "0.89b", "muon_offload_z2_ds": "0.89b"}
 HYPER = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
 
 
@@ -134,7 +136,7 @@ def table(rows: list[dict]) -> str:
 def derive(rows: list[dict]) -> None:
     by = {r["config"]: r for r in rows if "median_step_s" in r}
     for ours, ref in (("zenflow_ours", "zenflow_ds"), ("zenflow_ours", "offload_ours"), ("muon_z2_ours", "adamw_z2_ours"),
-                      ("muon_z2_ours", "muon_z2_ds")):
+                      ("muon_z2_ours", "muon_z2_ds"), ("muon_offload_z2_ours", "muon_offload_z2_ds")):
         if ours in by and ref in by:
             by[ours].setdefault("note", "")
             by[ours]["note"] += (f"mean {by[ours]['mean_step_s'] / by[ref]['mean_step_s']:.2f}x {ref} "
