@@ -1,10 +1,17 @@
-"""Helpers for tests/checkpoint/test_hostile_ds_ckpt.py, imported there and by its child processes: re-save a
-DeepSpeed file as DeepSpeed writes it, run `fsdpzero convert` in-process, cap a process's address space."""
+"""Helpers for the malformed-checkpoint tests (tests/checkpoint/test_hostile_ds_ckpt.py: ZeRO files;
+test_universal.py: universal ones), imported there and by their child processes: re-save a DeepSpeed file as
+DeepSpeed writes it, run `fsdpzero convert` in-process and judge its outcome, cap a process's address space, and the
+seeded mutations both fuzz tests apply."""
 import io
 import os
 import pickle
+import random
 import resource
+import subprocess
+import sys
+import textwrap
 import types
+from pathlib import Path
 
 import torch
 
@@ -30,6 +37,86 @@ def convert(argv: list[str]) -> tuple[int, str]:
     except BaseException as e:      # what a user would see as a traceback
         return 99, f"Traceback: {type(e).__name__}: {e}"
     return rc, err.getvalue()
+
+
+def one_line_error(rc: int, stderr: str) -> bool:
+    """`fsdpzero convert`'s clear failure: exit 2 and one line "fsdpzero convert: error: ...", no traceback and no
+    allocation failure."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    return rc == 2 and len(lines) == 1 and lines[0].startswith("fsdpzero convert: error:") and \
+        "Traceback" not in stderr and "can't allocate" not in stderr and "MemoryError" not in stderr
+
+
+def run_child(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`code` (dedented) in a fresh Python at the repository root, with this module's names imported."""
+    repo = Path(__file__).resolve().parents[2]
+    code = ("from tests.checkpoint.ds_mutate import *\nimport os\nimport torch\nfrom pathlib import Path\n"
+            + textwrap.dedent(code))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo)), cwd=str(repo))
+
+
+class Mutator:
+    """Seeded mutations of a checkpoint file, in place: structural (load it, drop a key of one of its dicts or lists
+    or give it a value of the wrong type; tensors truncated, reshaped, re-typed, stride-0 expanded, emptied; saved
+    back as DeepSpeed writes it) three times in four, else at the byte level (bytes flipped, the file truncated).
+    `rng` is the fuzz's one random stream: the tests draw their own choices (variant, file) from it too."""
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+
+    def mutate(self, f: Path) -> None:
+        (self.structural if self.rng.random() < 0.75 else self.byte_level)(f)
+
+    def value(self, v):
+        rng = self.rng
+        if torch.is_tensor(v) and v.numel() > 1 and rng.random() < 0.8:
+            return rng.choice([
+                lambda t: t.reshape(-1)[: t.numel() // 2].clone(),
+                lambda t: t.reshape(1, -1).clone(),
+                lambda t: t.to(torch.float16),
+                lambda t: t.reshape(-1)[:1].expand(2_000_000_000),
+                lambda t: torch.zeros(0),
+            ])(v)
+        return rng.choice([None, "x", 7, -1, 10**12, [], {}, torch.zeros(3), 1.5, (1, 2)])
+
+    def structural(self, f: Path) -> None:
+        from fsdpzero.checkpoint.deepspeed_reader import load_ds_file
+        obj = load_ds_file(f)
+        spots = [c for c in _containers(obj) if len(c)]
+        if not spots:   # a bare value (a universal checkpoint's step.pt)
+            save(self.value(obj), f)
+            return
+        c = self.rng.choice(spots)
+        key = self.rng.choice(list(c) if isinstance(c, dict) else range(len(c)))
+        if self.rng.random() < 0.3:
+            del c[key]
+        else:
+            c[key] = self.value(c[key])
+        save(obj, f)
+
+    def byte_level(self, f: Path) -> None:
+        rng = self.rng
+        data = bytearray(f.read_bytes())
+        if rng.random() < 0.5:
+            for _ in range(rng.randint(1, 8)):
+                i = rng.randrange(len(data))
+                data[i] = rng.randrange(256)
+        else:
+            data = data[: rng.randrange(len(data))]
+        f.write_bytes(bytes(data))
+
+
+def _containers(obj):
+    """Every dict and list in obj, depth first, obj first."""
+    if isinstance(obj, dict):
+        yield obj
+        for v in list(obj.values()):
+            yield from _containers(v)
+    elif isinstance(obj, list):
+        yield obj
+        for v in obj:
+            yield from _containers(v)
 
 
 # The reader's stand-ins are pickled back under DeepSpeed's names, as DeepSpeed writes them (DeepSpeed is not
@@ -76,4 +163,4 @@ def save(obj, path) -> None:
     os.replace(f"{path}.new", path)
 
 
-__all__ = ["cap_memory", "convert", "save", "as_deepspeed_wrote_it"]
+__all__ = ["Mutator", "as_deepspeed_wrote_it", "cap_memory", "convert", "one_line_error", "run_child", "save"]

@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import shutil
 import subprocess
-import sys
-import textwrap
 import zipfile
 from pathlib import Path
 
@@ -24,31 +21,18 @@ import torch
 
 from fsdpzero.checkpoint import deepspeed as dc
 from fsdpzero.checkpoint.deepspeed_reader import load_ds_file
+from tests.checkpoint.ds_mutate import one_line_error as _one_line_error
+from tests.checkpoint.ds_mutate import run_child as _run_child
 from tests.checkpoint.ds_mutate import save   # the child processes import it too
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "deepspeed_ckpts"
-REPO = Path(__file__).resolve().parents[2]
 VARIANTS = sorted(p.name for p in ASSETS.iterdir() if p.is_dir())
-
-
-def _run_child(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    code = ("from tests.checkpoint.ds_mutate import *\nimport os\nimport torch\nfrom pathlib import Path\n"
-            + textwrap.dedent(code))
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=str(REPO))
 
 
 def _copy(variant: str, tmp_path: Path) -> tuple[Path, Path]:
     ckpt = tmp_path / variant
     shutil.copytree(ASSETS / variant, ckpt)
     return ckpt, ckpt / "global_step3"
-
-
-def _one_line_error(rc: int, stderr: str) -> bool:
-    lines = [l for l in stderr.splitlines() if l.strip()]
-    return rc == 2 and len(lines) == 1 and lines[0].startswith("fsdpzero convert: error:") and \
-        "Traceback" not in stderr and "can't allocate" not in stderr and "MemoryError" not in stderr
 
 
 # ---- one case each ----------------------------------------------------------------------------------------------
@@ -187,54 +171,12 @@ def test_fuzz_malformed_deepspeed_checkpoints(tmp_path):
     one memory-capped child: every case is a conversion / load or one clear error line; none is a traceback, none an
     allocation failure."""
     child = _run_child(f'''
-        import json, random, shutil
-        from fsdpzero.checkpoint.deepspeed_reader import load_ds_file
+        import json, shutil
         assets, work = Path({str(ASSETS)!r}), Path({str(tmp_path)!r})
         variants = {VARIANTS!r}
-        rng = random.Random({FUZZ_SEED})
+        mutator = Mutator({FUZZ_SEED})
+        rng = mutator.rng
         cap_memory()
-
-        def containers(obj, path=()):
-            if isinstance(obj, dict):
-                yield path, obj
-                for k, v in list(obj.items()):
-                    yield from containers(v, path + (k,))
-            elif isinstance(obj, list):
-                yield path, obj
-                for i, v in enumerate(obj):
-                    yield from containers(v, path + (i,))
-
-        def mutate_value(v):
-            if torch.is_tensor(v) and v.numel() > 1 and rng.random() < 0.8:
-                return rng.choice([
-                    lambda t: t.reshape(-1)[: t.numel() // 2].clone(),
-                    lambda t: t.reshape(1, -1).clone(),
-                    lambda t: t.to(torch.float16),
-                    lambda t: t.reshape(-1)[:1].expand(2_000_000_000),
-                    lambda t: torch.zeros(0),
-                ])(v)
-            return rng.choice([None, "x", 7, -1, 10**12, [], {{}}, torch.zeros(3), 1.5, (1, 2)])
-
-        def structural(f):
-            obj = load_ds_file(f)
-            spots = [(p, c) for p, c in containers(obj) if len(c)]
-            _, c = rng.choice(spots)
-            key = rng.choice(list(c) if isinstance(c, dict) else range(len(c)))
-            if rng.random() < 0.3:
-                del c[key]
-            else:
-                c[key] = mutate_value(c[key])
-            save(obj, f)
-
-        def byte_level(f):
-            data = bytearray(f.read_bytes())
-            if rng.random() < 0.5:
-                for _ in range(rng.randint(1, 8)):
-                    i = rng.randrange(len(data))
-                    data[i] = rng.randrange(256)
-            else:
-                data = data[: rng.randrange(len(data))]
-            f.write_bytes(bytes(data))
 
         # the load path: engine.load_checkpoint(<DeepSpeed dir>) converts (into the ckpt_convert_dir cache) and loads
         os.environ["FSDPZERO_CKPT_CONVERT_DIR"] = str(work / "convert-cache")
@@ -264,18 +206,16 @@ def test_fuzz_malformed_deepspeed_checkpoints(tmp_path):
             shutil.copytree(assets / variant, ckpt, ignore=shutil.ignore_patterns("*.safetensors"))
             files = sorted((ckpt / "global_step3").glob("*.pt"))
             target = rng.choice(files)
-            (structural if rng.random() < 0.75 else byte_level)(target)
+            mutator.mutate(target)
             to = "dcp" if case % 4 == 0 else "safetensors"
             runs = [convert([str(ckpt), "--from", "deepspeed", "--to", to, "--out", str(work / f"o{{case}}")])]
             if case % 3 == 0 and variant.endswith("fp32"):
                 runs.append(load(ckpt))
                 results["loads"] += 1
             for rc, err in runs:
-                lines = [l for l in err.splitlines() if l.strip()]
                 if rc == 0:
                     results["converted"] += 1
-                elif rc == 2 and len(lines) == 1 and lines[0].startswith("fsdpzero convert: error:") \\
-                        and "can't allocate" not in err and "MemoryError" not in err and "Traceback" not in err:
+                elif one_line_error(rc, err):
                     results["errors"] += 1
                 else:
                     results["bad"].append([case, variant, target.name, rc, err[-400:]])

@@ -413,78 +413,27 @@ def test_fuzz_malformed_universal_checkpoints(tmp_path):
     in any of its files, through `fsdpzero convert --from deepspeed --to dcp` in a memory-capped child (as
     tests/checkpoint/test_hostile_ds_ckpt.py does for ZeRO files): each case converts or ends in one error line;
     no traceback, no allocation failure."""
-    import textwrap
-    code = textwrap.dedent(f'''
-        import json, random, shutil
-        from pathlib import Path
-        import torch
-        from tests.checkpoint.ds_mutate import cap_memory, convert, save
+    from tests.checkpoint.ds_mutate import run_child
+    child = run_child(f'''
+        import json, shutil
         from fsdpzero.checkpoint.convert import to_universal
-        from fsdpzero.checkpoint.deepspeed_reader import load_ds_file
         work = Path({str(tmp_path)!r})
         shutil.copytree({str(ASSETS / "z2_fp32")!r}, work / "src", ignore=shutil.ignore_patterns("*.safetensors"))
         clean = to_universal(work / "src", "global_step3", source="deepspeed")
-        rng = random.Random({UNIVERSAL_FUZZ_SEED})
+        mutator = Mutator({UNIVERSAL_FUZZ_SEED})
         cap_memory()
-
-        def containers(obj):
-            if isinstance(obj, dict):
-                yield obj
-                for v in list(obj.values()):
-                    yield from containers(v)
-            elif isinstance(obj, list):
-                yield obj
-                for v in obj:
-                    yield from containers(v)
-
-        def mutate_value(v):
-            if torch.is_tensor(v) and v.numel() > 1 and rng.random() < 0.8:
-                return rng.choice([
-                    lambda t: t.reshape(-1)[: t.numel() // 2].clone(),
-                    lambda t: t.reshape(1, -1).clone(),
-                    lambda t: t.to(torch.float16),
-                    lambda t: t.reshape(-1)[:1].expand(2_000_000_000),
-                    lambda t: torch.zeros(0),
-                ])(v)
-            return rng.choice([None, "x", 7, -1, 10**12, [], {{}}, torch.zeros(3), 1.5, (1, 2)])
-
-        def structural(f):
-            obj = load_ds_file(f)
-            spots = [c for c in containers(obj) if len(c)]
-            if not spots:   # step.pt: a bare tensor
-                save(mutate_value(obj), f)
-                return
-            c = rng.choice(spots)
-            key = rng.choice(list(c) if isinstance(c, dict) else range(len(c)))
-            if rng.random() < 0.3:
-                del c[key]
-            else:
-                c[key] = mutate_value(c[key])
-            save(obj, f)
-
-        def byte_level(f):
-            data = bytearray(f.read_bytes())
-            if rng.random() < 0.5:
-                for _ in range(rng.randint(1, 8)):
-                    i = rng.randrange(len(data))
-                    data[i] = rng.randrange(256)
-            else:
-                data = data[: rng.randrange(len(data))]
-            f.write_bytes(bytes(data))
 
         results = {{"cases": 0, "converted": 0, "errors": 0, "bad": []}}
         for case in range({UNIVERSAL_FUZZ_CASES}):
             tag = work / f"c{{case}}" / clean.name
             shutil.copytree(clean, tag)
             files = sorted(tag.rglob("*.pt"))
-            target = rng.choice(files)
-            (structural if rng.random() < 0.75 else byte_level)(target)
+            target = mutator.rng.choice(files)
+            mutator.mutate(target)
             rc, err = convert([str(tag), "--from", "deepspeed", "--to", "dcp", "--out", str(work / f"o{{case}}")])
-            lines = [l for l in err.splitlines() if l.strip()]
             if rc == 0:
                 results["converted"] += 1
-            elif rc == 2 and len(lines) == 1 and lines[0].startswith("fsdpzero convert: error:") \\
-                    and "can't allocate" not in err and "MemoryError" not in err and "Traceback" not in err:
+            elif one_line_error(rc, err):
                 results["errors"] += 1
             else:
                 results["bad"].append([case, str(target.relative_to(tag)), rc, err[-400:]])
@@ -492,9 +441,7 @@ def test_fuzz_malformed_universal_checkpoints(tmp_path):
             shutil.rmtree(work / f"c{{case}}")
             shutil.rmtree(work / f"o{{case}}", ignore_errors=True)
         print(json.dumps(results))
-    ''')
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=str(ROOT),
-                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    ''', timeout=600)
     assert child.returncode == 0, f"fuzz child died ({child.returncode}): {child.stderr[-3000:]}"
     results = json.loads(child.stdout.strip().splitlines()[-1])
     print({k: v for k, v in results.items() if k != "bad"})
