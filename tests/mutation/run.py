@@ -125,6 +125,18 @@ MUTATIONS = [
              '        labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]\n'
              '        batch["shift_labels"] = labels.reshape(batch["input_ids"].shape).contiguous()\n',
              ("tests/parallel/test_ulysses.py::test_sp2_matches_unsharded",)),
+    Mutation("user_mesh_unchecked", "a mesh passed in without a 'tp' dimension trains without tensor parallelism",
+             "api.py", "        check_user_mesh(mesh, plan.tensor_parallel.size)\n", "        pass\n",
+             ("tests/parallel/test_user_mesh.py",)),
+    Mutation("unused_params_not_reduced", "a parameter with a gradient on some ranks only: FSDP2 reduce-scatters "
+             "only the gradients each rank has", "sharding.py", "model.set_reduce_scatter_unused_params(True)",
+             "model.set_reduce_scatter_unused_params(False)", ("tests/engine/test_unused_on_some_ranks.py",)),
+    Mutation("tp_adapter_layer_unplanned", "a LoRA-wrapped planned layer is left whole beside sharded ones",
+             "parallel/tp_plan.py", 'if spec is not None and spec.partition_type != "skip":', "if False:",
+             ("tests/parallel/test_autotp.py::test_adapter_wrapped_layers_refused",)),
+    Mutation("trainer_sp_loss_per_slice", "under the HF Trainer with Ulysses each rank's loss is its slice's mean",
+             "hf/trainer.py", 'loss = sequence_parallel_loss(outputs.loss, inputs["shift_labels"], sp.group)',
+             "loss = outputs.loss", ("tests/hf/test_trainer_ulysses.py::test_trainer_sp2_matches_unsharded",)),
 ]
 
 

@@ -3,9 +3,9 @@
 and a "tp" dimension the config did not ask for left its ranks unsynchronized replicas. Now one line naming the key,
 the value and the fix, from the mesh's shape alone: the same on every rank, before any collective.
 
-2 forked gloo ranks, a real transformers Llama. Each rank meets the bad meshes alone in turn (rank 0 while rank 1
-waits at a barrier, then the reverse): an error raised only after a collective would leave the lone rank in it, and
-the job fails at the gloo timeout instead of returning the message. A mesh that agrees still trains, and its first
+2 forked gloo ranks, a real transformers Llama. Both ranks meet each bad mesh (a mesh not refused fails at once), then
+each rank alone in turn (rank 0 while rank 1 waits at a barrier, then the reverse): an error raised only after a
+collective would leave the lone rank in it, and the job fails at the gloo timeout. A mesh that agrees still trains, and its first
 loss equals the one of the mesh fsdpzero builds itself.
 """
 import torch.distributed as dist
@@ -44,14 +44,20 @@ def _user_meshes(rank, world):
         "tp the config does not ask for": (1, init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))),
     }
     errors = {}
-    for name, (tp, mesh) in bad.items():
+    for name, (tp, mesh) in bad.items():   # both ranks at once: a mesh that is not refused fails here, fast
+        try:
+            fsdpzero.wrap(build_model("llama"), ds_config(tp), mesh=mesh)
+            raise AssertionError(f"{name}: wrap(mesh=...) was not refused")
+        except ValueError as e:
+            errors[name] = str(e)
+    for name, (tp, mesh) in bad.items():   # then each rank alone: the error comes before any collective
         for turn in range(world):
             if rank == turn:
                 try:
                     fsdpzero.wrap(build_model("llama"), ds_config(tp), mesh=mesh)
-                    errors[name] = "no error"
+                    raise AssertionError(f"{name}: wrap(mesh=...) was not refused on rank {rank} alone")
                 except ValueError as e:
-                    errors[name] = str(e)
+                    assert str(e) == errors[name]
             dist.barrier()
     good = build_parallel_mesh("cpu", (1,), ("dp",), tp=WORLD)
     engine = fsdpzero.wrap(build_model("llama"), ds_config(WORLD), mesh=good)
