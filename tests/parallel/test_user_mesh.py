@@ -60,9 +60,9 @@ def _user_meshes(rank, world):
                     assert str(e) == errors[name]
             dist.barrier()
     good = build_parallel_mesh("cpu", (1,), ("dp",), tp=WORLD)
-    engine = fsdpzero.wrap(build_model("llama"), ds_config(WORLD), mesh=good)
+    engine = fsdpzero.initialize(model=build_model("llama"), config=ds_config(WORLD), mesh=good)[0]   # the other door
     q = engine.module.model.layers[0].self_attn.q_proj.weight
-    sharded = (type(q).__name__, q.device_mesh.mesh_dim_names)
+    sharded = (type(q).__name__, q.device_mesh.mesh_dim_names, engine.mesh is good)
     given = _first_loss(engine)
     built = _first_loss(fsdpzero.wrap(build_model("llama"), ds_config(WORLD)))
     return errors, sharded, given, built
@@ -84,5 +84,5 @@ def test_user_mesh_must_match_autotp_size():
         "2 ({'dp': 1, 'tp': 2}): set tensor_parallel.autotp_size to 2")
     assert all("\n" not in e for e in errors.values())
     for _, sharded, given, built in results:
-        assert sharded == ("DTensor", ("dp", "tp"))
+        assert sharded == ("DTensor", ("dp", "tp"), True)
         assert abs(given - built) < 1e-6   # the caller's mesh is the one fsdpzero builds
