@@ -278,6 +278,10 @@ FATES: dict[str, tuple[str, str]] = {
 for _k in ("topk_ratio", "select_strategy", "select_interval", "update_interval", "overlap_step", "offload",
            "auto_ratio", "full_warm_up_rounds", "pt_reserved_cores_perc", "steps_per_epoch"):
     FATES[_Z + "zenflow." + _k] = (N, "part of the zenflow section (its fate is the section's)")
+FATES[_Z + "zenflow.auto_ratio"] = (N, "no effect, as in DeepSpeed 0.19.8: read only under update_interval \"auto\" "
+                                       "(refused, see zero_optimization.zenflow), where the flag it sets is cleared "
+                                       "before it is read (backward_prologue clears it, then the engine toggles "
+                                       "zenflow_state), so updates happen at select_interval boundaries only")
 
 UNKNOWN_FATE = (N, "unknown to DeepSpeed, ignored as DeepSpeed does")
 
@@ -573,8 +577,10 @@ CONDITIONAL: tuple[Rule, ...] = (
     Rule(_Z + "zenflow", ZENFLOW & When('update_interval "auto" (the default)', lambda c: isinstance(
         c.cfg.zero_optimization.zenflow.update_interval, str)), U,
          'update_interval "auto": DeepSpeed 0.19.8 divides the loss by gradient_accumulation_steps, which '
-         "configure_zenflow sets to update_interval = 0 under auto: inf gradients and NaN weights from the first step "
-         "(seen on CPU); set update_interval to a number"),
+         "configure_zenflow sets to update_interval = 0 under auto: inf gradients and NaN losses within the first "
+         "steps (seen on CPU); and its auto rule never fires: the flag auto_ratio sets is cleared before it is read, "
+         "so the CPU updates only at select_interval boundaries (with select_strategy auto/epoch and no dataloader: "
+         "never after the warm-up); set update_interval to a number"),
     Rule(_Z + "zenflow", ZENFLOW & When("fp16 on", lambda c: bool(c.cfg.fp16.enabled)), U,
          "ZenFlow with fp16 is not implemented (the selective step would need the loss scale); use bf16 or fp32"),
     Rule(_Z + "zenflow", ZENFLOW & When("optimizer not Adam/AdamW", lambda c: c.cfg.optimizer is None or (

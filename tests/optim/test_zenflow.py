@@ -446,3 +446,64 @@ def test_zenflow_cpu_step_is_placed_like_the_offload_path():
         for cpus, threads in bound.values():
             assert set(cpus) <= mine and threads == g["bind"]["expect"], (cpus, threads, mine, g["bind"]["expect"])
         assert knob and all(threads == 3 for _, threads in knob.values()), knob
+
+
+# -- update_interval "auto" and auto_ratio: what DeepSpeed 0.19.8 does with them (refused here, the fate says why) ----
+
+def ds_auto_update_boundaries(steps, warm, select, fires):
+    """A pure-Python reference of DeepSpeed 0.19.8's update boundary under update_interval "auto", in its order
+    (stage 1/2: ZenFlowZeroOptimizer.backward_prologue, then DeepSpeedEngine._backward_prologue's
+    `zenflow_state ^= 1`, then the reduce hooks' _process_selected_fp32_groups_grad, then engine.step's
+    is_zenflow_update_boundary; stage 3's zenflow_backward_prologue is the same). fires(k): whether step k's backward
+    reaches int(auto_ratio x matrices) matrices whose non-critical |grad| sum passed the critical one."""
+    need, state, out = [False, False], 0, []
+    for k in range(steps):
+        need[state] = False                # backward_prologue: this state's flag cleared ...
+        state ^= 1                         # ... then the engine toggles the state
+        if k >= warm and fires(k):         # the reduce hooks set the flag of the new state
+            need[state] = True
+        out.append(k + 1 <= warm or need[state ^ 1] or (select != 0 and (k + 1) % select == 0))
+    return out
+
+
+def _ds_auto_boundaries(rank, world, config, steps):
+    _deepspeed()
+    engine = oracle_engine("deepspeed", config)
+    boundaries, losses = [], []
+    for x in _data(rank)[:steps]:
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        boundaries.append(bool(engine.is_gradient_accumulation_boundary()))
+        engine.step()
+        losses.append(loss.item())
+    return boundaries, losses
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_update_interval_auto_is_refused_as_deepspeed_cannot_run_it():
+    """DeepSpeed 0.19.8 (stage 2, CPU, 2 gloo ranks) under update_interval "auto" with auto_ratio 0 (every step's
+    backward sets the "update now" flag): its update boundaries are the reference's, which are the warm-up round and
+    the select_interval boundaries only, whatever the flags (the flag is cleared before it is read, so auto_ratio
+    never acts); and the loss is NaN from step 2 (the loss is divided by gradient_accumulation_steps, which
+    configure_zenflow sets to update_interval = 0: inf gradients). fsdpzero refuses the key with that reason and the
+    fix, before any process group, and auto_ratio's fate says it has no effect."""
+    config = _config(warm=1, select=3)
+    config["zero_optimization"]["zenflow"].update(update_interval="auto", auto_ratio=0.0)
+    steps = 6
+    got = run_distributed(_ds_auto_boundaries, WORLD, copy.deepcopy(config), steps, timeout=500)
+    boundaries, losses = got[0]
+    expected = ds_auto_update_boundaries(steps, 1, 3, fires=lambda k: True)
+    assert boundaries == expected == ds_auto_update_boundaries(steps, 1, 3, fires=lambda k: False), boundaries
+    assert expected == [True, False, True, False, False, True]   # step 0: warm-up; steps 2, 5: (k + 1) % 3 == 0
+    assert torch.isfinite(torch.tensor(losses[0])) and all(torch.isnan(torch.tensor(losses[2:]))), losses
+
+    from fsdpzero.plan import Env
+    from fsdpzero.plan.translate import build_plan
+    plan = build_plan(copy.deepcopy(config), Env(world_size=WORLD))
+    (row,) = [d for d in plan.unsupported if d.key == "zero_optimization.zenflow"]
+    assert 'update_interval "auto"' in row.detail and "NaN" in row.detail and "auto_ratio" in row.detail, row.detail
+    from fsdpzero.plan.fate_table import FATES
+    status, how = FATES["zero_optimization.zenflow.auto_ratio"]
+    assert status == "noop" and "no effect" in how, (status, how)
