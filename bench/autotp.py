@@ -21,11 +21,8 @@ build) and fsdpzero with its default (torch's fused AdamW on GPUs). About 30-40 
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,19 +46,7 @@ def config(stage: int, tp: int, p: dict, ga: int) -> dict:
 def worker(args) -> None:
     import torch.distributed as dist
     p = common.PRESETS[args.preset]
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cpu") if common.CPU else torch.device("cuda", local)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if args.impl == "deepspeed":
-        common.prepare_deepspeed_build()
-        import deepspeed
-        if common.CPU:   # DeepSpeed JIT-builds a shared-memory all-reduce for inference on CPU (~40 s); unused here
-            importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-        deepspeed.init_distributed(dist_backend="gloo" if common.CPU else "nccl")
-    else:
-        dist.init_process_group("gloo" if common.CPU else "nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    device, rank, world = common.init_worker(deepspeed=args.impl == "deepspeed")
     cfg = config(args.stage, args.tp, p, args.ga)
     batches = common.fixed_batches(p, rank // args.tp, args.ga, device)   # one data replica = tp ranks, same rows
     model = common.build_model(p, device)
@@ -77,16 +62,7 @@ def worker(args) -> None:
             from fsdpzero.parallel.tensor_parallel import apply_tensor_parallel
             fsdpzero.api.apply_tensor_parallel = functools.partial(apply_tensor_parallel, dtensor_styles=True)
         engine, *_ = fsdpzero.initialize(model=model, config=cfg)
-
-    def step():
-        total = 0.0
-        for x in batches:
-            loss = engine(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach() / len(batches)
-        return total
-    timing = common.timed_loop(step, args.warmup, args.steps, device)
+    timing = common.timed_loop(common.engine_step(engine, batches), args.warmup, args.steps, device)
     if rank == 0:
         tokens = p["micro"] * p["seq"] * args.ga // args.tp   # a tp group shares its replica's tokens
         r = common.row(timing, n, tokens, config=f"z{args.stage}_tp{args.tp}_dp{world // args.tp}", impl=args.impl,
@@ -101,18 +77,11 @@ def launch(stage: int, impl: str, args, out: Path) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", __file__,
            "--worker", "--impl", impl, "--stage", str(stage), "--tp", str(args.tp), "--json", str(path), "--preset",
            args.preset, "--steps", str(args.steps), "--warmup", str(args.warmup), "--ga", str(args.ga)]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    if common.CPU:
-        env["DS_ACCELERATOR"] = "cpu"
     print(f"--- z{stage} {impl} tp {args.tp} x dp {args.nproc // args.tp}", flush=True)
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.run_timeout)
-        text, rc = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        text, rc = f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {args.run_timeout} s", "timeout"
+    text, rc = common.run_launcher(cmd, common.worker_env(), args.run_timeout)
     if rc != 0 or not path.exists():
-        (out / path.name.replace(".json", ".log")).write_text(text if isinstance(text, str) else str(text))
+        (out / path.name.replace(".json", ".log")).write_text(text)
         tail = [line for line in str(text).strip().splitlines() if line.strip()][-1:]
         print(f"    failed (rc {rc}): {tail}", flush=True)
         return {"config": f"z{stage}", "impl": impl, "error": f"rc={rc}", "log_tail": str(text)[-2000:]}

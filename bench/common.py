@@ -95,6 +95,88 @@ def prepare_deepspeed_build() -> None:
         os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"
 
 
+def init_worker(deepspeed: bool) -> tuple[torch.device, int, int]:
+    """A bench worker under a launcher (torchrun, fsdpzero launch): this rank's GPU, or the CPU under
+    FSDPZERO_BENCH_CPU=1, and the process group (DeepSpeed's init_distributed for a DeepSpeed run, its op builds
+    prepared; torch's otherwise). Returns (device, rank, world size)."""
+    import torch.distributed as dist
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cpu") if CPU else torch.device("cuda", local)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "gloo" if CPU else "nccl"
+    if deepspeed:
+        prepare_deepspeed_build()
+        import deepspeed as ds
+        if CPU:   # DeepSpeed JIT-builds a shared-memory all-reduce for inference on CPU (~40 s); unused here
+            importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        ds.init_distributed(dist_backend=backend)
+    else:
+        dist.init_process_group(backend)
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+def engine_step(engine, batches):
+    """One optimizer step of a DeepSpeed-shaped engine (DeepSpeed's, fsdpzero's) over the micro-batches `batches`:
+    the gradient-accumulation boundaries are the engine's business. Returns the mean loss."""
+    def step():
+        total = 0.0
+        for x in batches:
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach() / len(batches)
+        return total
+    return step
+
+
+def step_timer(sync, times: list[float], first: list[float] | None = None):
+    """A transformers TrainerCallback that appends each training step's wall time (between `sync()` calls) to
+    `times`, and, when `first` is given, the time from process start to the first step's end to it once."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            sync()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            sync()
+            times.append(time.perf_counter() - self.t0)
+            if first is not None and not first:
+                first.append(time.perf_counter() - START)
+    return StepTimer()
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    """The environment a bench's launcher command runs in: this one's, `extra`, one OpenMP thread per rank unless
+    the user set OMP_NUM_THREADS (torchrun's default), and DeepSpeed on its CPU accelerator under
+    FSDPZERO_BENCH_CPU=1."""
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **extra)
+    if CPU:
+        env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+def run_launcher(cmd: list[str], env: dict[str, str], timeout: float, cwd=None) -> tuple[str, int | str]:
+    """Run a launcher command (torchrun, fsdpzero launch) to its end: (its stdout and stderr, the exit code, or
+    "timeout"). At the timeout it gets SIGTERM, so that torchrun stops its workers (each in its own session) on
+    the way out (SIGKILL would orphan them with their GPUs); SIGKILL only if it has not finished 60 s later."""
+    import signal
+    import subprocess
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        return proc.communicate(timeout=timeout)[0], proc.returncode
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            text = proc.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            text = proc.communicate()[0]
+        return text + f"\ntimed out after {timeout} s", "timeout"
+
+
 def host_rss_gib() -> float:
     """Peak resident set of this process (ru_maxrss is KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -156,17 +154,7 @@ def worker(args) -> None:
     cfg = common.ds_config(e, p)
     if impl.startswith("fsdpzero") and compiled:
         cfg["compile"] = {"enabled": True, "backend": backend}
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cpu") if common.CPU else torch.device("cuda", local)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if impl.startswith("deepspeed"):
-        common.prepare_deepspeed_build()
-        import deepspeed
-        deepspeed.init_distributed(dist_backend="gloo" if common.CPU else "nccl")
-    else:
-        dist.init_process_group("gloo" if common.CPU else "nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    device, rank, world = common.init_worker(deepspeed=impl.startswith("deepspeed"))
     batches = common.fixed_batches(p, rank, 1, device)
     model = common.build_model(p, device)
     # every implementation trains without HF's KV cache: it is indexed per layer, and a compiled block would
@@ -224,18 +212,10 @@ def launch(impl: str, stage: int, args, out: Path, rep: int = 0) -> dict | None:
            __file__, "--worker", "--impl", impl, "--stage", str(stage), "--json", str(path), "--preset", args.preset,
            "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--backend", args.backend]
                                                                          if args.backend else [])
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    if common.CPU:
-        env["DS_ACCELERATOR"] = "cpu"
-    if args.cold_compile:
-        env["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
+    env = common.worker_env(**({"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"} if args.cold_compile else {}))
     print(f"--- z{stage} {impl}", flush=True)
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.run_timeout)
-        text, rc = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        text, rc = str(exc.stdout or "") + f"\ntimed out after {args.run_timeout} s", "timeout"
+    text, rc = common.run_launcher(cmd, env, args.run_timeout)
     if rc != 0 or not path.exists():
         (out / f"z{stage}__{impl}__r{rep}.log").write_text(text)
         print(f"    failed (rc {rc}); log kept: {text.strip().splitlines()[-3:]}", flush=True)

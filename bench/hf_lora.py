@@ -16,7 +16,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -54,7 +53,6 @@ def _preset(args) -> dict:
 
 def run_one(args) -> None:
     import transformers
-    from transformers import TrainerCallback
 
     import peft
     p = _preset(args)
@@ -83,24 +81,13 @@ def run_one(args) -> None:
     else:
         targs = transformers.TrainingArguments(**kwargs)
         trainer_cls = transformers.Trainer
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times: list[float] = []
     first: list[float] = []
-
-    class StepTimer(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            sync()
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            sync()
-            times.append(time.perf_counter() - self.t0)
-            if not first:
-                first.append(time.perf_counter() - common.START)
+    timer = common.step_timer(torch.cuda.synchronize if device.type == "cuda" else (lambda: None), times, first)
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     data = FixedBatches(p, (args.warmup + args.steps) * p["micro"] * world)
-    trainer = trainer_cls(model=model, args=targs, train_dataset=data, callbacks=[StepTimer()])
+    trainer = trainer_cls(model=model, args=targs, train_dataset=data, callbacks=[timer])
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     trainer.train()

@@ -68,22 +68,14 @@ def worker(args) -> None:
     cfg["optimizer"]["params"]["torch_adam"] = True
     if common.CPU:   # the tiny preset's blocks are below the default 1e5-parameter threshold: shard them all
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cpu") if common.CPU else torch.device("cuda", local)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if impl == "deepspeed":
-        common.prepare_deepspeed_build()
-        import deepspeed
-        deepspeed.init_distributed(dist_backend="gloo" if common.CPU else "nccl")
-    else:
-        import fsdpzero
-        dist.init_process_group("gloo" if common.CPU else "nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    device, rank, world = common.init_worker(deepspeed=impl == "deepspeed")
     batches = common.fixed_batches(p, rank, 1, device)
     model = common.build_model(p, device)
     n = common.n_params(model)
-    lib = deepspeed if impl == "deepspeed" else fsdpzero
+    if impl == "deepspeed":
+        import deepspeed as lib
+    else:
+        import fsdpzero as lib
     engine, *_ = lib.initialize(model=model, model_parameters=model.parameters(), config=cfg)
 
     def step():
@@ -123,10 +115,8 @@ def two_nodes(name: str, args, out: Path) -> dict | None:
     path, port = out / f"{name}.json", str(free_port())
     procs = []
     for k in (0, 1):
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        env = common.worker_env(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         if common.CPU:
-            env["DS_ACCELERATOR"] = "cpu"
             per_node = ["--num_gpus", "2"]
         else:
             env["CUDA_VISIBLE_DEVICES"] = f"{2 * k},{2 * k + 1}"   # this "node"'s two GPUs

@@ -24,7 +24,6 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,7 +49,7 @@ def worker(args) -> None:
     import torch.distributed as dist
     import transformers
     import trl
-    from transformers import ByT5Tokenizer, TrainerCallback
+    from transformers import ByT5Tokenizer
 
     p = dict(common.PRESETS[args.preset])
     p["seq"] = args.seq or p["seq"]
@@ -69,20 +68,10 @@ def worker(args) -> None:
                         learning_rate=2e-4, max_grad_norm=1.0, max_length=p["seq"],
                         logging_steps=1, report_to="none", save_strategy="no", seed=0, bf16=not CPU, use_cpu=CPU,
                         disable_tqdm=True, dataloader_drop_last=True, deepspeed=ZERO3)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     times: list[float] = []
-
-    class StepTimer(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            sync()
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            sync()
-            times.append(time.perf_counter() - self.t0)
-
+    timer = common.step_timer(torch.cuda.synchronize if cuda else (lambda: None), times)
     trainer = trl.SFTTrainer(model=model, args=cfg, train_dataset=data, processing_class=ByT5Tokenizer(),
-                             peft_config=lora, callbacks=[StepTimer()])
+                             peft_config=lora, callbacks=[timer])
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
@@ -116,26 +105,22 @@ def launch(impl: str, args, out: Path) -> dict:
                "--num_gpus", str(args.nproc), "--master_port", str(args.port), *script]
     else:                     # real DeepSpeed (torchrun: no shim, `import deepspeed` is DeepSpeed's)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", *script]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "ops"), os.environ.get("PYTHONPATH")])),
-               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions")))
-    if CPU:
-        env["DS_ACCELERATOR"] = "cpu"
+    sys.path.insert(0, str(ROOT / "bench"))
+    import common
+    env = common.worker_env(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "ops"), os.environ.get("PYTHONPATH")])),
+        TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions")))
     if "TORCH_CUDA_ARCH_LIST" in env:   # DeepSpeed 0.19.8's op builder cannot parse "9.0a"
         env["TORCH_CUDA_ARCH_LIST"] = env["TORCH_CUDA_ARCH_LIST"].replace("a", "")
     shown = ["fsdpzero", *cmd[3:]] if impl == "fsdpzero" else cmd
     print(f"--- {impl}: {' '.join(shown)}", flush=True)
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.run_timeout)
-        text, rc = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        text, rc = f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {args.run_timeout} s", "timeout"
-    (out / f"{impl}.log").write_text(str(text))
+    text, rc = common.run_launcher(cmd, env, args.run_timeout, cwd=ROOT)
+    (out / f"{impl}.log").write_text(text)
     if rc != 0 or not path.exists():
-        tail = [line for line in str(text).strip().splitlines() if line.strip()][-1:]
+        tail = [line for line in text.strip().splitlines() if line.strip()][-1:]
         print(f"    failed (rc {rc}): {tail}", flush=True)
-        return {"impl": impl, "error": f"rc={rc}", "log_tail": str(text)[-3000:]}
+        return {"impl": impl, "error": f"rc={rc}", "log_tail": text[-3000:]}
     row = json.loads(path.read_text())
     row["wall_s"] = time.perf_counter() - t0
     print(f"    {row['step_s']:.3f} s/step, peak alloc {row['peak_alloc_gib']:.2f} GiB, wall {row['wall_s']:.0f} s",

@@ -19,11 +19,9 @@ sequence once: dp x seq / step time / GPUs (dp = GPUs / sp).
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -70,26 +68,15 @@ def worker(args) -> None:
     import torch.distributed as dist
     from fsdpzero.parallel.ulysses import shard_batch
     p = dict(common.PRESETS[args.preset], seq=args.seq, micro=1)
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cpu") if common.CPU else torch.device("cuda", local)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     sp = 1 if args.impl == "zero3" else args.sp
-    if args.impl == "deepspeed_alst":
-        common.prepare_deepspeed_build()
-        import deepspeed
-        if common.CPU:   # DeepSpeed JIT-builds a shared-memory all-reduce for inference on CPU (~40 s); unused here
-            importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-        deepspeed.init_distributed(dist_backend="gloo" if common.CPU else "nccl")
-    else:
-        dist.init_process_group("gloo" if common.CPU else "nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    device, rank, world = common.init_worker(deepspeed=args.impl == "deepspeed_alst")
     model = common.build_model(p, device)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n = common.n_params(model)
     cfg = config(p, sp, world)
     group = None
     if args.impl == "deepspeed_alst":
+        import deepspeed
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
         mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, p["micro"], seq_length=args.seq,
                                                               seq_length_is_variable=False)
@@ -133,23 +120,17 @@ def launch(impl: str, seq: int, args, out: Path) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", __file__,
            "--worker", "--impl", impl, "--seq", str(seq), "--sp", str(args.sp), "--json", str(path), "--preset",
            args.preset, "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-               PYTORCH_CUDA_ALLOC_CONF=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"))
-    if common.CPU:
-        env["DS_ACCELERATOR"] = "cpu"
+    env = common.worker_env(
+        PYTORCH_CUDA_ALLOC_CONF=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"))
     print(f"--- {impl} seq {seq}", flush=True)
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.run_timeout)
-        text, rc = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        text, rc = f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {args.run_timeout} s", "timeout"
+    text, rc = common.run_launcher(cmd, env, args.run_timeout)
     if rc != 0 or not path.exists():
-        (out / path.name.replace(".json", ".log")).write_text(str(text))
-        oom = "OutOfMemoryError" in str(text) or "out of memory" in str(text)
+        (out / path.name.replace(".json", ".log")).write_text(text)
+        oom = "OutOfMemoryError" in text or "out of memory" in text
         why = "out of memory" if oom else f"rc={rc}"
         print(f"    failed: {why}", flush=True)
-        return {"impl": impl, "seq": seq, "error": why, "log_tail": str(text)[-1500:]}
+        return {"impl": impl, "seq": seq, "error": why, "log_tail": text[-1500:]}
     row = json.loads(path.read_text())
     row["wall_s"] = time.perf_counter() - t0
     print(f"    {row['step_s']:.3f} s/step, {row['tokens_per_s_per_gpu']:.0f} tok/s/GPU, "

@@ -14,9 +14,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -87,18 +84,6 @@ def plain_step(model, e, p, device, batches):
     return step
 
 
-def engine_step(engine, batches):
-    def step():   # DeepSpeed-shaped loop: GA boundaries are the engine's business
-        total = 0.0
-        for x in batches:
-            loss = engine(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach() / len(batches)
-        return total
-    return step
-
-
 def worker(args) -> None:
     import torch.distributed as dist
     e = json.loads(args.entry)
@@ -106,17 +91,7 @@ def worker(args) -> None:
     if common.CPU:
         e["dtype"] = "fp32"   # CPU: fp32 so that fsdpzero and plain FSDP2 losses can be compared
     cfg = common.ds_config(e, p)
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cpu") if common.CPU else torch.device("cuda", local)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if args.impl == "deepspeed":
-        common.prepare_deepspeed_build()
-        import deepspeed
-        deepspeed.init_distributed(dist_backend="gloo" if common.CPU else "nccl")
-    else:
-        dist.init_process_group("gloo" if common.CPU else "nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    device, rank, world = common.init_worker(deepspeed=args.impl == "deepspeed")
     batches = common.fixed_batches(p, rank, e["ga"], device)
     model = common.build_model(p, device)
     n = common.n_params(model)
@@ -125,11 +100,11 @@ def worker(args) -> None:
     elif args.impl == "deepspeed":
         import deepspeed
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-        step = engine_step(engine, batches)
+        step = common.engine_step(engine, batches)
     else:
         import fsdpzero
         engine, *_ = fsdpzero.initialize(model=model, config=cfg)
-        step = engine_step(engine, batches)
+        step = common.engine_step(engine, batches)
     timing = common.timed_loop(step, args.warmup, args.steps, device)
     if rank == 0:
         r = common.row(timing, n, p["micro"] * p["seq"] * e["ga"], config=e["name"], impl=args.impl,
@@ -149,23 +124,8 @@ def launch(e, impl, nproc, args, out: Path) -> dict | None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            __file__, "--worker", "--impl", impl, "--entry", json.dumps(e), "--json", str(path),
            "--preset", args.preset, "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    if common.CPU:
-        env["DS_ACCELERATOR"] = "cpu"
     print(f"--- {e['name']} {impl} n={nproc}", flush=True)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        text, rc = proc.communicate(timeout=args.run_timeout)[0], proc.returncode
-    except subprocess.TimeoutExpired:
-        # SIGTERM: torchrun stops its workers (each in its own session) on the way out; SIGKILL would orphan them
-        # with their GPUs. SIGKILL only if it has not finished 60 s later.
-        proc.send_signal(signal.SIGTERM)
-        try:
-            text = proc.communicate(timeout=60)[0]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            text = proc.communicate()[0]
-        text, rc = text + f"\ntimed out after {args.run_timeout} s", "timeout"
+    text, rc = common.run_launcher(cmd, common.worker_env(), args.run_timeout)
     if rc != 0 or not path.exists():
         (out / f"{e['name']}__{impl}__n{nproc}.log").write_text(text)
         print(f"    failed (rc {rc}); log kept: {text.strip().splitlines()[-1:]}")
