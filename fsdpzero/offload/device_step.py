@@ -134,7 +134,11 @@ class CpuNormPrefetch:
         from fsdpzero_ops import cpu_adam
         torch.set_num_threads(self.threads)
         while True:
-            param, loc, event = self._queue.get()
+            item = self._queue.get()
+            if item is None:   # close()
+                self._queue.task_done()
+                return
+            param, loc, event = item
             try:
                 if event is not None:
                     event.synchronize()
@@ -155,4 +159,13 @@ class CpuNormPrefetch:
 
     def clear(self) -> None:
         self._queue.join()
+        self._sums.clear()
+
+    def close(self) -> None:
+        """Finish the queued sums and end the worker (the grad path's close: engine.destroy(), collection, exit).
+        A thread still inside a torch op when the interpreter finalizes aborts the process (docs/engine.md,
+        "Shutdown"); in a forked child the worker does not exist and there is nothing to join."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
         self._sums.clear()

@@ -115,7 +115,8 @@ class OffloadGradPath(GradPath):
                                     swap_params=swap_params, overlap=overlap),
                    prepare.speculation(plan, knobs, masters.entries, optimizer,
                                        no_speculation=cls.on_disk or swap_params or muon))
-        if muon:   # the gradients' sums of squares taken during backward would be the raw ones', not the updates'
+        if muon and path.norm_cache is not None:   # the sums of squares taken during backward would be the raw
+            path.norm_cache.close()                  # gradients', not the updates'
             path.norm_cache = None
         if swap_params:
             path.param_swapper = prepare.swap_params_to_disk(model, plan, masters.entries, knobs)
@@ -498,6 +499,9 @@ class OffloadGradPath(GradPath):
         """Join an overlapped step; with offload_param nvme, bring every shard back and remove the swap files."""
         self._join()
         self._discard_speculation()
+        if self.norm_cache is not None:
+            self.norm_cache.close()
+            self.norm_cache = None
         if self.param_swapper is not None:
             self.param_swapper.close()
             self.param_swapper = None

@@ -2,6 +2,7 @@
 is killed while it holds C++ frames, and the process aborts (`terminate called without an active exception`, exit
 -6; torchrun then fails the whole job). The engine closes its gradient path (joins the overlapped CPU step, closes
 the aio engines, removes the swap files) on `destroy()`, when it is collected, and at interpreter exit."""
+import dataclasses
 import os
 import subprocess
 import sys
@@ -11,8 +12,9 @@ import pytest
 import transformers  # noqa: F401  imported before forking the ranks
 
 import fsdpzero
+from fsdpzero.plan import OffloadPlan
 from tests.engine.exit_script import offload_plan, train
-from tests.engine_cases import build_model
+from tests.engine_cases import batches, build_model, make_plan
 from tests.multirank import free_port, run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,6 +54,27 @@ def _destroy(rank, world, tmp):
 def test_destroy_joins_the_step_and_removes_the_swap_files(tmp_path):
     for r in run_distributed(_destroy, 2, str(tmp_path), timeout=240):
         assert r == dict(running=True, existed=True, joined=True, removed=True)
+
+
+def _norm_worker(rank, world):
+    """offload_param cpu: the thread summing grads' squares during backward (CpuNormPrefetch) ends with the engine.
+    Left running, it could be inside a torch op when the interpreter finalizes: a Python thread in a torch op then
+    aborts the process (`terminate called without an active exception`, as a daemon thread looping torch.mm did in
+    3 of 3 runs)."""
+    plan = dataclasses.replace(make_plan(stage=3, world=world, dtype="bfloat16"), offload=OffloadPlan(
+        optimizer_device="cpu", param_device="cpu", pin_memory=False))
+    engine = fsdpzero.wrap(build_model("llama"), plan)
+    worker = engine.grad_path.norm_cache._thread
+    x = batches(1, 1, 2 * world)[0][0][rank * 2:(rank + 1) * 2]
+    engine.backward(engine(input_ids=x, labels=x).loss)   # the grads go to the worker; the script ends, no step
+    alive = worker.is_alive()
+    engine.destroy()
+    return dict(alive=alive, ended=not worker.is_alive())
+
+
+def test_destroy_ends_the_norm_worker():
+    for r in run_distributed(_norm_worker, 2, timeout=240):
+        assert r == dict(alive=True, ended=True)
 
 
 # A gloo worker drops its reference to a collective's tensors after marking it complete; for a tensor Python holds,
