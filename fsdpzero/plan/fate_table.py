@@ -180,8 +180,9 @@ FATES: dict[str, tuple[str, str]] = {
     "aio.overlap_events": (M, "AioPlan.overlap_events"),
     "aio.use_gds": (N, "false: swaps go through CPU buffers, DeepSpeed's default"),
     # ---- activation checkpointing
-    "activation_checkpointing": (M, "ActivationCheckpointPlan: checkpoint_wrapper(NO_REENTRANT) per block before "
-                                    "fully_shard"),
+    "activation_checkpointing": (M, "ActivationCheckpointPlan: a non-reentrant torch.utils.checkpoint per block "
+                                    "before fully_shard (Hugging Face models: their activation_checkpointing_enable; "
+                                    "others: fsdpzero.activation.CheckpointedBlock)"),
     "activation_checkpointing.partition_activations": (N, "needs tensor parallelism; activations are not split"),
     "activation_checkpointing.contiguous_memory_optimization": (N, "allocator detail"),
     "activation_checkpointing.cpu_checkpointing": (M, "ActivationCheckpointPlan.cpu_checkpointing: "
