@@ -161,23 +161,27 @@ def drive(ns) -> None:
         path = out / f"{name}.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", __file__,
                "--config", name, "--json", str(path)]
-        try:   # its own session: a timeout ends the whole group (DeepSpeed's optimizer process included)
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    start_new_session=True)
+        log = out / f"{name}.log"
+        path.unlink(missing_ok=True)
+        # its own session: a timeout ends the whole group (DeepSpeed's optimizer process included)
+        with open(log, "w") as log_file:
+            proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
             try:
-                stdout, stderr = proc.communicate(timeout=left)
+                proc.wait(timeout=left)
+                late = None
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, 9)
-                proc.communicate()
-                raise
-            proc.stdout, proc.stderr = stdout, stderr
-            if proc.returncode == 0 and path.exists():
-                rows.append(json.loads(path.read_text()))
-            else:
-                rows.append({"config": name, "size": CONFIGS[name],
-                             "skipped": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-300:]!r}"})
-        except subprocess.TimeoutExpired:
-            rows.append({"config": name, "size": CONFIGS[name], "skipped": f"timeout after {left:.0f} s"})
+                proc.wait()
+                late = f"killed after {left:.0f} s"
+        tail = log.read_text(errors="replace")[-300:]
+        if path.exists():   # the worker writes its row after the timed steps: a late exit still measured them
+            row = json.loads(path.read_text())
+            if late or proc.returncode:
+                row["note"] = f"{late or f'exit {proc.returncode}'} after writing its row (log: {log.name}); "
+            rows.append(row)
+        else:
+            rows.append({"config": name, "size": CONFIGS[name],
+                         "skipped": f"{late or f'exit {proc.returncode}'} (log: {log.name}): {tail!r}"})
     derive(rows)
     (out / "zenflow.json").write_text(json.dumps(rows, indent=1))
     print(json.dumps([{k: v for k, v in r.items() if k not in ("losses", "steps_s")} for r in rows]))
