@@ -88,6 +88,7 @@ def late_gil_shim(tmp_path_factory):
     return d / "late_gil.so"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_gloo_worker_late_for_the_gil_at_exit_does_not_abort(tmp_path, late_gil_shim):
     base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
