@@ -262,12 +262,23 @@ class UlyssesSPDataLoaderAdapter:
         self.dl, self.sp_rank, self.sp_group, self.sp_world_size = dl, sp_rank, sp_group, sp_world_size
         self.device = torch.device(device)
         self.iter = iter(dl)
+        self.taken = 0   # batches read from self.iter
+        self.peeked = None
         self.micro_batches: deque = deque()
 
     def __len__(self) -> int:
         return len(self.dl) * self.sp_world_size
 
     def __iter__(self):
+        # a pass read to its end without meeting the StopIteration that resets it starts over here: the HF Trainer
+        # takes exactly len(self) batches an epoch, so the next epoch's first batch met the spent iterator and that
+        # update was lost (one optimizer step an epoch; DeepSpeed's adapter does that)
+        if not self.micro_batches and self.peeked is None and hasattr(self.dl, "__len__") \
+                and self.taken >= len(self.dl):
+            try:   # run the spent pass to its end (accelerate's loader counts its epochs there: the next shuffle)
+                self.peeked = next(self.iter)   # a loader longer than its len(): kept for the next refill
+            except StopIteration:
+                self.iter, self.taken = iter(self.dl), 0
         return self
 
     def __next__(self) -> dict:
@@ -277,10 +288,11 @@ class UlyssesSPDataLoaderAdapter:
 
     def refill(self) -> None:
         try:
-            batch = next(self.iter)
+            batch, self.peeked = (next(self.iter) if self.peeked is None else self.peeked), None
         except StopIteration:
-            self.iter = iter(self.dl)    # the next epoch starts on the next call, as DeepSpeed's
+            self.iter, self.taken = iter(self.dl), 0    # the next epoch starts on the next call, as DeepSpeed's
             raise
+        self.taken += 1
         if "position_ids" not in batch:   # same error on every rank before any collective: the collators match
             shard_batch(batch, 0, 1)
         n, group = self.sp_world_size, self.sp_group

@@ -137,6 +137,10 @@ MUTATIONS = [
     Mutation("trainer_sp_loss_per_slice", "under the HF Trainer with Ulysses each rank's loss is its slice's mean",
              "hf/trainer.py", 'loss = sequence_parallel_loss(outputs.loss, inputs["shift_labels"], sp.group)',
              "loss = outputs.loss", ("tests/hf/test_trainer_ulysses.py::test_trainer_sp2_matches_unsharded",)),
+    Mutation("ulysses_adapter_spent_pass", "the Ulysses adapter hands the next epoch a spent pass (the HF Trainer "
+             "loses one optimizer step an epoch, as with DeepSpeed's adapter)", "parallel/ulysses.py",
+             "        if not self.micro_batches and self.peeked is None", "        if False and self.peeked is None",
+             ("tests/hf/test_trainer_ulysses.py::test_trainer_sp2_matches_unsharded",)),
 ]
 
 
