@@ -39,8 +39,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Native threads whose library prepares for fork itself: jemalloc (imported with pyarrow, e.g. through datasets)
+# takes its locks around fork and restarts its background thread in the child.
+FORK_SAFE_THREADS = {"jemalloc_bg_thd"}
+
+
 def native_threads() -> list[str]:
-    """Names of this process's threads that Python did not start (gloo's workers, an OpenMP pool, aio workers)."""
+    """Names of this process's threads that Python did not start (gloo's workers, an OpenMP pool, aio workers),
+    except those in FORK_SAFE_THREADS."""
     python = {t.native_id for t in threading.enumerate() if not isinstance(t, threading._DummyThread)}
     names = []
     for tid in os.listdir("/proc/self/task"):
@@ -49,7 +55,7 @@ def native_threads() -> list[str]:
                 names.append(Path(f"/proc/self/task/{tid}/comm").read_text().strip())
             except OSError:   # it ended
                 pass
-    return sorted(names)
+    return sorted(n for n in names if n not in FORK_SAFE_THREADS)
 
 
 def _start_method(job: str) -> str:
