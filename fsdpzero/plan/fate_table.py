@@ -130,7 +130,9 @@ FATES: dict[str, tuple[str, str]] = {
     _Z + "stage3_module_granularity_threshold": (N, "fetch granularity is the wrapped block"),
     _Z + "stage3_use_all_reduce_for_fetch_params": (N, "FSDP2 all-gathers"),
     _Z + "stage3_allgather_sequential": (N, "FSDP2 all-gathers per block"),
-    _Z + "ignore_unused_parameters": (M, "true: FSDP2 tolerates parameters without gradients"),
+    _Z + "ignore_unused_parameters": (M, "true: parameters without gradients are tolerated; one with a gradient on "
+                                         "some ranks only gets zeros reduced on the others, as DeepSpeed "
+                                         "(FSDP2's set_reduce_scatter_unused_params, in fsdpzero.sharding)"),
     _Z + "legacy_stage1": (N, "false: the current stage-1 implementation"),
     _Z + "round_robin_gradients": (N, "CPU-offload copy ordering; no effect on results"),
     _Z + "parameter_alignment": (N, "flat-buffer padding detail of DeepSpeed"),
