@@ -15,9 +15,12 @@ and divides the loss by it; here the engine runs gradient_accumulation_steps 1 a
   max(1, int(n * topk_ratio)) of all n whole columns of its rank parts together (ds3_column_pieces).
 - every step k >= W: the selected columns and every 1-D parameter take an AdamW step on the device (torch's
   single-tensor AdamW, unclipped gradient) -- at an update boundary after the CPU step, from their values before it.
-- every step: the gradient accumulates in fp32, where it is (on a GPU: 4 bytes per parameter, 8 with overlap_step;
-  DeepSpeed keeps the sum on the CPU and round-trips it through the GPU every step); each update copies it to the
-  host once.
+- every step: the gradient accumulates in fp32 on the host (4 bytes per parameter, 8 with overlap_step; pinned), as
+  DeepSpeed keeps its sum on the CPU. With an accelerator the step's gradient is added on the device, chunk by chunk
+  through two staging buffers, and the sum goes back (_DeviceRoundTrip): 4 bytes per parameter each way per step
+  (only back at an interval's first step), on side streams beside the step and the next forward; the CPU step reads
+  the host sum in place. The device holds the selective state alone (DeepSpeed's: the selected columns' and the
+  vectors' gradient, moments and restore copy) and two staging chunks.
 - update boundary (k + 1 < W, or (k + 1 - W) % U == 0, or (k + 1) % S == 0): the accumulated gradient, clipped by
   its own global norm (gradient_clipping), takes a CPU Adam step on the masters with bias correction at step k + 1
   (DeepSpeed's step_id) and the masters replace the device weights; the selected columns and 1-D parameters then
@@ -26,7 +29,8 @@ and divides the loss by it; here the engine runs gradient_accumulation_steps 1 a
   at the next boundary (DeepSpeed's optimizer process: the first boundary after the warm-up, and with W = 0 the
   first two, land nothing); it alternates between two gradient buffers and two sets of Adam moments, as
   DeepSpeed's ZenFlowAdam does. Warm-up steps are synchronous.
-- offload: the selective moments live on the CPU between steps (moved to the device for each step).
+- offload: the selective moments live on the CPU between steps (moved to the device for each step), and so does
+  the selected values' copy restored at an update (DeepSpeed's temp_selected_param).
 
 The CPU step is placed as the offload path's (fsdpzero/host.py place_cpu_step, knobs offload_threads and
 offload_bind): this rank's own slice of cores, one thread per CPU of it. With overlap_step, pt_reserved_cores_perc
@@ -130,6 +134,76 @@ def adamw_(p, g, m, v, step: torch.Tensor, *, lr, beta1, beta2, eps, weight_deca
     p.addcdiv_(m, denom, value=-(lr / (1 - beta1 ** t)))
 
 
+CHUNK = 1 << 24   # elements per round-trip chunk (64 MiB of fp32 staging, twice)
+DEVICE, HOST, SELECTIVE = "device", "host", "selective"
+# Where each tensor of a slot lives: DEVICE is the parameter's device, HOST the CPU (pinned with an accelerator),
+# SELECTIVE the device, or the CPU with zenflow.offload. ZenFlowGradPath.resident_bytes() counts by it.
+PLACEMENT = {"master": HOST, "m": HOST, "v": HOST, "acc": HOST, "out": HOST, "selected": DEVICE,
+             "sel_m": SELECTIVE, "sel_v": SELECTIVE, "sel_step": HOST, "sel_grad": DEVICE, "temp": SELECTIVE}
+
+
+class _DeviceRoundTrip:
+    """With an accelerator, each step's gradient joins the host-resident accumulation on the device: per chunk of
+    CHUNK elements, the sum comes in (H2D, on one side stream), the gradient is added and the sum goes back (D2H, on
+    a second), through two staging buffers, so chunk c+1 comes in while chunk c goes out (DeepSpeed's
+    async_accumulate_grad_in_cpu_via_gpu, per parameter, on one stream). An interval's first gradient only goes out.
+    Queued once the gradients are final, it runs beside the step and the next forward; the gradients stay allocated
+    until it ends (record_stream), and `done` marks its end. The next step's add waits for it on the host."""
+
+    def __init__(self, device: torch.device, numel: int):
+        self.stage = [torch.empty(min(CHUNK, numel), dtype=torch.float32, device=device) for _ in range(2)]
+        self.h2d, self.d2h = torch.cuda.Stream(device), torch.cuda.Stream(device)
+        self.freed: list = [None, None]   # per staging buffer: its last D2H is done
+        self.done = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.stage)
+
+    def add(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], fresh: bool, norm: bool) -> torch.Tensor | None:
+        """acc (host) = g (fresh) or acc + g, per (acc, g); with norm, the sum of squares of the new sums (float64,
+        on the device, complete at `done`)."""
+        self.wait()   # one round trip at a time: a late one holds its gradients, and would pile them up
+        pairs = [(acc.view(-1), g.reshape(-1)) for acc, g in pairs]   # (before the wait: a reshape's copy is seen)
+        cur = torch.cuda.current_stream()
+        self.d2h.wait_stream(cur)         # the gradients are final
+        self.h2d.wait_stream(self.d2h)    # and the last round trip's sums are back on the host
+        with torch.cuda.stream(self.d2h):
+            sq = torch.zeros((), dtype=torch.float64, device=self.stage[0].device) if norm else None
+        j = 0
+        for acc, g in pairs:
+            g.record_stream(self.d2h)
+            for a in range(0, acc.numel(), CHUNK):
+                b = min(a + CHUNK, acc.numel())
+                st = self.stage[j][:b - a]
+                if not fresh:
+                    with torch.cuda.stream(self.h2d):
+                        if self.freed[j] is not None:
+                            self.h2d.wait_event(self.freed[j])
+                        st.copy_(acc[a:b], non_blocking=True)
+                        loaded = torch.cuda.Event()
+                        loaded.record(self.h2d)
+                    self.d2h.wait_event(loaded)
+                with torch.cuda.stream(self.d2h):
+                    if fresh:
+                        st.copy_(g[a:b])
+                    else:
+                        st.add_(g[a:b])
+                    if sq is not None:
+                        sq += st.double().square().sum()
+                    acc[a:b].copy_(st, non_blocking=True)
+                    self.freed[j] = torch.cuda.Event()
+                    self.freed[j].record(self.d2h)
+                j ^= 1
+        self.done = torch.cuda.Event()
+        self.done.record(self.d2h)
+        return sq
+
+    def wait(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()
+
+
 class _Slot:
     """One trainable parameter: its CPU masters and moments, and its selective state on the device."""
 
@@ -140,12 +214,10 @@ class _Slot:
         self.master = local.detach().to("cpu", torch.float32, copy=True)
         self.m = [torch.zeros_like(self.master) for _ in range(sets)]
         self.v = [torch.zeros_like(self.master) for _ in range(sets)]
-        # the accumulated gradient stays where the gradient is (fp32): one add per step on the accelerator, and one
-        # copy to the host per update (DeepSpeed round-trips it through the GPU every step)
-        self.acc = [torch.zeros(local.shape, dtype=torch.float32, device=local.device) for _ in range(sets)]
         self.pin = local.device.type == "cuda"
-        self.host_grad = None if local.device.type == "cpu" else \
-            torch.empty(self.master.shape, dtype=torch.float32, pin_memory=self.pin)
+        # the accumulated gradient, on the host as DeepSpeed's (pinned: the round trip's copies are asynchronous);
+        # with overlap_step the CPU step reads one set while the next interval fills the other
+        self.acc = [torch.zeros(local.shape, dtype=torch.float32, pin_memory=self.pin) for _ in range(sets)]
         self.out = None
         self.pieces: list[tuple[int, int]] = []
         self.selected: torch.Tensor | None = None      # column indices (matrices); a fixed count (allocate)
@@ -189,6 +261,7 @@ class ZenFlowGradPath(GradPath):
         self.fresh = True              # the next gradient starts a new accumulation
         self.after_warmup = 0          # update boundaries at k >= W so far (overlap: which ones land a result)
         self.pending = None            # overlap: the CPU step in flight (a Future)
+        self.pending_buf = 0           # the accumulation set it reads
         self.refresh_on_load = True
         group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         sets = 2 if zf.overlap_step else 1
@@ -201,6 +274,9 @@ class ZenFlowGradPath(GradPath):
             members = [s for s in self.slots if s.group is g]
             for s, pieces in zip(members, ds_column_pieces([tuple(s.param.shape) for s in members], world)):
                 s.pieces = pieces if self.per_piece else ds3_column_pieces(tuple(s.param.shape), world)
+        self.sumsq = None              # the accumulated gradient's sum of squares, at an update boundary (clipping)
+        self.roundtrip = _DeviceRoundTrip(dev, max(s.master.numel() for s in self.slots)) \
+            if dev.type == "cuda" else None
         self.threads = threads
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="zenflow-cpu-adam") if zf.overlap_step else None
         model.register_load_state_dict_post_hook(lambda *_: self.refresh_masters())
@@ -237,6 +313,33 @@ class ZenFlowGradPath(GradPath):
                 "sequential: every thread of the slice"
             logging.getLogger("fsdpzero").info("zenflow: CPU step %d threads (%s)", threads, why)
         return path
+
+    def resident_bytes(self) -> dict[str, int]:
+        """The bytes of every tensor the path holds, by where it lives ("device" or "host"; PLACEMENT), the model's
+        parameters and gradients aside. A tensor attribute PLACEMENT does not name is an error, and so (with an
+        accelerator) is one that is not where PLACEMENT says."""
+        out = {DEVICE: 0, HOST: 0}
+        accelerator = self.roundtrip is not None
+        for s in self.slots:
+            for name, value in vars(s).items():
+                tensors = [t for t in (value if isinstance(value, (list, tuple)) else [value])
+                           if isinstance(t, torch.Tensor)]
+                if not tensors or name == "param":
+                    continue
+                if name not in PLACEMENT:
+                    raise KeyError(f"ZenFlow slot tensor {name!r} has no PLACEMENT")
+                where = PLACEMENT[name]
+                if where == SELECTIVE:
+                    where = HOST if self.zf.offload else DEVICE
+                if accelerator and any((t.device.type == "cpu") != (where == HOST) for t in tensors):
+                    raise AssertionError(f"ZenFlow slot tensor {name!r} is not on the {where}")
+                out[where] += sum(t.numel() * t.element_size() for t in tensors)
+        out[DEVICE] += self.staging_bytes
+        return out
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.roundtrip.nbytes if self.roundtrip is not None else 0
 
     # -- the schedule ---------------------------------------------------------------------------------------------
 
@@ -283,11 +386,20 @@ class ZenFlowGradPath(GradPath):
             for s, g in zip(self.slots, grads):
                 s.sel_grad = g[:, s.selected] if s.matrix else g.clone()
         buf = self._state(k)
-        for s, g in zip(self.slots, grads):
-            if self.fresh:
-                s.acc[buf].copy_(g)
-            else:
-                s.acc[buf].add_(g)
+        if self.pending is not None and self.pending_buf == buf:   # the CPU step in flight still reads this sum
+            self._join()                                            # (DeepSpeed's state order after a warm-up)
+        norm = self.max_norm > 0 and self._update_boundary(k)
+        if self.roundtrip is not None:
+            self.sumsq = self.roundtrip.add([(s.acc[buf], g) for s, g in zip(self.slots, grads)], self.fresh, norm)
+        else:
+            self.sumsq = torch.zeros((), dtype=torch.float64) if norm else None
+            for s, g in zip(self.slots, grads):
+                if self.fresh:
+                    s.acc[buf].copy_(g)
+                else:
+                    s.acc[buf].add_(g)
+                if norm:
+                    self.sumsq += s.acc[buf].double().square().sum()
         self.fresh = False
 
     def _select(self, grads: list[torch.Tensor]) -> None:
@@ -296,7 +408,7 @@ class ZenFlowGradPath(GradPath):
         matrices = [(s, g) for s, g in zip(self.slots, grads) if s.matrix]
         if not matrices:
             return
-        sums = [g.abs().float().sum(dim=0) for _, g in matrices]
+        sums = [g.abs().sum(dim=0, dtype=torch.float32) for _, g in matrices]
         flat = torch.cat(sums)
         if dist.is_initialized() and dist.get_world_size() > 1 and hasattr(matrices[0][0].param, "device_mesh"):
             dist.all_reduce(flat)
@@ -324,7 +436,8 @@ class ZenFlowGradPath(GradPath):
             return
         if k >= W:
             for s in self.slots:   # DeepSpeed's temp_copy_param: the device values the CPU result will overwrite
-                s.temp = local_tensor(s.param)[:, s.selected].clone() if s.matrix else local_tensor(s.param).clone()
+                local = local_tensor(s.param)   # (zenflow.offload: on the CPU, as DeepSpeed's)
+                s.temp = local[:, s.selected].to(s.sel_device) if s.matrix else local.to(s.sel_device, copy=True)
         self._cpu_boundary(k)
         if k + 1 >= W:
             self._selective_step(restore=k >= W)
@@ -349,15 +462,26 @@ class ZenFlowGradPath(GradPath):
                 s.sel_v.copy_(v)
             s.sel_grad = s.temp = None
 
-    def _clip_scale(self, buf: int) -> float:
+    def _reduce_sumsq(self) -> tuple[torch.Tensor | None, Any]:
+        """On the main thread (a collective, in every rank's order): the accumulated gradient's sum of squares summed
+        over the ranks; with an accelerator, behind the round trip on its stream, and the event after which the sum
+        and the host accumulation are complete (waited for by whoever steps on the CPU)."""
+        rt = self.roundtrip
+        with torch.cuda.stream(rt.d2h) if rt is not None else contextlib.nullcontext():
+            if self.sumsq is not None and dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(self.sumsq)
+            ready = None
+            if rt is not None:
+                ready = torch.cuda.Event()
+                ready.record(rt.d2h)
+        return self.sumsq, ready
+
+    def _clip_scale(self, sq: torch.Tensor | None, ready) -> float:
         """DeepSpeed's unscale_and_clip_grads factor for the accumulated gradient: 1 / max(1, (norm + 1e-6) / clip)."""
-        if self.max_norm <= 0:
+        if ready is not None:
+            ready.synchronize()
+        if sq is None:
             return 1.0
-        sq = torch.zeros((), dtype=torch.float64, device=self.slots[0].acc[buf].device)
-        for s in self.slots:
-            sq += s.acc[buf].double().square().sum()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(sq)
         norm = float(sq.sqrt())
         return 1.0 / max(1.0, (norm + 1e-6) / self.max_norm)
 
@@ -366,23 +490,17 @@ class ZenFlowGradPath(GradPath):
         step(), while an overlapped CPU step may still be running (as offload/path.py takes them at step())."""
         return [{k: s.group[k] for k in ("lr", "betas", "eps", "weight_decay")} for s in self.slots]
 
-    def _cpu_step(self, k: int, buf: int, scale: float, hyper: list[dict]) -> None:
+    def _cpu_step(self, k: int, buf: int, norm: tuple, hyper: list[dict]) -> None:
+        """The CPU Adam step on the host accumulation `buf`, once the round trip has landed it (norm: _reduce_sumsq's
+        pair)."""
         from fsdpzero_ops.cpu_adam import adam_step_
         if self.threads is not None:   # per thread: the overlapped step's worker sets its own
             torch.set_num_threads(self.threads)
+        scale = self._clip_scale(*norm)
         for s, h in zip(self.slots, hyper):
-            grad = s.acc[buf] if s.host_grad is None else s.host_grad
-            adam_step_(s.master, grad, s.m[buf], s.v[buf], s.out, lr=h["lr"], beta1=h["betas"][0],
+            adam_step_(s.master, s.acc[buf], s.m[buf], s.v[buf], s.out, lr=h["lr"], beta1=h["betas"][0],
                        beta2=h["betas"][1], eps=h["eps"], weight_decay=h["weight_decay"], step=k + 1,
                        adamw=self.adamw, grad_scale=scale)
-
-    def _to_host(self, buf: int) -> None:
-        """The accumulated gradient to the CPU step's buffer (pinned: asynchronous copies, one wait)."""
-        if self.slots[0].host_grad is None:   # CPU-only: the CPU step reads the accumulation itself
-            return
-        for s in self.slots:
-            s.host_grad.copy_(s.acc[buf], non_blocking=True)
-        torch.cuda.current_stream().synchronize()
 
     def _land(self) -> None:
         """The CPU step's result (in the device dtype) replaces the device weights."""
@@ -393,11 +511,10 @@ class ZenFlowGradPath(GradPath):
 
     def _cpu_boundary(self, k: int) -> None:
         buf, W = self._state(k), self.zf.full_warm_up_rounds
-        scale = self._clip_scale(buf)
+        norm = self._reduce_sumsq()
         if not self.zf.overlap_step or k < W:   # sequential, or a warm-up round: synchronous
             self._join()
-            self._to_host(buf)
-            self._cpu_step(k, buf, scale, self._hyper())
+            self._cpu_step(k, buf, norm, self._hyper())
             self._land()
             return
         self.after_warmup += 1
@@ -405,20 +522,26 @@ class ZenFlowGradPath(GradPath):
         self._join()
         if self.after_warmup >= first_landing:
             self._land()
-        self._to_host(buf)
-        self.pending = self.executor.submit(self._cpu_step, k, buf, scale, self._hyper())
+        self.pending = self.executor.submit(self._cpu_step, k, buf, norm, self._hyper())
+        self.pending_buf = buf
 
     def _join(self) -> None:
         if self.pending is not None:
             self.pending.result()
             self.pending = None
 
+    def _settle(self) -> None:
+        """No CPU step running and no round trip in flight: the host accumulation may be read or written."""
+        self._join()
+        if self.roundtrip is not None:
+            self.roundtrip.wait()
+
     def zero_grad(self) -> None:
         for s in self.slots:
             s.param.grad = None
 
     def close(self) -> None:
-        self._join()
+        self._settle()
         if self.executor is not None:
             self.executor.shutdown(wait=True)
             self.executor = None
@@ -456,7 +579,7 @@ class ZenFlowGradPath(GradPath):
         """Per parameter: the fp32 master, the CPU Adam moments (two sets with overlap_step), the gradient
         accumulated so far (and the result of a CPU step not yet landed), the selected columns and their moments;
         plus the schedule's counters. Live tensors: DCP loads into them in place."""
-        self._join()
+        self._settle()
         state = {}
         for s in self.slots:
             cols = int(s.selected.numel()) if s.matrix else None
@@ -480,7 +603,7 @@ class ZenFlowGradPath(GradPath):
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self._join()
+        self._settle()
         if "schedule" not in sd:
             raise ValueError("this checkpoint was not saved with zero_optimization.zenflow: its optimizer state has "
                              "no ZenFlow entries; load it with load_optimizer_states=False (the weights become the "

@@ -172,7 +172,10 @@ FATES: dict[str, tuple[str, str]] = {
     _OO + "ratio": (M, "OffloadPlan.ratio: 1.0, the whole optimizer step on CPU"),
     _OO + "super_offload": (N, "false"),
     _OO + "cpuadam_cores_perc": (N, "DeepSpeed reads it for super_offload's CPU Adam only (stage 3); fsdpzero's CPU "
-                                    "step uses usable cores / local ranks threads (tuning offload_threads)"),
+                                    "step runs on this rank's own slice of whole cores, one thread per CPU of it, "
+                                    "with an accelerator (fsdpzero/host.py; knob offload_threads sets the count, "
+                                    "offload_bind 0 the unpinned usable cores / local ranks; CPU-only: torch's "
+                                    "threads)"),
     # ---- NVMe I/O
     "aio": (M, "OffloadPlan.aio: parameters of the ops aio NVMe engine"),
     "aio.block_size": (M, "AioPlan.block_size"),
@@ -609,16 +612,17 @@ CONDITIONAL: tuple[Rule, ...] = (
          "gradient takes a CPU Adam step (bias correction at the step count, as DeepSpeed's step_id) whose result "
          "replaces the unselected part on the device; full_warm_up_rounds full CPU steps first; overlap_step: the CPU "
          "step runs in a thread beside the next interval's forward/backward and lands one interval late, with "
-         "DeepSpeed's two alternating moment sets; offload keeps the selective moments on the CPU between steps; "
+         "DeepSpeed's two alternating moment sets; offload keeps the selective moments (and the copy restored at an "
+         "update) on the CPU between steps; "
          "the CPU step is placed as the offload path's (this rank's own cores, knobs offload_threads / offload_bind) "
          "and with overlap_step pt_reserved_cores_perc leaves ceil(perc x n) of its n threads to training, as "
          "DeepSpeed's affinity split (one process here: the two sides are not pinned apart). Differs: select_strategy "
          "\"epoch\"/\"auto\" select once after the warm-up (DeepSpeed: once per len(training_dataloader) steps when "
          "initialize got training_data); global_steps and the reported grad norm count every ZenFlow step (DeepSpeed: "
-         "update boundaries, the accumulated gradient's norm); the accumulated gradient stays on the "
-         "device (4 bytes per parameter, 8 with overlap_step; DeepSpeed keeps it on the CPU and round-trips it each "
-         "step); DeepSpeed's stage-1 ZenFlow and a CPU step still running when a selection resyncs the masters are "
-         "not reproduced"),
+         "update boundaries, the accumulated gradient's norm); the accumulated gradient is summed in fp32 on the host "
+         "(pinned; 8 bytes per parameter with overlap_step), each step's gradient added on the device in chunks "
+         "(DeepSpeed: in the 16-bit dtype, per parameter); DeepSpeed's stage-1 ZenFlow and a CPU step still running "
+         "when a selection resyncs the masters are not reproduced"),
     # ---- optimizer and scheduler
     Rule("optimizer.type", ONEBIT_ADAM & stage_in(0), A,
          "{value}: 1-bit Adam's uncompressed warm-up math on every step (Adam without bias correction, decoupled "
