@@ -2,6 +2,9 @@
 
     PYTHONPATH=$PWD/.dsdist python bench/zenflow.py --out out/zenflow --budget-s 290
 
+The zenflow rows also give the path's own tensors by where they live (zenflow_resident_gib: device / host, the
+model's weights and gradients aside).
+
 - 2.8 B Llama (26 layers, hidden 3072, seq 2048, micro-batch 2, bf16, AdamW lr 1e-4 wd 0.01, clip 1.0), ZeRO 2 with
   CPU optimizer offload: zenflow_ours (the zenflow section of tests/ds_configs/dsex_zenflow_stage2.json: topk_ratio
   0.1, update_interval 4, overlap_step, no warm-up), offload_ours (fsdpzero's exact offload, no zenflow) and
@@ -114,6 +117,9 @@ def run_one(ns) -> dict:
     if not CPU:
         row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
         row["gpu"] = torch.cuda.get_device_name()
+    path = getattr(engine, "grad_path", None)
+    if hasattr(path, "resident_bytes"):   # ZenFlow's own tensors by where they live (weights and grads aside)
+        row["zenflow_resident_gib"] = {k: v / 2 ** 30 for k, v in path.resident_bytes().items()}
     import resource
     row["peak_host_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
     return row
