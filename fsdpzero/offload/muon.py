@@ -5,7 +5,9 @@ what it computes without offload.
 
 The fp32 masters and Muon's momentum live on the CPU. When the gradients are complete (MuonGradPath.finish_gradients,
 before the global norm), each Muon matrix's momentum goes to the gradient's device for its nesterov blend, whose
-Newton-Schulz runs once, on one owner rank (fsdpzero.optim.muon.Orthogonalizer: gathered there, scattered back);
+Newton-Schulz runs once, on one owner rank (fsdpzero.optim.muon.Orthogonalizer: gathered there, batched with the
+owner's other matrices of its shape, scattered back; a window of matrices at a time, so the device holds a bounded
+number of blends);
 the update replaces the gradient on the device, so the global norm and the clip cover it as DeepSpeed's do, and an
 fp32 copy of it goes to the CPU for the step. The new momentum lands when the step happens (commit_staged), not on
 a skipped one. The CPU step: master *= 1 - lr * weight_decay; master -= lr * clip * update; the AdamW half is CPU
@@ -16,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from fsdpzero.dist import local_tensor
-from fsdpzero.optim.muon import MuonWithAuxAdam, Orthogonalizer
+from fsdpzero.optim.muon import NS_WINDOW_BYTES, MuonWithAuxAdam, Orthogonalizer
 from fsdpzero_ops.cpu_adam import CPUAdam
 
 MUON_ONLY = ("momentum", "ns_method")
@@ -50,6 +52,7 @@ class CPUMuonWithAuxAdam(CPUAdam):
         self._param_of: dict[int, torch.nn.Parameter] = {}
         self._staged: dict | None = None      # master -> (new momentum, fp32 update), from orthogonalize_grads
         self._updates: dict[int, torch.Tensor] = {}   # the step's updates, read by step_param (maybe in a worker)
+        self.ns_window_bytes = NS_WINDOW_BYTES        # the Orthogonalizer's window (0: one matrix at a time)
 
     def bind_params(self, entries) -> None:
         self._param_of = {id(e.master): e for e in entries}
@@ -73,19 +76,26 @@ class CPUMuonWithAuxAdam(CPUAdam):
         muon = [(g, m) for g in self.param_groups if g["use_muon"] for m in g["params"]]
         if any(self._param_of[id(m)].param.device.type == "cuda" for _, m in muon):
             torch.cuda.synchronize()   # the early D2H copies of the gradients rewritten below are done
-        self._staged = {}
-        ortho = Orthogonalizer()
+        self._staged = staged = {}
+        ortho = Orthogonalizer(self.ns_window_bytes)
         for group, master in muon:
             param = self._param_of[id(master)].param
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            grad = local_tensor(param.grad)
-            g = grad.float()
-            beta = group["momentum"]
-            m = self.state_for(master)["momentum_buffer"].to(g.device).lerp(g, 1 - beta)
-            update = ortho.rows(g.lerp(m, beta), param, group["ns_method"])
-            grad.copy_(update)
-            self._staged[master] = (m.to("cpu"), update.to("cpu", torch.float32).view(master.shape))
+            grad, beta, made = local_tensor(param.grad), group["momentum"], {}
+
+            # made when its window starts: the momentum is on the device only for its window
+            def blend(grad=grad, beta=beta, master=master, made=made):
+                g = grad.float()
+                m = self.state_for(master)["momentum_buffer"].to(g.device).lerp(g, 1 - beta)
+                made["m"] = m.to("cpu")
+                return g.lerp(m, beta)
+
+            def done(update, grad=grad, master=master, made=made):
+                grad.copy_(update)
+                staged[master] = (made["m"], update.to("cpu", torch.float32).view(master.shape))
+            ortho.add_rows(blend, param, group["ns_method"], done)
+        ortho.run()
 
     def commit_staged(self) -> None:
         """The step happens (MuonGradPath.step): the new momentum lands; the updates wait for step_param."""

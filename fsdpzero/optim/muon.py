@@ -20,7 +20,8 @@ clips the raw gradients and Muon runs inside the step, as torch optimizers do.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,10 @@ NS_METHODS = ("gram", "standard")
 NS_STEPS = 5
 _NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
-ns_calls = 0   # Newton-Schulz runs in this process (tests check each matrix runs once, on one rank)
+ns_calls = 0     # matrices orthogonalized in this process (tests check each matrix runs once per step, on one rank)
+ns_batches = 0   # Newton-Schulz runs in this process, each over a batch of same-shape matrices (one per owner and
+                 # shape in a window: Orthogonalizer)
+NS_WINDOW_BYTES = 1 << 30   # Orthogonalizer's bound on the whole matrices one rank holds for Newton-Schulz at once
 
 
 def is_muon_param(name: str, p: torch.Tensor) -> bool:
@@ -149,12 +153,23 @@ def _gram_newton_schulz(G: torch.Tensor, steps: int) -> torch.Tensor:
 
 def orthogonalize(update: torch.Tensor, ns_method: str = "gram", steps: int = NS_STEPS) -> torch.Tensor:
     """The whole-matrix part of DeepSpeed's muon_update: Newton-Schulz, times sqrt(max(1, rows / cols)), in the
-    update's dtype."""
-    global ns_calls
-    ns_calls += 1
+    update's dtype. `update` may be a batch of same-shape matrices (..., rows, cols): every op of both iterations
+    works on the last two dims (mT, norm over (-2, -1), diagonal(dim1=-2, dim2=-1), batched matmul)."""
+    global ns_calls, ns_batches
+    ns_calls += update.shape[:-2].numel()
+    ns_batches += 1
     rows, cols = update.size(-2), update.size(-1)
     out = _gram_newton_schulz(update, steps) if ns_method == "gram" else _newton_schulz5(update, steps)
     return (out * (math.sqrt(rows / cols) if rows > cols else 1.0)).to(update.dtype)
+
+
+def orthogonalize_batch(updates: list[torch.Tensor], ns_method: str = "gram") -> list[torch.Tensor]:
+    """orthogonalize() of each matrix (all of one shape, dtype and device), in one Newton-Schulz run over their
+    stack. Same-shape, not same-orientation: a tall and a wide matrix would share the oriented iteration but not
+    its layout (NS transposes a tall one by a view), and the per-matrix arithmetic would change in the last bits."""
+    if len(updates) == 1:
+        return [orthogonalize(updates[0], ns_method)]
+    return list(orthogonalize(torch.stack(updates), ns_method).unbind(0))
 
 
 # -- whole matrices from shards ----------------------------------------------------------------------------------------
@@ -178,23 +193,6 @@ def _shard_layout(p: torch.Tensor):
     return group, -(-p.shape[0] // dist.get_world_size(group))
 
 
-def _owner_computes(piece: torch.Tensor, group, owner: int, whole, ns_method: str) -> torch.Tensor:
-    """Gather every rank's equal-sized `piece` to `owner`, which alone runs Newton-Schulz on `whole(pieces)` (the
-    matrix) and scatters it back cut like the pieces; returns this rank's piece of the update."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    owner_global = dist.get_global_rank(group, owner)
-    pieces = [torch.empty_like(piece) for _ in range(world)] if rank == owner else None
-    dist.gather(piece, pieces, dst=owner_global, group=group)
-    scatter = None
-    if rank == owner:
-        full = orthogonalize(whole(torch.cat(pieces)), ns_method).reshape(-1, *piece.shape[1:])
-        padded = torch.cat([full, full.new_zeros((piece.shape[0] * world - full.shape[0], *piece.shape[1:]))])
-        scatter = list(padded.split(piece.shape[0]))
-    out = torch.empty_like(piece)
-    dist.scatter(out, scatter, src=owner_global, group=group)
-    return out
-
-
 def comm_device() -> torch.device | None:
     """Where Muon's gathers run: the rank's GPU when the process group is NCCL (CPU-offloaded gradients and
     momentum go there for Newton-Schulz, as DeepSpeed's _muon_all_gather_partitions moves them to its accelerator);
@@ -204,50 +202,156 @@ def comm_device() -> torch.device | None:
     return None
 
 
+@dataclass(eq=False)
+class _Matrix:
+    """One matrix's Newton-Schulz in a step. mode: "local" (no other rank: this rank holds and computes it),
+    "broadcast" (every rank holds it whole: the owner computes and broadcasts), "gather" (sharded: equal pieces
+    of `chunk` leading rows of `piece_shape`, gathered to the owner, the update scattered back)."""
+    index: int
+    shape: torch.Size        # the whole matrix
+    mode: str
+    group: Any               # the gather / scatter / broadcast group (None: the default group)
+    owner: int               # rank in `group` that runs Newton-Schulz
+    piece_shape: tuple       # gather: (chunk, *rest) of this rank's piece
+    ns_method: str
+    make: Callable[[], torch.Tensor]      # this rank's piece, made when the matrix's window starts
+    done: Callable[[torch.Tensor], None]  # takes this rank's piece of the update
+    rows: int = 0            # rows of this rank's piece as made (gather: before padding to chunk)
+    home: torch.device | None = None
+    piece: torch.Tensor | None = None
+    pieces: list | None = None
+    result: torch.Tensor | None = None
+
+
+def ns_windows(owners_bytes: list[tuple[int, int]], window_bytes: int) -> list[int]:
+    """Where each window of matrices ends (exclusive indices): consecutive matrices, a window closed before any
+    owner's whole matrices in it would pass `window_bytes` (an owner's matrix larger than that is its only one in
+    its window). Computed from shapes only, so every rank cuts the same windows and issues the same collectives."""
+    ends, held = [], {}
+    for i, (owner, nbytes) in enumerate(owners_bytes):
+        if held and held.get(owner, 0) + nbytes > window_bytes:
+            ends.append(i)
+            held = {}
+        held[owner] = held.get(owner, 0) + nbytes
+    return ends + [len(owners_bytes)] if owners_bytes else []
+
+
 class Orthogonalizer:
     """Newton-Schulz of each matrix on one rank; the owner of the i-th matrix of a step is i mod the group's size.
     Sharded matrices (FSDP2 rows, or stage 1's flat chunks): gathered to the owner, the update scattered back.
     Whole (replicated) matrices: the owner computes and broadcasts (every rank holds the same update). Tensors
-    elsewhere than comm_device() (offloaded to the CPU) go there for it and come back."""
+    elsewhere than comm_device() (offloaded to the CPU) go there for it and come back.
 
-    def __init__(self):
+    Batched: add() queues the step's matrices, run() takes them in windows (ns_windows: at most `window_bytes` of
+    whole matrices per owner, at 4 bytes an element, so a window's gathered matrices and its Newton-Schulz batches
+    are bounded by it). Per window, on every rank in the same order: its pieces are made and all gathers issued
+    (async), then each owner runs Newton-Schulz once per shape on the stack of its matrices of that shape, then all
+    scatters / broadcasts are issued and each matrix's `done` gets its piece. window_bytes 0: one matrix at a time
+    (the unbatched order)."""
+
+    def __init__(self, window_bytes: int = NS_WINDOW_BYTES):
         self.count = 0
         self.device = comm_device()
+        self.window_bytes = window_bytes
+        self._queue: list[_Matrix] = []
 
-    def _next(self) -> int:
-        self.count += 1
-        return self.count - 1
+    def _add(self, mode, shape, group, piece_shape, ns_method, make, done) -> None:
+        index, self.count = self.count, self.count + 1
+        owner = 0 if mode == "local" else index % dist.get_world_size(group)
+        self._queue.append(_Matrix(index, torch.Size(shape), mode, group, owner, tuple(piece_shape), ns_method, make,
+                                   done))
 
-    def rows(self, u_local: torch.Tensor, p: torch.Tensor, ns_method: str) -> torch.Tensor:
-        """u_local: this rank's rows of parameter p (a DTensor sharded on dim 0, or a whole tensor)."""
-        if self.device is not None and u_local.device != self.device:
-            return self._rows(u_local.to(self.device), p, ns_method).to(u_local.device)
-        return self._rows(u_local, p, ns_method)
+    @staticmethod
+    def _alone() -> bool:
+        return not dist.is_initialized() or dist.get_world_size() == 1
 
-    def _rows(self, u_local: torch.Tensor, p: torch.Tensor, ns_method: str) -> torch.Tensor:
-        index = self._next()
+    def add_rows(self, make, p: torch.Tensor, ns_method: str, done) -> None:
+        """make(): this rank's rows of parameter p's update to orthogonalize (p: a DTensor sharded on dim 0, or a
+        whole tensor); done(u) gets this rank's rows of the orthogonalized update."""
         group, chunk = _shard_layout(p)
-        if group is None:
-            if not dist.is_initialized() or dist.get_world_size() == 1:
-                return orthogonalize(u_local, ns_method)
-            owner = index % dist.get_world_size()
-            out = orthogonalize(u_local, ns_method) if dist.get_rank() == owner else torch.empty_like(u_local)
-            dist.broadcast(out, src=owner)
-            return out
-        piece = u_local.new_zeros((chunk, *p.shape[1:]))
-        piece[:u_local.shape[0]] = u_local
-        out = _owner_computes(piece, group, index % dist.get_world_size(group), lambda t: t[:p.shape[0]], ns_method)
-        return out[:u_local.shape[0]]
+        if group is not None:   # sharded: gathered to the owner
+            self._add("gather", p.shape, group, (chunk, *p.shape[1:]), ns_method, make, done)
+        elif self._alone():
+            self._add("local", p.shape, None, (), ns_method, make, done)
+        else:   # whole on every rank
+            self._add("broadcast", p.shape, None, (), ns_method, make, done)
 
-    def flat(self, u_chunk: torch.Tensor, shape: torch.Size, group, ns_method: str) -> torch.Tensor:
-        """u_chunk: this rank's chunk of the flattened matrix (stage 1: padded to chunk * world elements)."""
-        if self.device is not None and u_chunk.device != self.device:
-            return self.flat(u_chunk.to(self.device), shape, group, ns_method).to(u_chunk.device)
-        index = self._next()
-        if group is None and (not dist.is_initialized() or dist.get_world_size() == 1):
-            return orthogonalize(u_chunk[:shape.numel()].view(shape), ns_method).reshape(-1)
-        world = dist.get_world_size(group)
-        return _owner_computes(u_chunk, group, index % world, lambda t: t[:shape.numel()].view(shape), ns_method)
+    def add_flat(self, make, shape: torch.Size, chunk: int, group, ns_method: str, done) -> None:
+        """make(): this rank's `chunk` elements of the flattened matrix (stage 1: padded to chunk * world elements;
+        alone, the whole matrix flattened); done(u) gets the same chunk of the update."""
+        if group is None and self._alone():
+            self._add("local", shape, None, (), ns_method, make, done)
+        else:
+            self._add("gather", shape, group if group is not None else dist.group.WORLD, (chunk,), ns_method, make,
+                      done)
+
+    def run(self) -> None:
+        queue, self._queue = self._queue, []
+        start = 0
+        for end in ns_windows([(m.owner, 4 * m.shape.numel()) for m in queue], self.window_bytes):
+            self._window(queue[start:end])
+            start = end
+
+    def _window(self, window: list[_Matrix]) -> None:
+        works = []
+        for m in window:   # this rank's pieces; the gathers
+            u = m.make()
+            m.home, m.rows = u.device, u.shape[0]
+            if self.device is not None and u.device != self.device:
+                u = u.to(self.device)
+            if m.mode == "gather":
+                world, rank = dist.get_world_size(m.group), dist.get_rank(m.group)
+                if u.shape[0] != m.piece_shape[0]:
+                    piece = u.new_zeros(m.piece_shape)
+                    piece[:u.shape[0]] = u
+                    u = piece
+                m.pieces = [torch.empty_like(u) for _ in range(world)] if rank == m.owner else None
+                works.append(dist.gather(u, m.pieces, dst=dist.get_global_rank(m.group, m.owner), group=m.group,
+                                         async_op=True))
+            m.piece = u
+        for w in works:
+            w.wait()
+        batches: dict[tuple, list[_Matrix]] = {}   # the owner's Newton-Schulz, once per shape
+        for m in window:
+            if m.mode == "local" or dist.get_rank(m.group) == m.owner:
+                whole = self._whole(m)
+                batches.setdefault((m.ns_method, tuple(whole.shape), whole.dtype, whole.device), []).append(m)
+                m.result, m.pieces = whole, None   # the input until its batch runs
+        for (ns_method, *_), ms in batches.items():
+            for m, out in zip(ms, orthogonalize_batch([m.result for m in ms], ns_method)):
+                m.result = out
+        works, outs, keep = [], [], []
+        for m in window:   # the updates back
+            if m.mode == "local":
+                out = m.result.reshape(m.piece.shape) if m.result.shape != m.piece.shape else m.result
+            elif m.mode == "broadcast":
+                out = m.result.contiguous() if m.result is not None else torch.empty_like(m.piece)
+                works.append(dist.broadcast(out, src=m.owner, async_op=True))
+            else:
+                scatter = None
+                if m.result is not None:
+                    world = dist.get_world_size(m.group)
+                    full = m.result.reshape(-1, *m.piece_shape[1:])
+                    padded = torch.cat([full, full.new_zeros((m.piece_shape[0] * world - full.shape[0],
+                                                              *m.piece_shape[1:]))])
+                    scatter = list(padded.split(m.piece_shape[0]))
+                    keep.append(scatter)   # alive until the scatter is waited for
+                out = torch.empty_like(m.piece)
+                works.append(dist.scatter(out, scatter, src=dist.get_global_rank(m.group, m.owner), group=m.group,
+                                          async_op=True))
+            outs.append(out)
+            m.piece = m.pieces = m.result = None
+        for w in works:
+            w.wait()
+        for m, out in zip(window, outs):
+            m.done(out[:m.rows].to(m.home))
+            m.make = m.done = None   # what they hold (a blend, a momentum) goes with them
+
+    @staticmethod
+    def _whole(m: _Matrix) -> torch.Tensor:
+        if m.mode == "gather":
+            return torch.cat(m.pieces).reshape(-1)[:m.shape.numel()].view(m.shape)
+        return m.piece if m.piece.shape == m.shape else m.piece.reshape(-1)[:m.shape.numel()].view(m.shape)
 
 
 class MuonWithAuxAdam(torch.optim.Optimizer):
@@ -283,6 +387,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         self._flat_slots: dict[int, list[tuple[torch.Size, int, int]]] = {}
         self._flat_group = None
         self._staged: dict | None = None   # orthogonalize_grads' new momenta, committed by step()
+        self.ns_window_bytes = NS_WINDOW_BYTES   # the Orthogonalizer's window (0: one matrix at a time)
 
     def bind_flat_shards(self, flat_groups, process_group) -> None:
         """Stage 1 (fsdpzero_ops.stage1): each param group became flat fp32 master shards, every parameter in them
@@ -292,23 +397,36 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             if self.param_groups[fg.group_index]["use_muon"]:
                 self._flat_slots[id(fg.master)] = [(s.param.shape, s.offset, s.chunk) for s in fg.slots]
 
-    def _muon_update(self, group: dict, p: torch.Tensor, grad: torch.Tensor, ortho: "Orthogonalizer"):
-        """(the new momentum, this rank's piece of the orthogonalized update) of Muon parameter p from `grad` (this
-        rank's piece of the mean gradient); the stored momentum is left as it was."""
+    def _queue_muon(self, group: dict, p: torch.Tensor, grad: torch.Tensor, ortho: "Orthogonalizer", done) -> None:
+        """Queues Muon parameter p on `ortho`: when its window starts, the new momentum (from `grad`, this rank's
+        piece of the mean gradient) and the nesterov blend are made; done(m, sl, u) then gets the new momentum and,
+        for this rank's piece `sl` of p (a slice of a stage-1 flat shard, or all of it), the orthogonalized update.
+        The stored momentum is left as it was."""
         state = self.state[p]
         if not state:
             state["momentum_buffer"] = torch.zeros_like(p)
-        beta = group["momentum"]
-        m = local_tensor(state["momentum_buffer"]).lerp(grad, 1 - beta)
-        blend = grad.lerp(m, beta)   # nesterov
-        if id(p) in self._flat_slots:   # stage 1: a flat shard of matrices, each chunked like Shard(0)
-            update = torch.zeros_like(blend)
-            for shape, offset, chunk in self._flat_slots[id(p)]:
-                update[offset:offset + chunk] = ortho.flat(blend[offset:offset + chunk], shape, self._flat_group,
-                                                           group["ns_method"])
+        beta, made = group["momentum"], {}
+        slots = self._flat_slots.get(id(p))   # stage 1: a flat shard of matrices, each chunked like Shard(0)
+        left = [len(slots) if slots else 1]
+
+        def blend(sl):   # once per parameter (a stage-1 shard's matrices slice one blend), dropped after the last
+            if "u" not in made:
+                made["m"] = local_tensor(state["momentum_buffer"]).lerp(grad, 1 - beta)
+                made["u"] = grad.lerp(made["m"], beta)   # nesterov
+            u = made["u"][sl]
+            left[0] -= 1
+            if not left[0]:
+                del made["u"]
+            return u
+
+        if slots:
+            for shape, offset, chunk in slots:
+                sl = slice(offset, offset + chunk)
+                ortho.add_flat(lambda sl=sl: blend(sl), shape, chunk, self._flat_group, group["ns_method"],
+                               lambda u, sl=sl: done(made["m"], sl, u))
         else:
-            update = ortho.rows(blend, p, group["ns_method"])
-        return m, update
+            ortho.add_rows(lambda: blend(slice(None)), p, group["ns_method"],
+                           lambda u: done(made["m"], slice(None), u))
 
     @torch.no_grad()
     def orthogonalize_grads(self) -> None:
@@ -317,11 +435,11 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         norm and the gradient clipping cover the update (the AdamW half's raw gradients beside it), and step() then
         applies the clipped update. The momentum moves with the raw gradient; it is staged and committed by step(),
         so a step skipped for overflow leaves it as it was. Once per boundary: a second call before step() or
-        drop_staged() does nothing."""
+        drop_staged() does nothing. The matrices' Newton-Schulz runs batched (Orthogonalizer)."""
         if self._staged is not None:
             return
-        self._staged = {}
-        ortho = Orthogonalizer()
+        self._staged = staged = {}
+        ortho = Orthogonalizer(self.ns_window_bytes)
         for group in self.param_groups:
             if not group["use_muon"]:
                 continue
@@ -329,9 +447,12 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 grad = local_tensor(p.grad)
-                m, update = self._muon_update(group, p, grad, ortho)
-                grad.copy_(update)
-                self._staged[p] = m
+
+                def done(m, sl, u, p=p, grad=grad):   # the blend of this piece was made: the grad may take u
+                    grad[sl].copy_(u)
+                    staged[p] = m
+                self._queue_muon(group, p, grad, ortho, done)
+        ortho.run()
 
     def drop_staged(self) -> None:
         """Forget a boundary's staged momentum (its step was skipped, or it is done)."""
@@ -344,20 +465,34 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         staged, self._staged = self._staged, None
-        ortho = Orthogonalizer()
+        ortho = Orthogonalizer(self.ns_window_bytes)
+        for group in self.param_groups:   # DeepSpeed without a ZeRO optimizer (stage 0): Muon on the (clipped)
+            if not group["use_muon"]:      # gradient here, its matrices batched
+                continue
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if staged is not None and p in staged:
+                    continue
+                grad = local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p))
+
+                def apply(m, sl, u, p=p, lr=lr, wd=wd):
+                    local_tensor(self.state[p]["momentum_buffer"])[sl].copy_(m[sl])
+                    w = local_tensor(p)[sl]
+                    w.mul_(1 - lr * wd)
+                    w.add_(u, alpha=-lr)
+                self._queue_muon(group, p, grad, ortho, apply)
+        ortho.run()
         for group in self.param_groups:
             lr, wd = group["lr"], group["weight_decay"]
             for p in group["params"]:
-                grad = local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p))
                 state, w = self.state[p], local_tensor(p)
                 if group["use_muon"]:
-                    if staged is not None and p in staged:   # orthogonalize_grads ran: the grad is the update
-                        local_tensor(state["momentum_buffer"]).copy_(staged[p])
-                        update = grad
-                    else:   # DeepSpeed without a ZeRO optimizer (stage 0): Muon on the (clipped) gradient here
-                        m, update = self._muon_update(group, p, grad, ortho)
-                        local_tensor(state["momentum_buffer"]).copy_(m)
+                    if staged is None or p not in staged:   # stepped above
+                        continue
+                    local_tensor(state["momentum_buffer"]).copy_(staged[p])   # orthogonalize_grads ran: the grad
+                    update = local_tensor(p.grad)                              # is the update
                 else:
+                    grad = local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p))
                     if not state:
                         state["step"] = torch.zeros((), dtype=torch.float32)
                         state["exp_avg"] = torch.zeros_like(p)

@@ -272,3 +272,96 @@ def test_muon_cpu_offload_on_gpus_matches_muon_on_the_device(stage):
         worst = max((device["params"][n] - offload["params"][n]).abs().max().item() for n in device["params"])
         assert worst <= 1e-4, f"offloaded Muon's weights differ by {worst}"
     assert got[0][True]["losses"][-1] < got[0][True]["losses"][0] - 0.05
+
+
+# -- batched Newton-Schulz (fsdpzero.optim.muon.Orthogonalizer) ------------------------------------------------------
+
+# Muon matrices in DeepSpeed's order (size, descending), owner i mod 2: rank 0 owns A A B D (3 shapes), rank 1 A B C D
+# (4 shapes). C's 15 rows shard unevenly (8 + 7: a padded piece); A is tall, B wide.
+BATCH_SHAPES = [(24, 16)] * 3 + [(16, 24)] * 2 + [(15, 16), (8, 16), (8, 16)]
+BATCH_GROUPS = [3, 4]   # Newton-Schulz runs per rank and step, batched: one per (owner, shape)
+
+
+def _batched_vs_per_matrix(rank, world):
+    """MuonWithAuxAdam over 2 gloo ranks, 3 steps, per Orthogonalizer window (0: one matrix at a time; 1536 bytes: one
+    24x16 matrix per owner and window, so 4 windows of collectives; the default: one window): FSDP2's layout (DTensor
+    Shard(0) rows, orthogonalize_grads then step: ZeRO 2/3) and replicated whole tensors (step alone: ZeRO 0)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from fsdpzero.optim import muon
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(7)
+    weights = [torch.randn(s, generator=g) for s in BATCH_SHAPES]
+    grads = [[torch.randn(s, generator=g) for s in BATCH_SHAPES] for _ in range(3)]
+    out = {}
+    for layout in ("sharded", "replicated"):
+        for window in (0, 1536, muon.NS_WINDOW_BYTES):
+            def place(t):
+                return distribute_tensor(t.clone(), mesh, [Shard(0)]) if layout == "sharded" else t.clone()
+            params = [torch.nn.Parameter(place(w)) for w in weights]
+            opt = muon.MuonWithAuxAdam([dict(params=params, use_muon=True, lr=0.05, momentum=0.9, weight_decay=0.01)])
+            assert [tuple(p.shape) for p in opt.param_groups[0]["params"]] == BATCH_SHAPES   # DeepSpeed's order kept
+            opt.ns_window_bytes = window
+            calls, batches = muon.ns_calls, muon.ns_batches
+            for step_grads in grads:
+                for p, gr in zip(params, step_grads):
+                    p.grad = place(gr)
+                if layout == "sharded":
+                    opt.orthogonalize_grads()
+                opt.step()
+            out[layout, window] = dict(params=[_full(p) for p in params], calls=muon.ns_calls - calls,
+                                       batches=muon.ns_batches - batches)
+    # the per-matrix reference: DeepSpeed's muon_update on each whole matrix (orthogonalize is its NS, checked
+    # against DeepSpeed's own by test_muon_update_is_deepspeeds)
+    ref = [w.clone() for w in weights]
+    moms = [torch.zeros_like(w) for w in weights]
+    for step_grads in grads:
+        for w, m, gr in zip(ref, moms, step_grads):
+            m.lerp_(gr, 0.1)
+            w.mul_(1 - 0.05 * 0.01).add_(muon.orthogonalize(gr.lerp(m, 0.9)), alpha=-0.05)
+    out["reference"] = ref
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_batched_orthogonalization_equals_per_matrix():
+    """The batched Newton-Schulz (one run per owner and shape on the stacked matrices, gathers and scatters issued
+    per window) gives bitwise the weights of one matrix at a time, and of DeepSpeed's per-matrix update on the whole
+    matrices, on this CPU in fp32: every op of both iterations is per matrix of the batch (a batched matmul is the
+    per-matrix GEMM on each; the batch is stacked in each matrix's own layout, a tall one transposed by a view as
+    alone). (On CUDA a batched GEMM may pick another kernel than a single one: not bitwise there, and not checked
+    here.) And Newton-Schulz runs once per (owner, shape) per step: 3 and 4 runs for the ranks' 4 matrices each."""
+    ranks = run_distributed(_batched_vs_per_matrix, WORLD, timeout=240)
+    from fsdpzero.optim.muon import NS_WINDOW_BYTES
+    for rank, r in enumerate(ranks):
+        for key, got in r.items():
+            if key == "reference":
+                continue
+            for i, (a, b) in enumerate(zip(got["params"], r["reference"])):
+                assert torch.equal(a, b), (f"rank {rank} {key}: matrix {i} {BATCH_SHAPES[i]} differs from the "
+                                           f"per-matrix update by {(a - b).abs().max().item()}")
+            assert got["calls"] == 3 * 4, (key, got["calls"])   # each matrix once per step, on its owner
+        for layout in ("sharded", "replicated"):
+            assert r[layout, 0]["batches"] == r[layout, 1536]["batches"] == 3 * 4
+            assert r[layout, NS_WINDOW_BYTES]["batches"] == 3 * BATCH_GROUPS[rank], (layout, rank)
+
+
+def test_ns_windows_bound_each_owners_bytes():
+    """The windows: consecutive, covering every matrix, each owner's bytes in a window <= the bound (or its only
+    matrix there is larger); 0 is one matrix a window; the ends depend on (owner, bytes) only, so every rank cuts the
+    same."""
+    from fsdpzero.optim.muon import ns_windows
+    items = [(0, 1536), (1, 1536), (0, 1536), (1, 1536), (0, 1536), (1, 960), (0, 512), (1, 512), (0, 5000)]
+    assert ns_windows(items, 10 ** 9) == [9]
+    assert ns_windows(items, 0) == list(range(1, 10))
+    assert ns_windows(items, 3072) == [4, 8, 9]
+    assert ns_windows([], 3072) == []
+    for cap in (0, 1000, 1536, 2048, 3072, 4000):
+        start = 0
+        for end in ns_windows(items, cap):
+            held = {}
+            for owner, nbytes in items[start:end]:
+                held.setdefault(owner, []).append(nbytes)
+            assert all(len(b) == 1 or sum(b) <= cap for b in held.values()), (cap, start, end)
+            start = end
+        assert start == len(items)
