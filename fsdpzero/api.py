@@ -61,7 +61,7 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
          model_parameters: Iterable | None = None, block_classes: Iterable[str | type] | None = None,
          block_predicate: Callable[[nn.Module], bool] | None = None, full_state_dict: dict | None = None,
          device_type: str | None = None, tuning: Any = None, allow_no_optimizer: bool = False,
-         **context: Any) -> Engine:
+         sequence_parallel: Any = None, **context: Any) -> Engine:
     """Shard `model` per the DeepSpeed config and return the training Engine.
 
     optimizer: a torch optimizer built over `model`'s parameters (rebound in place to the shards), or a callable
@@ -72,6 +72,9 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
     full_state_dict: weights for a model built on the meta device (rank 0's copy is broadcast).
     allow_no_optimizer: no optimizer section and none passed gives a forward-only engine (ZeRO inference, as
       `deepspeed.initialize` allows) instead of an error.
+    sequence_parallel: Ulysses groups and attention already set up for `model` (a
+      fsdpzero.parallel.ulysses.SequenceParallel of the config's sequence_parallel_size: the mpu that accelerate's
+      DeepSpeed door gets from UlyssesSPAttentionHF.register_with_transformers); None builds them from the config.
     tuning: knobs (a dict or fsdpzero.tuning.Tuning) over the FSDPZERO_* environment; see fsdpzero/tuning.py.
     context: values for the config's "auto" entries (e.g. hidden_size=..., num_training_steps=...).
     """
@@ -88,6 +91,9 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
     tp_styles = resolve_tp_plan(model, plan.tensor_parallel)   # AutoTP: its errors before any process group
     if plan.sequence_parallel.size > 1:   # Ulysses: heads, KV heads and attention checked before any process group
         check_sequence_parallel(model, plan.sequence_parallel.size, plan.tensor_parallel.size)
+    if sequence_parallel is not None and sequence_parallel.size != plan.sequence_parallel.size:
+        raise ValueError(f"wrap(sequence_parallel=...) has {sequence_parallel.size} ranks a group but the config's "
+                         f"sequence_parallel_size is {plan.sequence_parallel.size}: make them equal")
     if mesh is not None:   # the caller's mesh: its shape alone, so the same error on every rank, before any collective
         check_user_mesh(mesh, plan.tensor_parallel.size)
     info = init_distributed_env(env.device_type)
@@ -96,7 +102,8 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
     check_same_on_all_ranks(run_facts(plan, model), "configs or models")
     mesh = mesh if mesh is not None else build_mesh(plan, info.world_size, info.device_type)
 
-    sequence_parallel = apply_sequence_parallel(model, plan)   # its groups, and the model's attention over them
+    if sequence_parallel is None:
+        sequence_parallel = apply_sequence_parallel(model, plan)   # its groups, and the model's attention over them
     fill = take_deferred(model)   # zero.Init / HfDeepSpeedConfig: built without full weights; filled per shard
     meta = is_meta(model)
     if not meta:

@@ -75,8 +75,10 @@ REFUSED_TOP = {
     "fsdp_config": "this is accelerate's FSDP config; fsdpzero launch runs DeepSpeed configs: write a DeepSpeed one "
                    "(`accelerate config`, DeepSpeed) or run it with `accelerate launch`",
     "megatron_lm_config": "Megatron-LM is not run by fsdpzero; remove the section",
-    "parallelism_config": "fsdpzero does not read parallel sizes from the launch config; remove the section and "
-                          "set them in the DeepSpeed config (tensor_parallel.autotp_size, sequence_parallel_size)",
+    "parallelism_config": "fsdpzero launch does not pass a launch config's parallel sizes to the ranks; remove the "
+                          "section and set them in the script (your own loop: Accelerator(parallelism_config="
+                          "ParallelismConfig(sp_backend=\"deepspeed\", sp_size=N))) or in the DeepSpeed config "
+                          "(the HF Trainer: sequence_parallel_size; AutoTP: tensor_parallel.autotp_size)",
 }
 # variables `accelerate launch` sets from booleans: accelerate reads them as "true"/"false"
 BOOL_VARS = {"ACCELERATE_DEEPSPEED_ZERO3_INIT", "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"}

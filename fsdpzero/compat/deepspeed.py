@@ -54,9 +54,43 @@ class DeepSpeedEngine(Engine):
 def initialize(args: Any = None, model: Any = None, optimizer: Any = None, *rest: Any, **kwargs: Any):
     """`deepspeed.initialize`: fsdpzero.initialize, whose engine is a DeepSpeedEngine (above). A scheduler built on
     a client optimizer drives the engine's learning rate on every path (fsdpzero.api.share_param_groups)."""
+    mpu = kwargs.pop("mpu", None)
+    if mpu is not None:
+        kwargs = with_sequence_parallel(mpu, args, kwargs)
     engine, engine_optimizer, loader, scheduler = api.initialize(args, model, optimizer, *rest, **kwargs)
     engine.__class__ = DeepSpeedEngine          # methods only: the object and its state are fsdpzero's Engine
+    if engine.sequence_parallel is not None:   # deepspeed.utils.groups reads it, as DeepSpeed's engine sets groups.mpu
+        from fsdpzero.compat import sequence_parallel
+        sequence_parallel.mpu = engine.sequence_parallel
     return engine, engine_optimizer, loader, scheduler
+
+
+def with_sequence_parallel(mpu: Any, args: Any, kwargs: dict) -> dict:
+    """`deepspeed.initialize(mpu=...)`: the mpu of this stand-in's UlyssesSPAttentionHF.register_with_transformers
+    (accelerate's ALST door) runs: its groups and attention go to wrap, its size into the config. Any other mpu
+    (Megatron-style model parallel units) is refused, before any process group or memory is touched."""
+    import os
+
+    import torch.distributed as dist
+
+    from fsdpzero.compat.sequence_parallel import check_batch_triad, engine_config
+    from fsdpzero.config.load import read_source
+    from fsdpzero.parallel.ulysses import SequenceParallel
+    if not isinstance(mpu, SequenceParallel):
+        raise ValueError(f"deepspeed.initialize(mpu={type(mpu).__name__}): fsdpzero runs only the mpu of "
+                         "UlyssesSPAttentionHF.register_with_transformers (sequence parallelism); model/tensor "
+                         "parallel units are not supported -> use tensor_parallel.autotp_size in the DeepSpeed config")
+    name = "config" if kwargs.get("config") is not None else "config_params"
+    config = kwargs.get(name)
+    if config is None and args is not None:
+        config, name = getattr(args, "deepspeed_config", None), "config"
+    if config is None:
+        return kwargs      # api.initialize says what is missing
+    config = engine_config(dict(read_source(config)), mpu)
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    check_batch_triad(config, world, mpu.size)
+    return {**{k: v for k, v in kwargs.items() if k not in ("config", "config_params")}, name: config,
+            "sequence_parallel": mpu}
 
 
 __all__ = ["DeepSpeedEngine", "add_config_arguments", "init_distributed", "initialize"]

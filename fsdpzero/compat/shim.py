@@ -6,7 +6,8 @@ loading, whatever order the script imports them in (`from transformers import Tr
 HfArgumentParser first, ...), and `deepspeed` is resolved before sys.path, so an installed DeepSpeed is not used.
 
 - `deepspeed`, `deepspeed.zero`, `deepspeed.comm` (and the submodules accelerate imports: runtime.lr_schedules,
-  checkpoint.utils, ops.adam, utils): new modules named so, whose attributes forward to fsdpzero.compat.deepspeed,
+  runtime.utils, checkpoint.utils, ops.adam, utils, and for its ALST door runtime.sequence_parallel.ulysses_sp and
+  utils.groups, fsdpzero.compat.sequence_parallel): new modules named so, whose attributes forward to fsdpzero.compat.deepspeed,
   fsdpzero.zero, fsdpzero.compat.comm and fsdpzero.compat.submodules (resolved on first use). Other `deepspeed.*`
   imports fail with a message naming the module. importlib.metadata finds a `deepspeed` distribution of version
   0.19.8+fsdpzero, so accelerate's and transformers' "is DeepSpeed installed" checks pass.
@@ -46,6 +47,11 @@ FORWARDS = {
     "deepspeed.ops": "fsdpzero.compat.submodules",
     "deepspeed.ops.adam": "fsdpzero.compat.submodules",
     "deepspeed.utils": "fsdpzero.compat.submodules",
+    "deepspeed.runtime.utils": "fsdpzero.compat.submodules",
+    # accelerate's ALST door: ParallelismConfig(sp_backend="deepspeed") (fsdpzero/compat/sequence_parallel.py)
+    "deepspeed.runtime.sequence_parallel": "fsdpzero.compat.sequence_parallel",
+    "deepspeed.runtime.sequence_parallel.ulysses_sp": "fsdpzero.compat.sequence_parallel",
+    "deepspeed.utils.groups": "fsdpzero.compat.sequence_parallel",
 }
 
 

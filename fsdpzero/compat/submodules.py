@@ -1,7 +1,7 @@
 """The `deepspeed.*` submodules accelerate reaches for, under `fsdpzero launch` (see fsdpzero/compat/shim.py):
-`deepspeed.runtime.lr_schedules`, `deepspeed.checkpoint.utils`, `deepspeed.ops.adam`, `deepspeed.utils`. Each
-name is what accelerate 1.x calls (accelerator.py `_prepare_deepspeed` / `get_state_dict`, utils/deepspeed.py
-`map_pytorch_optim_to_deepspeed`), run by fsdpzero."""
+`deepspeed.runtime.lr_schedules`, `deepspeed.runtime.utils`, `deepspeed.checkpoint.utils`, `deepspeed.ops.adam`,
+`deepspeed.utils`. Each name is what accelerate 1.x calls (accelerator.py `_prepare_deepspeed` / `get_state_dict`,
+utils/deepspeed.py `map_pytorch_optim_to_deepspeed`; the ALST example's `move_to_device`), run by fsdpzero."""
 from __future__ import annotations
 
 from typing import Any
@@ -10,6 +10,21 @@ import torch
 
 # deepspeed.runtime.lr_schedules: the scheduler names accelerate hands to deepspeed.initialize as they are
 VALID_LR_SCHEDULES = ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+
+
+def move_to_device(item: Any, device, criterion_func=None) -> Any:
+    """deepspeed.runtime.utils.move_to_device (accelerate's ALST example moves each batch with it): tensors in
+    (nested) lists, tuples and dicts to `device`; with `criterion_func`, only the tensors it accepts, in place."""
+    if criterion_func is not None and criterion_func(item):
+        item.data = item.to(device).data
+        return item
+    if isinstance(item, list):
+        return [move_to_device(v, device, criterion_func) for v in item]
+    if isinstance(item, tuple):
+        return tuple(move_to_device(v, device, criterion_func) for v in item)
+    if isinstance(item, dict):
+        return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
+    return item.to(device)
 
 
 def clone_tensors_for_torch_save(item: Any, device: torch.device = torch.device("cpu")) -> Any:

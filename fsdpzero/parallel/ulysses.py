@@ -155,6 +155,7 @@ class UlyssesAttention:
         # DeepSpeed's disable_in_eval (accelerate sets it for the HF Trainer, whose evaluation batches are whole
         # sequences, one per rank): in eval mode the core attention runs on this rank's batch alone
         self.disable_in_eval = False
+        self.warned_eval = False
 
     def core_function(self, module):
         if self.core == "eager":   # each modeling file has its own eager, called directly by the model
@@ -170,6 +171,11 @@ class UlyssesAttention:
 
     def __call__(self, module, query, key, value, attention_mask, *args, **kwargs):
         if self.disable_in_eval and not module.training:
+            if torch.is_grad_enabled() and not self.warned_eval:   # a training step on a model left in eval mode
+                self.warned_eval = True
+                log.warning("sequence parallelism is off in attention: the model is in eval mode and disable_in_eval "
+                            "is set (accelerate sets it), so each rank attends only within its own slice of the "
+                            "sequence -> call model.train() before training (from_pretrained returns eval mode)")
             mask = self.causal_mask(query, key) if self.core == "eager" else None
             out, _ = self.core_function(module)(module, query, key, value, mask, *args, **kwargs)
             return out, None
@@ -348,6 +354,9 @@ class SequenceParallel:
     group: Any          # the ranks [i*size, (i+1)*size), as DeepSpeed's parallel_state_sp
     key: str            # the attention key registered for the model
     attention: UlyssesAttention | None = None   # what is registered under it
+    # DeepSpeed's engine semantics (accelerate's ALST door, fsdpzero/compat/sequence_parallel.py): the batch goes to
+    # the model as it is (shift_labels, no labels: no loss in forward) and the loop weighs the ranks' losses itself
+    loss_in_loop: bool = False
 
     def model_inputs(self, kwargs: dict) -> dict:
         """Before the model: a sharded batch carries position_ids (else RoPE would restart on every slice), and its
@@ -364,14 +373,14 @@ class SequenceParallel:
                                  "split along the sequence; feed it through UlyssesSPDataLoaderAdapter "
                                  "(fsdpzero.initialize(training_data=...) does) or "
                                  "fsdpzero.parallel.ulysses.shard_batch")
-        if "shift_labels" in kwargs and kwargs.get("labels") is None:
+        if "shift_labels" in kwargs and kwargs.get("labels") is None and not self.loss_in_loop:
             kwargs = dict(kwargs, labels=kwargs["shift_labels"])
         return kwargs
 
     def reduce_output(self, out: Any, kwargs: dict) -> Any:
         """After the model: its loss (this slice's mean) becomes the whole sequence's mean."""
         loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
-        if loss is None or "shift_labels" not in kwargs:
+        if loss is None or "shift_labels" not in kwargs or self.loss_in_loop:
             return out
         out["loss"] = sequence_parallel_loss(loss, kwargs["shift_labels"], self.group)
         return out
