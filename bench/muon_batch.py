@@ -46,6 +46,10 @@ def time_one(params, grads, window: int, reps: int, device) -> tuple[list[float]
     opt = muon.MuonWithAuxAdam([dict(params=params, use_muon=True, lr=0.02, momentum=0.95)])
     opt.ns_window_bytes = window
     times, batches = [], muon.ns_batches
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     for _ in range(reps + 1):   # the first is a warm-up
         for p, g in zip(params, grads):
             p.grad = g.clone()
@@ -58,7 +62,9 @@ def time_one(params, grads, window: int, reps: int, device) -> tuple[list[float]
         times.append(time.perf_counter() - t0)
         opt.drop_staged()
     runs = (muon.ns_batches - batches) // (reps + 1)
-    return times[1:], [p.grad.clone() for p in params], runs
+    # the transient device memory of orthogonalize_grads (and the untimed grad copies) above what was allocated
+    extra = (torch.cuda.max_memory_allocated() - base) / 2 ** 30 if device.type == "cuda" else None
+    return times[1:], [p.grad.clone() for p in params], runs, extra
 
 
 def main(argv=None) -> None:
@@ -67,6 +73,7 @@ def main(argv=None) -> None:
     ap.add_argument("--scale", type=int, default=16, help="divide each matrix dim by this (1: the real shapes)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
+    ap.add_argument("--windows", default="", help="more ns_window_bytes to time, comma-separated (e.g. 1048576)")
     ap.add_argument("--json", help="also write the JSON here")
     ns = ap.parse_args(argv)
     if ns.scale < 1 or ns.reps < 1:
@@ -78,11 +85,12 @@ def main(argv=None) -> None:
     params = [torch.nn.Parameter(torch.randn(s, generator=g).to(device)) for s in shapes]
     grads = [torch.randn(s, generator=g).to(device) for s in shapes]
     rows, updates = [], {}
-    for name, window in (("per_matrix", 0), ("batched", muon.NS_WINDOW_BYTES)):
-        times, updates[name], runs = time_one(params, grads, window, ns.reps, device)
+    extra = [(f"window_{w}", int(w)) for w in ns.windows.split(",") if w]
+    for name, window in [("per_matrix", 0), ("batched", muon.NS_WINDOW_BYTES)] + extra:
+        times, updates[name], runs, extra = time_one(params, grads, window, ns.reps, device)
         rows.append(dict(mode=name, window_bytes=window, ns_runs=runs, median_s=statistics.median(times),
-                         min_s=min(times), times_s=times))
-    diff = max((a - b).abs().max().item() for a, b in zip(updates["per_matrix"], updates["batched"]))
+                         min_s=min(times), times_s=times, peak_extra_gpu_gib=extra))
+    diff = max((a - b).abs().max().item() for name in updates for a, b in zip(updates["per_matrix"], updates[name]))
     summary = dict(device=str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
                    threads=ns.threads, scale=ns.scale, matrices=len(shapes),
                    shapes=sorted({s for s in shapes}), ns_method="gram",
@@ -92,10 +100,11 @@ def main(argv=None) -> None:
     print(text)
     if ns.json:
         Path(ns.json).write_text(text)
-    print(f"{'mode':11} {'NS runs':>8} {'median s':>9} {'min s':>8}   ({summary['matrices']} matrices, shapes "
+    print(f"{'mode':18} {'NS runs':>8} {'median s':>9} {'min s':>8} {'+GPU GiB':>8}   ({summary['matrices']} matrices, shapes "
           f"{summary['shapes']}, {summary['device']}, {summary['ns_dtype']}, {ns.threads} thread(s))")
     for r in rows:
-        print(f"{r['mode']:11} {r['ns_runs']:8d} {r['median_s']:9.4f} {r['min_s']:8.4f}")
+        extra = "-" if r["peak_extra_gpu_gib"] is None else f"{r['peak_extra_gpu_gib']:.2f}"
+        print(f"{r['mode']:18} {r['ns_runs']:8d} {r['median_s']:9.4f} {r['min_s']:8.4f} {extra:>8}")
     print(f"batched: {summary['speedup']:.2f}x faster; largest update difference {diff:.3g}")
 
 

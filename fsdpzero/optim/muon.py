@@ -38,7 +38,9 @@ _NS_COEFFS = (3.4445, -4.7750, 2.0315)
 ns_calls = 0     # matrices orthogonalized in this process (tests check each matrix runs once per step, on one rank)
 ns_batches = 0   # Newton-Schulz runs in this process, each over a batch of same-shape matrices (one per owner and
                  # shape in a window: Orthogonalizer)
-NS_WINDOW_BYTES = 1 << 30   # Orthogonalizer's bound on the whole matrices one rank holds for Newton-Schulz at once
+# Orthogonalizer's bound on the whole matrices one owner takes into Newton-Schulz at once (at 4 bytes an element): its
+# transient memory is a few times this (the stack, the iteration's fp32/fp16 copies, the result; ~5x in fp32)
+NS_WINDOW_BYTES = 512 << 20
 
 
 def is_muon_param(name: str, p: torch.Tensor) -> bool:

@@ -365,3 +365,25 @@ def test_ns_windows_bound_each_owners_bytes():
             assert all(len(b) == 1 or sum(b) <= cap for b in held.values()), (cap, start, end)
             start = end
         assert start == len(items)
+
+
+@pytest.mark.timeout(300)
+def test_bench_muon_batch_cpu_smoke(tmp_path):
+    """bench/muon_batch.py end to end on CPU (the 0.89 B model's 112 Muon matrices, each dim / 64): one Newton-Schulz
+    run per matrix against one per shape (4: q/o, k/v, gate/up, down, in one window), the same updates, JSON and the
+    table printed."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "muon_batch.json"
+    res = subprocess.run([sys.executable, str(root / "bench" / "muon_batch.py"), "--scale", "64", "--reps", "1",
+                          "--json", str(out)], cwd=root, capture_output=True, text=True, timeout=240,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    summary = json.loads(out.read_text())
+    assert summary["matrices"] == 112 and len(summary["shapes"]) == 4
+    assert [(r["mode"], r["ns_runs"]) for r in summary["rows"]] == [("per_matrix", 112), ("batched", 4)]
+    assert summary["max_update_diff"] == 0.0 and all(r["median_s"] > 0 for r in summary["rows"])
+    assert "NS runs" in res.stdout and "batched" in res.stdout
