@@ -29,6 +29,7 @@ parser.add_argument("model")
 parser.add_argument("out")
 parser.add_argument("--ds_config", required=True)
 parser.add_argument("--sp_size", type=int, default=2)
+parser.add_argument("--dp_shard_size", type=int, default=1, help="ranks / sp_size (accelerate's docs: 2D SP x DP)")
 parser.add_argument("--eval_mode", action="store_true", help="no model.train(), as accelerate's script")
 parser.add_argument("--local_rank", type=int, default=-1)   # the DeepSpeed-style launchers pass it
 args = parser.parse_args()
@@ -40,6 +41,7 @@ micro_batch_size = 1
 parallelism_config = ParallelismConfig(
     sp_backend="deepspeed",
     sp_size=args.sp_size,
+    dp_shard_size=args.dp_shard_size,
     sp_handler=DeepSpeedSequenceParallelConfig(
         sp_seq_length=256,
         sp_seq_length_is_variable=True,

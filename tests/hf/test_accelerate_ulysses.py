@@ -231,3 +231,42 @@ def test_launch_config_parallelism_section_names_where_the_sizes_go():
                                          r"\"deepspeed\", sp_size=N\)\)"):
         translate({"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 3},
                    "parallelism_config": {"parallelism_config_sp_size": 2}}, "acc.yaml")
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+def test_sp2_dp2_on_four_gpus_matches_deepspeed(tmp_path, tmp_path_factory):
+    """sp 2 x dp 2 (ParallelismConfig(dp_shard_size=2, sp_size=2), accelerate's 2D case) on 4 GPUs over NCCL, the
+    same loop under `fsdpzero launch` and under `fsdpzero launch --no_shim` (accelerate + real DeepSpeed 0.19.8),
+    ZeRO 3: rank 0's per-step losses (its group's sequences), the grad norms and the final weights. Not on CPU: the
+    loop's torch.distributed.nn.functional.all_gather backward on gloo scatters with global ranks as group ranks and
+    fails in the second sp group ("Global rank 0 is not part of group", torch 2.13; NCCL reduce-scatters). Run with
+
+        pytest -m gpu tests/hf/test_accelerate_ulysses.py -k four_gpus
+    """
+    import subprocess
+    if torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 GPUs")
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("the [oracle] extra (DeepSpeed) is not installed")
+    root = Path(__file__).resolve().parents[2]
+    model = _model_dir(tmp_path_factory)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+           and not k.startswith("ACCELERATE_")}
+    env.update(PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    results = {}
+    for side, flags in (("ours", []), ("deepspeed", ["--no_shim"])):
+        out = tmp_path / side
+        argv = _argv(model, str(out), 3, ["--dp_shard_size", "2"])
+        cmd = [sys.executable, "-c", "import sys; from fsdpzero.cli import main; sys.exit(main())", "launch",
+               "--num_gpus", "4", *flags, *argv]
+        p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, (side, p.stderr[-5000:])
+        results[side] = torch.load(out / "result.pt", weights_only=True)
+    ours, theirs = results["ours"], results["deepspeed"]
+    assert ours["world"] == 4 and ours["batches"] == theirs["batches"]
+    for a, b in zip(ours["history"], theirs["history"], strict=True):
+        for key in ("loss", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (key, ours["history"], theirs["history"])
+    for name, w in theirs["weights"].items():
+        torch.testing.assert_close(ours["weights"][name], w, rtol=1e-4, atol=1e-5, msg=name)
