@@ -10,7 +10,9 @@ Muon's update, per matrix (DeepSpeed's muon_update: nesterov, 5 Newton-Schulz st
     p *= 1 - lr * weight_decay;  p -= lr * u
 The momentum is elementwise and stays sharded like the parameter. Newton-Schulz needs the whole matrix: matrix i's
 nesterov blend is gathered to one owner rank (i mod the shard group's size), which alone runs Newton-Schulz, and the
-result is scattered back so each rank gets the rows of its shard.
+result is scattered back so each rank gets the rows of its shard. The step's Newton-Schulz runs are batched
+(Orthogonalizer): each owner runs one per matrix shape on the stack of its matrices of that shape, a bounded window of
+matrices at a time, every gather of a window issued before and every scatter after.
 
 Gradient clipping, as DeepSpeed 0.19.8 orders it: at ZeRO 1-3 each Muon gradient becomes its orthogonalized update
 before the global norm (MuonGradPath), so the norm is taken over the Muon updates and the AdamW half's gradients and
