@@ -517,7 +517,9 @@ _SP_RULES = (
          "whole sequence. ZeRO 0-3 shard over all ranks (dp x sp, DeepSpeed's sequence-data-parallel group; with "
          "tensor_parallel one sp group per tp rank, ZeRO over the data dimension); the batch triad counts world / "
          "{value}. Gradients equal the unsharded run's (DeepSpeed 0.19.8's ZeRO 1/2 divide by dp only: their "
-         "gradients and grad norm are {value}x, stage 3 matches)"),
+         "gradients and grad norm are {value}x, stage 3 matches). accelerate's door "
+         "(ParallelismConfig(sp_backend=\"deepspeed\")) sets it from the mpu accelerate passes to "
+         "deepspeed.initialize, and there the loop aggregates the loss, as with DeepSpeed"),
 )
 
 CONDITIONAL: tuple[Rule, ...] = (
