@@ -387,3 +387,37 @@ def test_bench_muon_batch_cpu_smoke(tmp_path):
     assert [(r["mode"], r["ns_runs"]) for r in summary["rows"]] == [("per_matrix", 112), ("batched", 4)]
     assert summary["max_update_diff"] == 0.0 and all(r["median_s"] > 0 for r in summary["rows"])
     assert "NS runs" in res.stdout and "batched" in res.stdout
+
+
+def _engine_windows(rank, world, stage, offload):
+    """fsdpzero's engine on the oracle config, 2 steps, with Newton-Schulz one matrix at a time (window 0) and
+    batched (the default): the weights, and the Newton-Schulz runs and matrices of each."""
+    from fsdpzero.optim import muon
+    out = {}
+    for window in (0, muon.NS_WINDOW_BYTES):
+        engine = oracle_engine("fsdpzero", _config(stage, 1.0, offload))
+        engine.grad_path.optimizer.ns_window_bytes = window
+        calls, batches = muon.ns_calls, muon.ns_batches
+        _steps(engine, _data(rank)[:2 * GA])
+        out[window] = dict(params=_params(engine, "fsdpzero", stage), calls=muon.ns_calls - calls,
+                           batches=muon.ns_batches - batches, optimizer=type(engine.grad_path.optimizer).__name__)
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stage,offload", [(1, False), (2, True)])
+def test_batched_equals_per_matrix_through_the_engine(stage, offload):
+    """The engine's batched Newton-Schulz on the paths the unit test above does not take: stage 1's flat shards (each
+    matrix a chunk of the flat master) and the offload path's CPU Muon (CPUMuonWithAuxAdam). Bitwise the weights of
+    one matrix at a time (fp32 CPU, as above); each rank's 7 matrices of 4 shapes (rank 0: both gates, a down, both q,
+    both k; rank 1: the others) take 4 runs a step instead of 7."""
+    ranks = run_distributed(_engine_windows, WORLD, stage, offload, timeout=500)
+    from fsdpzero.optim.muon import NS_WINDOW_BYTES
+    for rank, r in enumerate(ranks):
+        per, batched = r[0], r[NS_WINDOW_BYTES]
+        assert batched["optimizer"] == ("CPUMuonWithAuxAdam" if offload else "MuonWithAuxAdam")
+        for n in per["params"]:
+            assert torch.equal(per["params"][n], batched["params"][n]), \
+                f"rank {rank} {n}: batched differs by {(per['params'][n] - batched['params'][n]).abs().max().item()}"
+        assert per["calls"] == batched["calls"] == 2 * 7
+        assert (per["batches"], batched["batches"]) == (2 * 7, 2 * 4), (rank, per["batches"], batched["batches"])
