@@ -270,3 +270,33 @@ def test_sp2_dp2_on_four_gpus_matches_deepspeed(tmp_path, tmp_path_factory):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (key, ours["history"], theirs["history"])
     for name, w in theirs["weights"].items():
         torch.testing.assert_close(ours["weights"][name], w, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_training_in_eval_mode_warns_once():
+    """accelerate registers the attention with disable_in_eval=True: a training forward (grad enabled) of a model left
+    in from_pretrained's eval mode runs each slice alone (as DeepSpeed does), and says so once; inference does not."""
+    import logging
+    from types import SimpleNamespace
+
+    from fsdpzero.parallel.ulysses import UlyssesAttention
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("fsdpzero")
+    log.addHandler(handler)
+    level, log.level = log.level, logging.INFO
+    try:
+        attention = UlyssesAttention("sdpa", None, 2, 4, 4)   # no group: the eval branch never communicates
+        attention.disable_in_eval = True
+        module = SimpleNamespace(training=False, is_causal=True, num_key_value_groups=1)
+        q = torch.randn(1, 4, 8, 16)
+        with torch.no_grad():
+            attention(module, q, q, q, None)
+        assert records == []
+        for _ in range(2):
+            out, _ = attention(module, q, q, q, None)
+        assert out.shape == (1, 8, 4, 16)
+        assert len(records) == 1 and "call model.train() before training" in records[0].getMessage()
+    finally:
+        log.removeHandler(handler)
+        log.level = level
