@@ -100,8 +100,8 @@ def main(argv=None) -> None:
     print(text)
     if ns.json:
         Path(ns.json).write_text(text)
-    print(f"{'mode':18} {'NS runs':>8} {'median s':>9} {'min s':>8} {'+GPU GiB':>8}   ({summary['matrices']} matrices, shapes "
-          f"{summary['shapes']}, {summary['device']}, {summary['ns_dtype']}, {ns.threads} thread(s))")
+    print(f"{'mode':18} {'NS runs':>8} {'median s':>9} {'min s':>8} {'+GPU GiB':>8}   ({summary['matrices']} "
+          f"matrices, shapes {summary['shapes']}, {summary['device']}, {summary['ns_dtype']}, {ns.threads} thread(s))")
     for r in rows:
         extra = "-" if r["peak_extra_gpu_gib"] is None else f"{r['peak_extra_gpu_gib']:.2f}"
         print(f"{r['mode']:18} {r['ns_runs']:8d} {r['median_s']:9.4f} {r['min_s']:8.4f} {extra:>8}")

@@ -246,12 +246,12 @@ class Orthogonalizer:
     Whole (replicated) matrices: the owner computes and broadcasts (every rank holds the same update). Tensors
     elsewhere than comm_device() (offloaded to the CPU) go there for it and come back.
 
-    Batched: add() queues the step's matrices, run() takes them in windows (ns_windows: at most `window_bytes` of
-    whole matrices per owner, at 4 bytes an element, so a window's gathered matrices and its Newton-Schulz batches
-    are bounded by it). Per window, on every rank in the same order: its pieces are made and all gathers issued
-    (async), then each owner runs Newton-Schulz once per shape on the stack of its matrices of that shape, then all
-    scatters / broadcasts are issued and each matrix's `done` gets its piece. window_bytes 0: one matrix at a time
-    (the unbatched order)."""
+    Batched: add_rows() / add_flat() queue the step's matrices, run() takes them in windows (ns_windows: at most
+    `window_bytes` of whole matrices per owner, at 4 bytes an element, so a window's gathered matrices and its
+    Newton-Schulz batches are bounded by it). Per window, on every rank in the same order: its pieces are made and
+    all gathers issued (async), then each owner runs Newton-Schulz once per shape on the stack of its matrices of
+    that shape, then all scatters / broadcasts are issued and each matrix's `done` gets its piece. window_bytes 0:
+    one matrix at a time (the unbatched order)."""
 
     def __init__(self, window_bytes: int = NS_WINDOW_BYTES):
         self.count = 0
