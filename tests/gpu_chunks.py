@@ -76,7 +76,7 @@ CHUNKS = [
     Chunk("engine4", 4, ("tests/engine/test_gpu_engine.py", "tests/engine/test_gpu_fp16.py"), FOUR, minutes=3.0),
     Chunk("ranks4", 4, ("tests/engine/test_rank_agreement_gpu.py", "tests/optim/test_stage1_gpu.py",
                         "tests/checkpoint/test_checkpoint_gpu.py"), FOUR, minutes=3.7),
-    Chunk("hf4", 4, ("tests/hf/test_launch_gpu.py",), FOUR, minutes=1.5),
+    Chunk("hf4", 4, ("tests/hf/test_launch_gpu.py", "tests/hf/test_accelerate_ulysses.py"), FOUR, minutes=2.5),
 ]
 BY_NAME = {c.name: c for c in CHUNKS}
 

@@ -235,14 +235,14 @@ def test_launch_config_parallelism_section_names_where_the_sizes_go():
 
 @pytest.mark.gpu
 @pytest.mark.timeout(900)
-def test_sp2_dp2_on_four_gpus_matches_deepspeed(tmp_path, tmp_path_factory):
+def test_sp2_dp2_matches_deepspeed_4gpu(tmp_path, tmp_path_factory):
     """sp 2 x dp 2 (ParallelismConfig(dp_shard_size=2, sp_size=2), accelerate's 2D case) on 4 GPUs over NCCL, the
     same loop under `fsdpzero launch` and under `fsdpzero launch --no_shim` (accelerate + real DeepSpeed 0.19.8),
     ZeRO 3: rank 0's per-step losses (its group's sequences), the grad norms and the final weights. Not on CPU: the
     loop's torch.distributed.nn.functional.all_gather backward on gloo scatters with global ranks as group ranks and
     fails in the second sp group ("Global rank 0 is not part of group", torch 2.13; NCCL reduce-scatters). Run with
 
-        pytest -m gpu tests/hf/test_accelerate_ulysses.py -k four_gpus
+        pytest -m gpu tests/hf/test_accelerate_ulysses.py -k 4gpu
     """
     import subprocess
     if torch.cuda.device_count() < 4:
