@@ -2,8 +2,10 @@
 ops/adam/zenflow_*.py, ops/csrc/adam/cpu_adam_impl.cpp's ZenFlowAdam) as a gradient path on FSDP2.
 
 Every micro-batch is one ZenFlow step k = 0, 1, ... (DeepSpeed sets gradient_accumulation_steps to update_interval U
-and divides the loss by it; here the engine runs gradient_accumulation_steps 1 and the path scales the gradients by
-1/U, which is the same arithmetic for U a power of two). With W = full_warm_up_rounds, S = select_interval:
+and divides the loss by it; here the engine runs gradient_accumulation_steps 1 and the path multiplies each
+gradient by 1/U in its own dtype as it reads it, which is the same arithmetic for U a power of two; the gradients
+themselves stay unscaled, the selection's ranking does not depend on it, and grad_norm() reports the scaled norm).
+With W = full_warm_up_rounds, S = select_interval:
 
 - selection boundary (k >= W and k == W or k % S == 0): the fp32 CPU masters are resynced from the device weights
   (not at k = 0) and the selective AdamW moments restart at zero (its step count goes on). The step's gradient
@@ -16,11 +18,13 @@ and divides the loss by it; here the engine runs gradient_accumulation_steps 1 a
 - every step k >= W: the selected columns and every 1-D parameter take an AdamW step on the device (torch's
   single-tensor AdamW, unclipped gradient) -- at an update boundary after the CPU step, from their values before it.
 - every step: the gradient accumulates in fp32 on the host (4 bytes per parameter, 8 with overlap_step; pinned), as
-  DeepSpeed keeps its sum on the CPU. With an accelerator the step's gradient is added on the device, chunk by chunk
-  through two staging buffers, and the sum goes back (_DeviceRoundTrip): 4 bytes per parameter each way per step
-  (only back at an interval's first step), on side streams beside the step and the next forward; the CPU step reads
-  the host sum in place. The device holds the selective state alone (DeepSpeed's: the selected columns' and the
-  vectors' gradient, moments and restore copy) and two staging chunks.
+  DeepSpeed keeps its sum on the CPU. Each FSDP unit's gradients join it right after the unit's reduce-scatter,
+  during backward (fsdp2_internals.after_reduce; finish_gradients takes any left). With an accelerator they are
+  added on the device, chunk by chunk through two staging buffers, and the sum goes back (_DeviceRoundTrip): 4
+  bytes per parameter each way per step (only back at an interval's first step), on side streams beside backward,
+  the step and the next forward; the CPU step reads the host sum in place. The device holds the selective state
+  alone (DeepSpeed's: the selected columns' and the vectors' gradient, moments and restore copy) and two staging
+  chunks.
 - update boundary (k + 1 < W, or (k + 1 - W) % U == 0, or (k + 1) % S == 0): the accumulated gradient, clipped by
   its own global norm (gradient_clipping), takes a CPU Adam step on the masters with bias correction at step k + 1
   (DeepSpeed's step_id) and the masters replace the device weights; the selected columns and 1-D parameters then
@@ -49,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdpzero import fsdp2_internals
 from fsdpzero.dist import local_tensor
 from fsdpzero.host import place_cpu_step
 from fsdpzero.optim.grad_path import MASTER, GradPath, global_grad_norm
@@ -147,30 +152,38 @@ class _DeviceRoundTrip:
     CHUNK elements, the sum comes in (H2D, on one side stream), the gradient is added and the sum goes back (D2H, on
     a second), through two staging buffers, so chunk c+1 comes in while chunk c goes out (DeepSpeed's
     async_accumulate_grad_in_cpu_via_gpu, per parameter, on one stream). An interval's first gradient only goes out.
-    Queued once the gradients are final, it runs beside the step and the next forward; the gradients stay allocated
-    until it ends (record_stream), and `done` marks its end. The next step's add waits for it on the host."""
+    Each FSDP unit's gradients are queued behind its reduce-scatter, during backward, the rest at finish_gradients;
+    it runs on beside the step and the next forward. The gradients stay allocated until it ends (record_stream),
+    `done` marks its end, and the next step's begin() waits for it on the host."""
 
     def __init__(self, device: torch.device, numel: int):
         self.stage = [torch.empty(min(CHUNK, numel), dtype=torch.float32, device=device) for _ in range(2)]
         self.h2d, self.d2h = torch.cuda.Stream(device), torch.cuda.Stream(device)
         self.freed: list = [None, None]   # per staging buffer: its last D2H is done
-        self.done = None
+        self.j = 0                        # the staging buffer next in turn
+        self.sq = self.done = None
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.stage)
 
-    def add(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], fresh: bool, norm: bool) -> torch.Tensor | None:
-        """acc (host) = g (fresh) or acc + g, per (acc, g); with norm, the sum of squares of the new sums (float64,
-        on the device, complete at `done`)."""
-        self.wait()   # one round trip at a time: a late one holds its gradients, and would pile them up
-        pairs = [(acc.view(-1), g.reshape(-1)) for acc, g in pairs]   # (before the wait: a reshape's copy is seen)
-        cur = torch.cuda.current_stream()
-        self.d2h.wait_stream(cur)         # the gradients are final
-        self.h2d.wait_stream(self.d2h)    # and the last round trip's sums are back on the host
+    def begin(self, norm: bool) -> None:
+        """A step's round trip starts (with norm: the sum of squares of its new sums, float64, on the device)."""
+        self.wait()   # one step's round trip at a time: a late one holds its gradients, and would pile them up
+        self.h2d.wait_stream(self.d2h)
         with torch.cuda.stream(self.d2h):
-            sq = torch.zeros((), dtype=torch.float64, device=self.stage[0].device) if norm else None
-        j = 0
+            self.sq = torch.zeros((), dtype=torch.float64, device=self.stage[0].device) if norm else None
+
+    def add(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], fresh: bool, scale: float, event) -> None:
+        """acc (host) = g x scale (fresh) or acc + g x scale, per (acc, g), once `event` (else the current stream)
+        has the gradients final."""
+        cur = torch.cuda.current_stream()
+        if event is not None:
+            self.d2h.wait_event(event)
+        if event is None or any(not g.is_contiguous() for _, g in pairs):
+            self.d2h.wait_stream(cur)   # (a reshape below copies on the current stream)
+        pairs = [(acc.view(-1), g.reshape(-1)) for acc, g in pairs]
+        j, sq = self.j, self.sq
         for acc, g in pairs:
             g.record_stream(self.d2h)
             for a in range(0, acc.numel(), CHUNK):
@@ -185,18 +198,23 @@ class _DeviceRoundTrip:
                         loaded.record(self.h2d)
                     self.d2h.wait_event(loaded)
                 with torch.cuda.stream(self.d2h):
+                    part = g[a:b] if scale == 1.0 else g[a:b] * scale   # (in the gradient's dtype, as a scaled loss)
                     if fresh:
-                        st.copy_(g[a:b])
+                        st.copy_(part)
                     else:
-                        st.add_(g[a:b])
+                        st.add_(part)
                     if sq is not None:
                         sq += st.double().square().sum()
                     acc[a:b].copy_(st, non_blocking=True)
                     self.freed[j] = torch.cuda.Event()
                     self.freed[j].record(self.d2h)
                 j ^= 1
+        self.j = j
+
+    def end(self) -> torch.Tensor | None:
         self.done = torch.cuda.Event()
         self.done.record(self.d2h)
+        sq, self.sq = self.sq, None
         return sq
 
     def wait(self) -> None:
@@ -275,6 +293,10 @@ class ZenFlowGradPath(GradPath):
             for s, pieces in zip(members, ds_column_pieces([tuple(s.param.shape) for s in members], world)):
                 s.pieces = pieces if self.per_piece else ds3_column_pieces(tuple(s.param.shape), world)
         self.sumsq = None              # the accumulated gradient's sum of squares, at an update boundary (clipping)
+        self.scale = 1.0 / zf.update_interval   # DeepSpeed's loss / gradient_accumulation_steps, on each read
+        self.open = False              # this step's gradients have begun to join the accumulation
+        self.queued: set[int] = set()  # the slots whose gradient has joined it this step
+        self.buf = 0                   # the accumulation set of the step that is open
         self.roundtrip = _DeviceRoundTrip(dev, max(s.master.numel() for s in self.slots)) \
             if dev.type == "cuda" else None
         self.threads = threads
@@ -307,6 +329,8 @@ class ZenFlowGradPath(GradPath):
                 s.param = now[s.name]
         for s in path.slots:
             s.allocate(plan.zenflow.topk_ratio, low, path.per_piece)
+        for unit in fsdp2_internals.fsdp_units(model):   # each unit's gradients join the accumulation once reduced
+            fsdp2_internals.after_reduce(unit, lambda event, u=unit: path._unit_reduced(u, event))
         if not dist.is_initialized() or dist.get_rank() == 0:
             why = "knob offload_threads" if knobs.offload_threads is not None else \
                 f"pt_reserved_cores_perc {plan.zenflow.pt_reserved_cores_perc:g}" if plan.zenflow.overlap_step else \
@@ -361,18 +385,64 @@ class ZenFlowGradPath(GradPath):
     # -- GradPath ------------------------------------------------------------------------------------------------
 
     def set_sync(self, sync: bool) -> None:
+        """Before each backward (the engine's): one whose gradients already joined the accumulation has had no
+        step(), so this one's would miss it."""
+        if self.open:
+            raise RuntimeError("zero_optimization.zenflow: a second backward before step(); ZenFlow takes one "
+                               "backward per step (call engine.step() after every engine.backward())")
         self.model.set_requires_gradient_sync(sync)
 
     @torch.no_grad()
+    def _unit_reduced(self, unit: nn.Module, event) -> None:
+        """An FSDP unit's post-backward has reduced its gradients (complete at `event`): they join the
+        accumulation now, during backward."""
+        mine = {id(fp.sharded_param) for fp in fsdp2_internals.fsdp_params(unit)}
+        self._accumulate([i for i, s in enumerate(self.slots) if id(s.param) in mine and s.param.grad is not None],
+                         event)
+
+    def _accumulate(self, indices: list[int], event=None) -> None:
+        """The gradients of these slots, times 1/update_interval, join the accumulation of the step being computed
+        (opened by the first of them: its set, a CPU step in flight on that set joined, the clip norm's sum)."""
+        if not self.open:
+            k = self.k + 1   # finish_gradients counts it
+            self.buf = self._state(k)
+            if self.pending is not None and self.pending_buf == self.buf:   # the CPU step in flight reads this set
+                self._join()                                                 # (DeepSpeed's state order, warm-up)
+            norm = self.max_norm > 0 and self._update_boundary(k)
+            if self.roundtrip is not None:
+                self.roundtrip.begin(norm)
+            else:
+                self.sumsq = torch.zeros((), dtype=torch.float64) if norm else None
+            self.open, self.queued = True, set()
+        indices = [i for i in indices if i not in self.queued]   # FSDP2 may run a unit's post-backward again
+        self.queued.update(indices)
+        pairs = [(self.slots[i].acc[self.buf], local_tensor(self.slots[i].param.grad)) for i in indices]
+        if self.roundtrip is not None:
+            self.roundtrip.add(pairs, self.fresh, self.scale, event)
+            return
+        for acc, g in pairs:
+            g = g if self.scale == 1.0 else g * self.scale
+            if self.fresh:
+                acc.copy_(g)
+            else:
+                acc.add_(g)
+            if self.sumsq is not None:
+                self.sumsq += acc.double().square().sum()
+
+    @torch.no_grad()
     def finish_gradients(self) -> None:
-        self.k += 1
-        k, W = self.k, self.zf.full_warm_up_rounds
-        grads = []
         for s in self.slots:
             if s.param.grad is None:
                 s.param.grad = torch.zeros_like(s.param)
-            grads.append(local_tensor(s.param.grad))
-        torch._foreach_mul_(grads, 1.0 / self.zf.update_interval)   # DeepSpeed's loss / gradient_accumulation_steps
+        rest = [i for i in range(len(self.slots)) if not (self.open and i in self.queued)]
+        if rest or not self.open:
+            self._accumulate(rest)
+        if self.roundtrip is not None:
+            self.sumsq = self.roundtrip.end()
+        self.open, self.fresh = False, False
+        self.k += 1
+        k, W = self.k, self.zf.full_warm_up_rounds
+        grads = [local_tensor(s.param.grad) for s in self.slots]   # unscaled: the ranking does not change
         if self._select_boundary(k):
             self._join()   # the masters are rewritten: a CPU step still running lands first
             if k != 0:
@@ -384,23 +454,7 @@ class ZenFlowGradPath(GradPath):
                 s.sel_v.zero_()
         if k >= W:
             for s, g in zip(self.slots, grads):
-                s.sel_grad = g[:, s.selected] if s.matrix else g.clone()
-        buf = self._state(k)
-        if self.pending is not None and self.pending_buf == buf:   # the CPU step in flight still reads this sum
-            self._join()                                            # (DeepSpeed's state order after a warm-up)
-        norm = self.max_norm > 0 and self._update_boundary(k)
-        if self.roundtrip is not None:
-            self.sumsq = self.roundtrip.add([(s.acc[buf], g) for s, g in zip(self.slots, grads)], self.fresh, norm)
-        else:
-            self.sumsq = torch.zeros((), dtype=torch.float64) if norm else None
-            for s, g in zip(self.slots, grads):
-                if self.fresh:
-                    s.acc[buf].copy_(g)
-                else:
-                    s.acc[buf].add_(g)
-                if norm:
-                    self.sumsq += s.acc[buf].double().square().sum()
-        self.fresh = False
+                s.sel_grad = (g[:, s.selected] if s.matrix else g) * self.scale
 
     def _select(self, grads: list[torch.Tensor]) -> None:
         """The top columns of each matrix, from its whole columns' |grad| sums (FSDP2 shards rows: each rank sums
@@ -419,7 +473,7 @@ class ZenFlowGradPath(GradPath):
             offset += n
 
     def grad_norm(self) -> torch.Tensor:
-        return global_grad_norm([s.param for s in self.slots])
+        return global_grad_norm([s.param for s in self.slots]) * self.scale   # the scaled step's gradient
 
     def scale_grads_(self, factor) -> None:
         pass   # see the class docstring: DeepSpeed clips only the accumulated gradient, by its own norm

@@ -502,6 +502,12 @@ def _resident(rank, world):
             seen.append(path.resident_bytes()["device"])
             return real(*args, **kwargs)
         path.step = step
+        early, finish = [], path.finish_gradients
+
+        def finish_gradients():   # the slots whose gradient joined the accumulation during backward
+            early.append(len(path.queued) if path.open else 0)
+            finish()
+        path.finish_gradients = finish_gradients
         for x in _data(rank)[:4]:
             engine.backward(engine(input_ids=x, labels=x).loss)
             engine.step()
@@ -513,7 +519,15 @@ def _resident(rank, world):
         must = selective * item * (2 + (0 if offload else 2)) + sum(s.selected.numel() * s.selected.element_size()
                                                                      for s in path.slots if s.matrix)
         must += getattr(path, "staging_bytes", 0)
-        out[label] = {"per_param": [b / params for b in seen], "bound": must / params,
+        x = _data(rank)[0]
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        try:   # a second backward before step(): its gradient would miss the accumulation
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            twice = None
+        except RuntimeError as e:
+            twice = str(e)
+        out[label] = {"per_param": [b / params for b in seen], "bound": must / params, "early": early, "twice": twice,
+                      "slots": len(path.slots),
                       "selected_fraction": selective / params, "item": item}
         engine.destroy()
     return out
@@ -525,7 +539,8 @@ def test_zenflow_device_bytes_per_parameter():
     counted per tensor by where the path places it, after build, between backward and step, after each step; the
     bound from the selected sizes). The accumulated gradient (4 bytes per parameter, two sets with overlap_step),
     the masters, the CPU Adam moments and the CPU step's result are on the host. Before: the accumulation stayed
-    on the device, 8 bytes per parameter more than the bound with overlap_step, 4 without."""
+    on the device, 8 bytes per parameter more than the bound with overlap_step, 4 without. Every gradient joins
+    the accumulation from its FSDP unit's post-reduce hook, during backward."""
     got = run_distributed(_resident, WORLD, timeout=280)
     for rank in got:
         for label, r in rank.items():
@@ -533,6 +548,9 @@ def test_zenflow_device_bytes_per_parameter():
             # the test's model: 1/4 of each matrix's columns and every vector (fp32: 16 bytes per selected element,
             # 8 with the moments offloaded)
             assert r["selected_fraction"] < 0.3 and r["item"] == 4, (label, r)
+            # each FSDP unit's gradients joined the accumulation after its reduce-scatter, during backward
+            assert r["early"] == [r["slots"]] * 4, (label, r["early"], r["slots"])
+            assert "a second backward before step()" in (r["twice"] or ""), r["twice"]
 
 
 def _gpu_runs(rank, world):
