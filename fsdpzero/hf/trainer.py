@@ -168,7 +168,8 @@ def trainer_context(args: transformers.TrainingArguments, model: nn.Module, trai
     ctx = {k: getattr(args, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
                                          "learning_rate", "weight_decay", "adam_beta1", "adam_beta2",
                                          "adam_epsilon", "max_grad_norm", "warmup_steps", "bf16", "fp16")}
-    ctx["world_size"] = world // sp_size
+    # a size that does not divide the world: the plan names sequence_parallel_size (world // sp could fill 0)
+    ctx["world_size"] = world // sp_size if world % sp_size == 0 else world
     ctx["hidden_size"] = getattr(getattr(model, "config", None), "hidden_size", None)
     if args.max_steps and args.max_steps > 0:
         ctx["max_steps"] = ctx["num_training_steps"] = args.max_steps

@@ -182,3 +182,22 @@ def test_size_from_either_place_must_agree():
         sequence_parallel_size({"sequence_parallel_size": 4}, SimpleNamespace(parallelism_config=pc))
     with pytest.raises(ValueError, match=r"\{'tp_size': 2\} with sp_size = 2: under fsdpzero only sp_size"):
         sequence_parallel_size({}, SimpleNamespace(parallelism_config=ParallelismConfig(sp_size=2, tp_size=2)))
+
+
+def test_size_not_dividing_the_world_is_named_under_auto(monkeypatch):
+    """sequence_parallel_size larger than the world, the triad "auto" (as HF configs have it): the error names
+    sequence_parallel_size, before any process group. It said `train_batch_size: input should be greater than 0,
+    got 0` (world // sp counted no data-parallel rank), which names neither the key nor the fix."""
+    from types import SimpleNamespace
+
+    from fsdpzero.api import launch_env, make_plan
+    from fsdpzero.hf.trainer import trainer_context
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = SimpleNamespace(per_device_train_batch_size=MICRO, gradient_accumulation_steps=GAS, learning_rate=5e-4,
+                           weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
+                           warmup_steps=0, bf16=False, fp16=False, max_steps=-1, num_train_epochs=1,
+                           dataloader_drop_last=False)
+    for sp in (3, 4):
+        context = trainer_context(args, build_model("llama"), dataset(16), sp_size=sp)
+        with pytest.raises(ValueError, match=rf"sequence_parallel_size: {sp} does not divide the world size 2"):
+            make_plan({**CONFIG, "sequence_parallel_size": sp}, launch_env("cpu"), context)
