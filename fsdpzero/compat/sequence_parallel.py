@@ -20,6 +20,7 @@ import logging
 import torch.distributed as dist
 
 from fsdpzero.parallel.ulysses import KEY, PREFIX, SequenceParallel, UlyssesSPDataLoaderAdapter  # noqa: F401
+from fsdpzero.parallel.ulysses import check_model
 from fsdpzero.parallel.ulysses import register_with_transformers as register_attention
 from fsdpzero.parallel.ulysses import sequence_parallel_ranks
 
@@ -63,6 +64,10 @@ class UlyssesSPAttentionHF:
             raise ValueError(f"UlyssesSPAttentionHF.register_with_transformers({model!r}): under fsdpzero the loaded "
                              "model is required (its attention is registered per model): pass the model object")
         check_attention(model, core_attn_implementation)
+        try:   # heads and attention before any sp group, naming what accelerate's users set
+            check_model(model, sequence_parallel_size)
+        except ValueError as e:
+            raise ValueError(str(e).replace(KEY, "ParallelismConfig sp_size")) from None
         world, rank = dist.get_world_size(), dist.get_rank()
         if world % sequence_parallel_size:
             raise ValueError(f"ParallelismConfig sp_size = {sequence_parallel_size} does not divide the {world} "

@@ -208,6 +208,20 @@ def test_stand_in_checks():
                            "gradient_accumulation_steps": 1}, 4, 2)
 
 
+
+def test_heads_not_divisible_named_as_accelerate_sets_it():
+    """A model whose heads sp_size does not divide: refused before any sp group (and with no process group at all
+    here), naming the setting accelerate's users set (ParallelismConfig sp_size), not the DeepSpeed key they may not
+    have. It was refused after the sp groups were created, as `sequence_parallel_size = 2 does not divide ...`."""
+    from fsdpzero.compat.sequence_parallel import UlyssesSPAttentionHF
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=3, num_key_value_heads=3, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match=r"^ParallelismConfig sp_size = 2 does not divide the model's 3 attention "
+                                         r"heads \(num_attention_heads\): use a divisor of 3$"):
+        UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1, max_length=16)
+
 def test_engine_passes_batches_through_as_deepspeed():
     """The mpu of accelerate's door gives DeepSpeed's engine semantics: the adapter's batch (shift_labels, no labels)
     reaches the model as it is, so the model computes no loss and the loop's aggregation is the only one; fsdpzero's
