@@ -67,6 +67,7 @@ CHUNKS = [
     Chunk("checkpoint", 2, ("tests/checkpoint/test_checkpoint_gpu.py", "tests/checkpoint/test_checkpoint_stream.py",
                             "tests/checkpoint/test_rank_killed_mid_save.py"),
           f"not {FOUR}", minutes=2.6),
+    Chunk("zenflow_muon", 2, ("tests/optim/test_zenflow.py", "tests/optim/test_muon.py"), minutes=2.0),
     Chunk("optim", 2, ("tests/optim/test_stage1.py", "tests/optim/test_lamb.py", "tests/ops/test_aio.py",
                        "tests/cli/test_estimate.py"), needs="DeepSpeed (FusedLamb oracle, estimate's DeepSpeed rows)",
           minutes=2.6),
