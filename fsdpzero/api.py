@@ -20,7 +20,7 @@ from fsdpzero.dist import broadcast_module, check_same_on_all_ranks, detect_devi
 from fsdpzero.dist import init_distributed as init_distributed_env
 from fsdpzero.engine import Engine
 from fsdpzero.log import log_startup, setup_logging
-from fsdpzero.optim.muon import tag_muon_params
+from fsdpzero.optim.muon import check_muon_model, tag_muon_params
 from fsdpzero.optim import FSDPGradPath, GradPath, OptimizerFactory, check_optimizer, make_optimizer_factory
 from fsdpzero.optim.grad_path import ForwardOnlyPath
 from fsdpzero.parallel import check_user_mesh, data_mesh, data_rank_and_size, model_mesh
@@ -86,6 +86,8 @@ def wrap(model: nn.Module, ds_config: Any, *, mesh=None, optimizer: Any = None, 
     forward_only = allow_no_optimizer and optimizer is None and plan.optimizer.type is None
     if not forward_only:
         check_optimizer(plan, optimizer)
+    if plan.optimizer.type == "muon" and optimizer is None:
+        check_muon_model(model)   # a 4-D Muon parameter (DeepSpeed cannot step it either), before any process group
     plan = compile_knob(plan, knobs.compile)
     check_compile(plan)
     tp_styles = resolve_tp_plan(model, plan.tensor_parallel)   # AutoTP: its errors before any process group

@@ -2,6 +2,10 @@
 
 DeepSpeed's split (deepspeed.set_optimizer_flags): a parameter whose layer shape has >= 2 dims and whose name has
 neither "embed" nor "lm_head" gets Muon; every other one (embeddings, the head, biases, norms) the auxiliary AdamW.
+A Muon parameter of more than 2 dims is, as DeepSpeed 0.19.8's muon_update takes it whole at every stage, a batch of
+matrices over its leading dims (stacked MoE experts (E, out, in), a Conv1d filter (out, in, k) as `out` matrices of
+(in, k)): Newton-Schulz per matrix of the batch, the aspect scale from the last two dims. A 4-D one (a Conv2d filter)
+is refused (check_muon_shapes): muon_update views it as 2-D and then fails to put the update back in its shape.
 Config keys: `lr` for both halves, `muon_lr` / `adam_lr` for one; Muon takes `momentum` (0.95), `weight_decay` (0),
 `ns_method` ("gram"); AdamW takes `betas` ((0.9, 0.95)), `eps` (1e-10), `weight_decay` (0). Defaults as DeepSpeed's.
 
@@ -48,6 +52,23 @@ NS_WINDOW_BYTES = 512 << 20
 def is_muon_param(name: str, p: torch.Tensor) -> bool:
     """DeepSpeed's rule: matrices (>= 2 dims), except embeddings and the output head."""
     return p.ndim >= 2 and not any(word in name.lower() for word in ("embed", "lm_head"))
+
+
+def check_muon_shapes(named: Iterable[tuple[str, torch.Size]]) -> None:
+    """Refuses a 4-D Muon parameter (DeepSpeed 0.19.8 cannot step one: muon_update views a 4-D update as
+    (out, in * kh * kw), runs Newton-Schulz, and its torch.where against the 4-D gradient does not broadcast); one
+    line naming the parameter, its shape and the fix. Every other shape of >= 2 dims is stepped as DeepSpeed does."""
+    for name, shape in named:
+        if len(shape) == 4:
+            raise ValueError(f"Muon parameter {name!r} has shape {tuple(shape)}: a 4-D (conv2d) filter, which "
+                             "DeepSpeed 0.19.8's Muon cannot step either (muon_update fails on it); use optimizer.type "
+                             "AdamW for this model, or hold the filter as a 2-D (out, in*kh*kw) parameter")
+
+
+def check_muon_model(model: torch.nn.Module) -> None:
+    """check_muon_shapes over the parameters DeepSpeed's split gives Muon; from shapes alone, so it runs before any
+    process group, with the same error on every rank."""
+    check_muon_shapes((n, p.shape) for n, p in model.named_parameters() if p.requires_grad and is_muon_param(n, p))
 
 
 def tag_muon_params(model: torch.nn.Module) -> None:
@@ -371,11 +392,11 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 raise ValueError("every MuonWithAuxAdam param group needs a use_muon flag")
             if group["use_muon"]:
                 group["params"] = sorted(group["params"], key=lambda x: x.size(), reverse=True)   # as DeepSpeed
-                shapes = [tuple(p.shape) for p in group["params"] if p.ndim != 2]
-                if shapes:   # DeepSpeed tags them Muon too, and its muon_update then fails on them
-                    raise ValueError(f"Muon parameters with {len(shapes)} non-matrix shapes ({shapes[:3]}): fsdpzero's "
-                                     "Muon orthogonalizes 2-D weights only (DeepSpeed 0.19.8's muon_update fails on "
-                                     "conv filters too); train this model with AdamW")
+                if any(p.ndim < 2 for p in group["params"]):
+                    raise ValueError("a use_muon group holds a parameter of fewer than 2 dims: Muon orthogonalizes "
+                                     "matrices; put it in a use_muon=False (AdamW) group")
+                check_muon_shapes((f"{group.get('name', 'muon')}[{i}]", p.shape)
+                                  for i, p in enumerate(group["params"]))
                 group.setdefault("lr", 0.02)
                 group.setdefault("momentum", 0.95)
                 group.setdefault("weight_decay", 0)

@@ -665,8 +665,11 @@ CONDITIONAL: tuple[Rule, ...] = (
          "stage_1_and_2._apply_muon_updates_cpu_offload / stage3._muon_update_sub_group, which compute what they do "
          "without offload): the fp32 masters and the momentum on the CPU, each matrix's Newton-Schulz once, on one "
          "rank, on the GPU where there is one (DeepSpeed: on every rank), the CPU step applies the update "
-         "(fsdpzero/offload/muon.py; stage 1 steps its flat CPU shards). Refused with the fix: fp16, "
-         "offload_optimizer nvme or ratio < 1, per_head_muon"),
+         "(fsdpzero/offload/muon.py; stage 1 steps its flat CPU shards). A Muon parameter of 3 or more dims "
+         "(fused MoE experts (E, out, in), a Conv1d filter) is, as DeepSpeed's muon_update takes it, a batch of "
+         "matrices over its leading dims, gathered whole to its owner. Refused with the fix: fp16, "
+         "offload_optimizer nvme or ratio < 1, per_head_muon, a 4-D (Conv2d) Muon parameter (DeepSpeed's "
+         "muon_update fails on it)"),
     Rule("optimizer.type", When("MuAdam, MuAdamW, MuSGD or Lion", lambda c: (c.value or "").lower() in (
         "muadam", "muadamw", "musgd", "lion")), U, "{value}: no fsdpzero implementation"),
     *(Rule("optimizer.type", When(f"{k} (canonical)", lambda c, k=k: c.fields()["canon"] == k), M,

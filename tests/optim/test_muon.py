@@ -155,11 +155,12 @@ def _compare(stage, clip, offload, tmp_path):
 
 
 @pytest.mark.parametrize("ns_method", ["gram", "standard"])
-@pytest.mark.parametrize("shape", [(24, 40), (40, 24), (32, 32)])
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24), (32, 32), (3, 24, 40), (3, 40, 24), (8, 8, 3), (2, 3, 8, 12, 5)])
 def test_muon_update_is_deepspeeds(ns_method, shape):
-    """One matrix's update (nesterov blend, Newton-Schulz, aspect scale) as DeepSpeed's muon_update computes it, for
-    wide, tall and square matrices, both NS methods (gram: fp32 on this CPU; standard: bf16). (DeepSpeed's muon_update
-    fails on conv filters; fsdpzero refuses a non-matrix Muon parameter.)"""
+    """One parameter's update (nesterov blend, Newton-Schulz, aspect scale) as DeepSpeed's muon_update computes it, for
+    wide, tall and square matrices, both NS methods (gram: fp32 on this CPU; standard: bf16), and for parameters of
+    more dims, which DeepSpeed takes as a batch of matrices over the leading dims: stacked MoE experts (E, out, in),
+    a Conv1d filter (out, in, k), a 5-D one. (4-D: test_4d_muon_params_are_refused.)"""
     _deepspeed()
     from deepspeed.runtime.zero.muon import original_muon
     from fsdpzero.optim.muon import orthogonalize
@@ -174,6 +175,29 @@ def test_muon_update_is_deepspeeds(ns_method, shape):
     assert torch.equal(m, ref_m)
     assert ours.dtype == ref.dtype == torch.float32
     assert (ours - ref).abs().max().item() <= (1e-6 if ns_method == "gram" else 0.0)
+
+
+def test_4d_muon_params_are_refused():
+    """A 4-D Muon parameter (a Conv2d filter) is what DeepSpeed 0.19.8's muon_update cannot step (it views the update as
+    2-D and its torch.where against the 4-D gradient does not broadcast): MuonWithAuxAdam refuses it, and
+    fsdpzero.initialize does before any process group, in one line naming the parameter, its shape and the fix."""
+    _deepspeed()
+    import torch.distributed as dist
+    import fsdpzero
+    from deepspeed.runtime.zero.muon import original_muon
+    from fsdpzero.optim.muon import MuonWithAuxAdam
+    filt = torch.randn(8, 4, 3, 3)
+    with torch._dynamo.config.patch(disable=True), pytest.raises(RuntimeError, match="must match the size"):
+        original_muon.muon_update(filt.clone(), torch.zeros_like(filt))   # DeepSpeed cannot either
+    with pytest.raises(ValueError, match=r"\(8, 4, 3, 3\): a 4-D \(conv2d\) filter.*optimizer.type AdamW"):
+        MuonWithAuxAdam([dict(params=[torch.nn.Parameter(filt)], use_muon=True)])
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Conv2d(8, 8, 3))
+    initialized = dist.is_initialized()
+    with pytest.raises(ValueError, match=r"Muon parameter '1.weight' has shape \(8, 8, 3, 3\)"):
+        fsdpzero.initialize(model=model, config=BASE)
+    assert dist.is_initialized() == initialized   # refused before any process group
+    MuonWithAuxAdam([dict(params=[torch.nn.Parameter(torch.randn(3, 8, 4)), torch.nn.Parameter(torch.randn(8, 4, 3))],
+                          use_muon=True)])   # 3-D (experts, Conv1d) and 5-D are DeepSpeed's batches of matrices
 
 
 BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
@@ -218,6 +242,76 @@ def test_skipped_step_leaves_the_momentum():
     opt.orthogonalize_grads()
     opt.step()
     assert torch.allclose(opt.state[w]["momentum_buffer"], 0.1 * grad, rtol=0, atol=1e-7)
+
+
+# -- parameters of more than 2 dims: a transformers 5 MoE's fused experts ---------------------------------------------
+
+MOE_CONFIGS = [(0, False), (1, False), (2, False), (3, False), (1, True), (2, True), (3, True)]   # (stage, offload)
+MOE_MATRICES = 2 * (4 + 1 + 3 + 3)   # per step: q k v o, the router, 3 experts of gate_up and of down, 2 layers
+
+
+def _moe_model():
+    """Qwen3-MoE with transformers 5's fused experts: each layer's gate_up_proj (3, 32, 32) and down_proj (3, 32, 16)
+    are 3-D parameters (3 experts; FSDP2's Shard(0) splits them 2 + 1 on 2 ranks)."""
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      num_experts=3, num_experts_per_tok=2, max_position_embeddings=64,
+                                      bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    return transformers.Qwen3MoeForCausalLM(cfg)
+
+
+def _train_moe(rank, world, library):
+    """Every MOE_CONFIGS run of one library in the same ranks (clip 1.0, STEPS steps of GA micro-batches)."""
+    if library == "deepspeed":
+        os.environ["TORCH_COMPILE_DISABLE"] = "1"
+        import deepspeed as lib
+    else:
+        import fsdpzero as lib
+    from fsdpzero.optim import muon
+    out = {}
+    for stage, offload in MOE_CONFIGS:
+        model = _moe_model()
+        config = _config(stage, 1.0, offload)
+        engine = lib.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+        before, norms = muon.ns_calls, []
+        losses = _steps(engine, _data(rank), norms)
+        out[stage, offload] = dict(
+            losses=losses, norms=norms, params=_params(engine, library, stage), ns_calls=muon.ns_calls - before,
+            muon=sorted(n for n, p in engine.module.named_parameters() if getattr(p, "use_muon", False)),
+            optimizer=type(engine.optimizer if library == "deepspeed" else engine.grad_path.optimizer).__name__)
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_muon_3d_expert_params_match_deepspeed():
+    """DeepSpeed 0.19.8 gives a 3-D parameter Muon (its split: >= 2 dims) and runs it at every stage, with and without
+    CPU offload: muon_update takes the whole tensor as a batch of matrices over the leading dim (each expert's matrix
+    orthogonalized alone, the aspect scale from the last two dims). fsdpzero, same config and Qwen3-MoE model, 2 gloo
+    ranks, fp32: losses, grad norms and weights within 1e-5 at stages 0-3 and with offload_optimizer cpu at 1-3 (the
+    owner gathers the whole (E, out, in) tensor from FSDP2's Shard(0) of the expert dim, or from stage 1's flat
+    shards, and runs Newton-Schulz once, on one rank)."""
+    _deepspeed()
+    ds = run_distributed(_train_moe, WORLD, "deepspeed", timeout=600)
+    ours = run_distributed(_train_moe, WORLD, "fsdpzero", timeout=600)
+    for key in MOE_CONFIGS:
+        d, o = ds[0][key], ours[0][key]
+        experts = [n for n in d["params"] if d["params"][n].ndim == 3]
+        assert len(experts) == 4 and set(experts) <= set(o["muon"]) and o["muon"] == d["muon"], (key, o["muon"])
+        assert o["optimizer"] == ("CPUMuonWithAuxAdam" if key[1] and key[0] > 1 else "MuonWithAuxAdam"), key
+        for step, (a, b) in enumerate(zip(d["losses"], o["losses"])):
+            assert abs(a - b) <= TOL, f"{key} step {step} loss: deepspeed {a} vs fsdpzero {b}"
+        assert d["losses"][-1] < d["losses"][0] - 0.05, key   # it trains
+        if key[0] > 0:
+            for step, (a, b) in enumerate(zip(d["norms"], o["norms"])):
+                assert abs(a - b) <= TOL * a, f"{key} step {step} grad norm: deepspeed {a} vs fsdpzero {b}"
+        for r in range(WORLD):
+            worst = max((ds[r][key]["params"][n] - ours[r][key]["params"][n]).abs().max().item()
+                        for n in d["params"])
+            assert worst <= TOL, f"{key} rank {r}: final params differ from DeepSpeed's by {worst}"
+        # each expert's matrix orthogonalized once per step, on one rank
+        assert sum(r[key]["ns_calls"] for r in ours) == STEPS * MOE_MATRICES, (key, [r[key]["ns_calls"] for r in ours])
 
 
 def _offload_vs_device(rank, world, stage):
