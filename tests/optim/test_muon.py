@@ -262,8 +262,9 @@ def _moe_model():
     return transformers.Qwen3MoeForCausalLM(cfg)
 
 
-def _train_moe(rank, world, library):
-    """Every MOE_CONFIGS run of one library in the same ranks (clip 1.0, STEPS steps of GA micro-batches)."""
+def _train_moe(rank, world, library, ckpt=None):
+    """Every MOE_CONFIGS run of one library in the same ranks (clip 1.0, STEPS steps of GA micro-batches); fsdpzero
+    also at stage 3 saved after 2 steps and resumed (the 3-D momentum, sharded on the expert dim, in the checkpoint)."""
     if library == "deepspeed":
         os.environ["TORCH_COMPILE_DISABLE"] = "1"
         import deepspeed as lib
@@ -281,20 +282,34 @@ def _train_moe(rank, world, library):
             losses=losses, norms=norms, params=_params(engine, library, stage), ns_calls=muon.ns_calls - before,
             muon=sorted(n for n, p in engine.module.named_parameters() if getattr(p, "use_muon", False)),
             optimizer=type(engine.optimizer if library == "deepspeed" else engine.grad_path.optimizer).__name__)
+    if ckpt is not None:
+        config = _config(3, 1.0)
+        engines = []
+        for _ in range(2):
+            model = _moe_model()
+            engines.append(lib.initialize(model=model, model_parameters=model.parameters(), config=config)[0])
+        _steps(engines[0], _data(rank)[:2 * GA])
+        engines[0].save_checkpoint(ckpt, tag="half")
+        engines[1].load_checkpoint(ckpt, tag="half")
+        out["resumed"] = dict(losses=_steps(engines[1], _data(rank)[2 * GA:]), params=_params(engines[1], library, 3))
     return out
 
 
 @pytest.mark.timeout(900)
-def test_muon_3d_expert_params_match_deepspeed():
+def test_muon_3d_expert_params_match_deepspeed(tmp_path):
     """DeepSpeed 0.19.8 gives a 3-D parameter Muon (its split: >= 2 dims) and runs it at every stage, with and without
     CPU offload: muon_update takes the whole tensor as a batch of matrices over the leading dim (each expert's matrix
     orthogonalized alone, the aspect scale from the last two dims). fsdpzero, same config and Qwen3-MoE model, 2 gloo
     ranks, fp32: losses, grad norms and weights within 1e-5 at stages 0-3 and with offload_optimizer cpu at 1-3 (the
     owner gathers the whole (E, out, in) tensor from FSDP2's Shard(0) of the expert dim, or from stage 1's flat
-    shards, and runs Newton-Schulz once, on one rank)."""
+    shards, and runs Newton-Schulz once, on one rank). A stage-3 run resumed after 2 steps equals the uninterrupted
+    one bitwise."""
     _deepspeed()
     ds = run_distributed(_train_moe, WORLD, "deepspeed", timeout=600)
-    ours = run_distributed(_train_moe, WORLD, "fsdpzero", timeout=600)
+    ours = run_distributed(_train_moe, WORLD, "fsdpzero", str(tmp_path / "ckpt"), timeout=600)
+    for r in ours:
+        assert r["resumed"]["losses"] == r[3, False]["losses"][2:]
+        assert all(torch.equal(r["resumed"]["params"][n], r[3, False]["params"][n]) for n in r["resumed"]["params"])
     for key in MOE_CONFIGS:
         d, o = ds[0][key], ours[0][key]
         experts = [n for n in d["params"] if d["params"][n].ndim == 3]
