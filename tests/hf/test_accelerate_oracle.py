@@ -10,7 +10,6 @@ equals the uninterrupted run bit for bit."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import runpy
 import sys
@@ -21,6 +20,8 @@ import torch
 import transformers  # noqa: F401  imported before forking ranks
 import accelerate  # noqa: F401
 
+from tests.hf.cases import tiny_llama_dir as _model_dir
+from tests.hf.cases import write_json
 from tests.multirank import run_distributed
 
 pytestmark = [pytest.mark.oracle, pytest.mark.slow]
@@ -61,14 +62,12 @@ def _argv(case: str, model: str, out: str, extra: list[str]) -> list[str]:
     os.makedirs(out, exist_ok=True)
     if "TEACHER" in flags:
         teacher = os.path.join(out, "teacher.json")
-        with open(teacher, "w") as f:
-            json.dump(TEACHER, f)
+        write_json(teacher, TEACHER)
         flags = [teacher if f == "TEACHER" else f for f in flags]
     argv = [SCRIPT, model, out, *flags, *extra]
     if ds is not None:
         path = os.path.join(out, "ds_config.json")
-        with open(path, "w") as f:
-            json.dump(ds, f)
+        write_json(path, ds)
         argv += ["--ds_config", path]
     return argv
 
@@ -107,19 +106,6 @@ def _ours(rank, world, case, model, out, extra):
 
 
 _RUNS: dict = {}
-
-
-def _model_dir(tmp_path_factory) -> str:
-    """The initial weights, saved once: both sides load them, whatever ZeRO-3 init does to a fresh model's RNG."""
-    if "model" not in _RUNS:
-        from transformers import AutoModelForCausalLM, LlamaConfig
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-        where = str(tmp_path_factory.mktemp("initial_model"))
-        AutoModelForCausalLM.from_config(config).save_pretrained(where)
-        _RUNS["model"] = where
-    return _RUNS["model"]
 
 
 def _run(side: str, case: str, tmp_path_factory, extra=()) -> dict:

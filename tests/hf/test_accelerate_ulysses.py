@@ -14,7 +14,6 @@ through the small CPU patch test_accelerate_oracle.py keeps) at ZeRO 3: same los
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import runpy
 import sys
@@ -25,6 +24,8 @@ import torch
 import transformers  # noqa: F401  imported before forking ranks
 import accelerate  # noqa: F401
 
+from tests.hf.cases import tiny_llama_dir as _model_dir
+from tests.hf.cases import write_json
 from tests.multirank import run_distributed
 
 SCRIPT = str(Path(__file__).with_name("accelerate_alst_loop.py"))
@@ -42,8 +43,7 @@ def config(stage: int) -> dict:
 def _argv(model: str, out: str, stage: int, flags: list[str]) -> list[str]:
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "ds_config.json")
-    with open(path, "w") as f:
-        json.dump(config(stage), f)
+    write_json(path, config(stage))
     return [SCRIPT, model, out, "--ds_config", path, *flags]
 
 
@@ -107,18 +107,6 @@ def _reference(rank, world, model, out):
 
 
 _RUNS: dict = {}
-
-
-def _model_dir(tmp_path_factory) -> str:
-    if "model" not in _RUNS:
-        from transformers import AutoModelForCausalLM, LlamaConfig
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-        where = str(tmp_path_factory.mktemp("alst_model"))
-        AutoModelForCausalLM.from_config(config).save_pretrained(where)
-        _RUNS["model"] = where
-    return _RUNS["model"]
 
 
 def _run(side: str, stage: int, tmp_path_factory, flags=()):

@@ -22,26 +22,10 @@ import torch
 
 from tests.engine_cases import SEQ, VOCAB, build_model
 from tests.multirank import run_distributed
+from tests.parallel.test_ulysses import dataset
 
 MICRO, GAS, STEPS, SP = 2, 2, 8, 2   # 2 epochs of 16 samples
 TOL = 1e-5
-
-
-def dataset(n: int, seed: int = 1234) -> list[dict]:
-    """SEQ tokens each: even samples real for 6 tokens then padding (labels -100), odd ones a 5-token prompt
-    (labels -100) then real tokens to a length of 11..16; global position ids."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        ids = torch.randint(3, VOCAB, (SEQ,), generator=g)
-        labels = ids.clone()
-        real = 6 if i % 2 == 0 else 11 + i % 6
-        ids[real:] = 2
-        labels[real:] = -100
-        if i % 2:
-            labels[:5] = -100
-        out.append({"input_ids": ids, "labels": labels, "position_ids": torch.arange(SEQ)})
-    return out
 
 
 def arguments(cls, out: str, **extra):

@@ -53,10 +53,11 @@ def model(attn: str = "sdpa"):
     return m
 
 
-def dataset(n: int) -> list[dict]:
+def dataset(n: int, seed: int = 1234) -> list[dict]:
     """Samples of SEQ tokens: even ones real for their first 6 tokens then padding (labels -100: their second half
-    has no label), odd ones a 5-token prompt (labels -100) then real tokens to a length of 11..16."""
-    g = torch.Generator().manual_seed(1234)
+    has no label), odd ones a 5-token prompt (labels -100) then real tokens to a length of 11..16; global position
+    ids."""
+    g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
         ids = torch.randint(3, VOCAB, (SEQ,), generator=g)
