@@ -37,3 +37,18 @@ def write_json(path: str, obj) -> None:
     with open(tmp, "w") as f:
         json.dump(obj, f)
     os.replace(tmp, path)
+
+
+def fresh_accelerate() -> None:
+    """accelerate's process-wide state reset, so a rank forked after another run builds its Accelerator anew."""
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def loop_result(out: str, rank: int):
+    """What the accelerate loop saved (rank 0's result.pt, our own file), or None on the other ranks."""
+    import os
+
+    import torch
+    return torch.load(os.path.join(out, "result.pt"), weights_only=True) if rank == 0 else None

@@ -25,6 +25,8 @@ import transformers  # noqa: F401  imported before forking ranks
 import accelerate  # noqa: F401
 
 from tests.hf.cases import tiny_llama_dir as _model_dir
+from tests.hf.cases import fresh_accelerate as _fresh_accelerate
+from tests.hf.cases import loop_result as _result
 from tests.hf.cases import write_json
 from tests.multirank import run_distributed
 
@@ -45,16 +47,6 @@ def _argv(model: str, out: str, stage: int, flags: list[str]) -> list[str]:
     path = os.path.join(out, "ds_config.json")
     write_json(path, config(stage))
     return [SCRIPT, model, out, "--ds_config", path, *flags]
-
-
-def _fresh_accelerate() -> None:
-    from accelerate.state import AcceleratorState, GradientState
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
-def _result(out: str, rank: int):
-    return torch.load(os.path.join(out, "result.pt"), weights_only=True) if rank == 0 else None
 
 
 def _ours(rank, world, model, out, stage, flags):

@@ -51,7 +51,7 @@ def _steps(engine, batches, norms=None):
     global grad norm)."""
     losses = []
     for i in range(0, len(batches), GA):
-        total = torch.zeros(())
+        total = torch.zeros((), device=batches[0].device)
         for x in batches[i:i + GA]:
             loss = engine(input_ids=x, labels=x).loss
             engine.backward(loss)
@@ -340,18 +340,8 @@ def _offload_vs_device(rank, world, stage):
         model = _model("llama")
         engine = fsdpzero.initialize(model=model, model_parameters=model.parameters(),
                                      config=_config(stage, 1.0, offload))[0]
-        before, losses = muon.ns_calls, []
-        batches = _data(rank)
-        for i in range(0, len(batches), GA):
-            total = torch.zeros((), device=device)
-            for x in batches[i:i + GA]:
-                x = x.to(device)
-                loss = engine(input_ids=x, labels=x).loss
-                engine.backward(loss)
-                engine.step()
-                total += loss.detach().float()
-            torch.distributed.all_reduce(total)
-            losses.append(total.item() / (WORLD * GA))
+        before = muon.ns_calls
+        losses = _steps(engine, [x.to(device) for x in _data(rank)])
         out[offload] = dict(losses=losses, params=_params(engine, "fsdpzero", stage), ns_calls=muon.ns_calls - before,
                             optimizer=type(engine.grad_path.optimizer).__name__)
         engine.destroy()
