@@ -115,9 +115,6 @@ class OffloadGradPath(GradPath):
                                     swap_params=swap_params, overlap=overlap),
                    prepare.speculation(plan, knobs, masters.entries, optimizer,
                                        no_speculation=cls.on_disk or swap_params or muon))
-        if muon and path.norm_cache is not None:   # the sums of squares taken during backward would be the raw
-            path.norm_cache.close()                  # gradients', not the updates'
-            path.norm_cache = None
         if swap_params:
             path.param_swapper = prepare.swap_params_to_disk(model, plan, masters.entries, knobs)
         prepare.log_built(path, plan, pin)

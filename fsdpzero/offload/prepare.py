@@ -330,9 +330,11 @@ def cast_shards(model: nn.Module, entries: list[Entry], low: torch.dtype) -> Non
 def norm_threads(plan: Plan, staged: bool, threads: int) -> int | None:
     """offload_param cpu: threads that sum the grads' squares during backward (device_step.CpuNormPrefetch), as many
     as the speculative step would take (backward keeps the rest); None elsewhere (staged grads are normed on the
-    device)."""
+    device; Muon's norm is of the orthogonalized updates, which exist only after backward)."""
     if staged or plan.offload.param_device != "cpu" or DTYPES[plan.precision.param_dtype] == torch.float32:
         return None   # fp32 grads are normed by torch's foreach norm (global_grad_norm), not by these sums
+    if plan.optimizer.type == "muon":
+        return None
     from fsdpzero.offload.speculate import default_spec_threads
     return default_spec_threads(threads)
 

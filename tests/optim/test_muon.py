@@ -520,3 +520,17 @@ def test_batched_equals_per_matrix_through_the_engine(stage, offload):
                 f"rank {rank} {n}: batched differs by {(per['params'][n] - batched['params'][n]).abs().max().item()}"
         assert per["calls"] == batched["calls"] == 2 * 7
         assert (per["batches"], batched["batches"]) == (2 * 7, 2 * 4), (rank, per["batches"], batched["batches"])
+
+
+def test_muon_offload_takes_no_backward_norm_worker():
+    """With offload_param cpu and bf16, the offload path sums the grads' squares during backward (a worker's
+    threads); Muon's norm is of the orthogonalized updates, made after backward, so it gets no such worker."""
+    import dataclasses
+
+    from fsdpzero.offload import prepare
+    from fsdpzero.plan.types import OffloadPlan
+    from tests.engine_cases import make_plan
+    for opt, wants in (("adamw", True), ("muon", False)):
+        plan = dataclasses.replace(make_plan(stage=3, dtype="bfloat16", opt=opt),
+                                   offload=OffloadPlan(optimizer_device="cpu", param_device="cpu"))
+        assert (prepare.norm_threads(plan, staged=False, threads=8) is not None) is wants, opt
