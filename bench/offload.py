@@ -31,9 +31,10 @@ ref_gpu_noopt (FSDP2 stage 2, bf16: forward + backward + grad norm, no optimizer
 CPU Adam over this model's parameters per rank, chunked as the offload path steps them, bf16 grads in, bf16 out) are
 the two terms of issue 24's limit max(GPU step without optimizer, CPU Adam step).
 FSDPZERO_BENCH_CPU=1 runs it on CPU/gloo (correctness of the script only).
-FSDPZERO_OFFLOAD_PROFILE=1: the ours_* configs also write the offload path's per-step timeline (rank 0, JSON lines,
-fields in fsdpzero/offload/timeline.py) next to their JSON as <config>.timeline.jsonl, and the row gets
-"timeline_median" (the median of each scalar field over the timed steps).
+FSDPZERO_OFFLOAD_PROFILE=1: the ours_* configs also write the offload path's per-step timeline (every rank, JSON
+lines, fields in fsdpzero/offload/timeline.py) next to their JSON as <config>.timeline.rank<N>.jsonl, and the row gets
+"timeline_median" (rank 0's median of each scalar field over the timed steps) and "timeline_ranks" (every rank's
+per-step fields). Every row has "ranks": each rank's step times, CPU seconds and involuntary context switches per step.
 """
 from __future__ import annotations
 
@@ -273,11 +274,12 @@ def run_one(args):
         dist.init_process_group("cuda:nccl,cpu:gloo" if DEVICE == "cuda" else "gloo")
     timeline = None
     if os.environ.get("FSDPZERO_OFFLOAD_PROFILE") == "1" and args.config.startswith("ours_"):
-        timeline = Path(args.json or f"out/offload/{args.config}.json").with_suffix(".timeline.jsonl")
-        timeline.parent.mkdir(parents=True, exist_ok=True)
-        if rank == 0:
-            timeline.unlink(missing_ok=True)
-        os.environ["FSDPZERO_OFFLOAD_PROFILE_FILE"] = str(timeline)
+        base = Path(args.json or f"out/offload/{args.config}.json")
+        base.parent.mkdir(parents=True, exist_ok=True)
+        # one file per rank: with N ranks on a host the slowest rank sets the step
+        timeline = base.with_suffix(f".timeline.rank{rank}.jsonl")
+        timeline.unlink(missing_ok=True)
+        os.environ["FSDPZERO_OFFLOAD_PROFILE_FILE"] = str(base.with_suffix(".timeline.rank{rank}.jsonl"))
     t_setup = time.perf_counter()
     runner = {"ds": ds_runner, "fsdp": fsdp_runner, "ours": ours_runner, "ref": ref_runner}[args.config.split("_")[0]]
     step, finish = runner(args, args.config)
@@ -289,20 +291,25 @@ def run_one(args):
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    times, losses, norms, faults, pinned = [], [], [], [], []
+    times, losses, norms, faults, pinned, cpu_s, preempted = [], [], [], [], [], [], []
     for i in range(args.warmup + args.steps):
         sync()
         t0 = time.perf_counter()
         if i == args.warmup:
             t_loop, remote0 = t0, numa_other_node_pages()
-        flt0, pin0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, pinned_blocks()
+        ru0, pin0 = resource.getrusage(resource.RUSAGE_SELF), pinned_blocks()
         loss = step(x)
         sync()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
+            ru = resource.getrusage(resource.RUSAGE_SELF)
             # pages first touched (or pinned blocks created) in a timed step: lazily grown host memory
-            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - flt0)
+            faults.append(ru.ru_minflt - ru0.ru_minflt)
             pinned.append(pinned_blocks() - pin0)
+            # the process's CPU seconds (all threads; spinning OpenMP threads count) and the times one of its
+            # threads was preempted: contention between the ranks sharing the host shows here
+            cpu_s.append(round(ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime, 4))
+            preempted.append(ru.ru_nivcsw - ru0.ru_nivcsw)
         losses.append(float(loss))
         norm = getattr(step, "grad_norm", lambda: None)()
         norms.append(None if norm is None else float(norm))
@@ -322,6 +329,10 @@ def run_one(args):
               "host_rss_GiB": psutil.Process().memory_info().rss / 2**30, "setup_s": setup_s,
               "loss_first": losses[0], "loss_last": losses[-1], "losses": losses,
               "grad_norms": norms}
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, {"cpu_s_per_step": cpu_s, "preempted_per_step": preempted,
+                                      "step_times": [round(t, 4) for t in times]})
+    result["ranks"] = per_rank
     if getattr(step, "spec_stats", None) is not None:
         result["speculation"] = step.spec_stats()
     if hasattr(step, "overlap"):
@@ -340,9 +351,12 @@ def run_one(args):
     peak = torch.tensor([result["peak_alloc_GiB"]], device=DEVICE)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     result["peak_alloc_GiB_max_over_ranks"] = peak.item()
+    if timeline is not None:
+        dist.barrier()   # every rank's records of the timed steps are written
     if timeline is not None and rank == 0 and timeline.exists():
         result["timeline_file"] = str(timeline)
         result["timeline_median"] = timeline_median(timeline, args.warmup)
+        result["timeline_ranks"] = timeline_ranks(timeline, world, args.warmup)
     if rank == 0:
         print(json.dumps(result))
         if args.json:
@@ -387,6 +401,27 @@ def timeline_median(path: Path, warmup: int) -> dict:
     med["chunks"] = [{k: statistics.median(r["chunks"][i][k] for r in recs if k in r["chunks"][i])
                       for k in chunk_keys if k in recs[0]["chunks"][i]} for i in range(len(recs[0]["chunks"]))]
     return med
+
+
+RANK_KEYS = ("backward_end_host", "factor_sync_host", "cpu_done_host", "adam_host_total", "adam_gparam_s",
+             "d2h_wait_host_total", "spec_adam_host", "spec_committed")
+
+
+def timeline_ranks(rank0: Path, world: int, warmup: int) -> list[dict]:
+    """Per rank, per timed step: the fields that show which rank's host work sets the step (its CPU Adam time and
+    rate, its forward's waits on the host) and where its step started on the host's one clock."""
+    out = []
+    for r in range(world):
+        path = rank0.with_name(rank0.name.replace(".rank0.", f".rank{r}."))
+        if not path.exists():
+            continue
+        recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        for rec in recs:
+            if rec["step"] >= warmup:
+                out.append({"rank": r, "step": rec["step"], "origin_host": rec.get("origin_host"),
+                            "unit_wait_host": round(sum(rec.get("unit_wait_host", [])), 6),
+                            **{k: rec[k] for k in RANK_KEYS if k in rec}})
+    return out
 
 
 def run_all(args):

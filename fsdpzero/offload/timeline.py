@@ -1,7 +1,8 @@
 """Opt-in per-step timeline of the offload path: knob offload_profile, FSDPZERO_OFFLOAD_PROFILE=1 (off: the path holds
 None, no cost).
 
-One JSON line per optimizer step, from rank 0, to the offload_profile_file knob's file (appended) or stderr. A step's
+One JSON line per optimizer step, from rank 0, to the offload_profile_file knob's file (appended) or stderr; a file
+name holding "{rank}" makes every rank write its own (the slowest rank sets the step when N ranks share a host). A step's
 record starts at the first forward of the step (a forward pre-hook on the root) and ends when the CPU side of its
 optimizer step is done (during the next forward in overlap mode). Host times are perf_counter seconds from that
 origin; GPU times come from CUDA events, as seconds from an event recorded at the origin on the compute stream.
@@ -16,6 +17,8 @@ Fields (seconds unless named otherwise):
     unit_wait_host[u], unit_wait_gpu[u]    forward of unit u blocked on its chunks: host wait / compute-stream stall
     chunks[k]: numel, d2h_gpu (copy time), d2h_end_gpu, d2h_wait_host (the CPU waiting for it), adam_host,
                adam_gparam_s, adam_start_host, h2d_gpu, h2d_end_gpu
+    rank, origin_host                      the writer's rank / the origin in time.monotonic() seconds (one clock
+                                           for all processes of a host: ranks' records line up by it)
     threads / step_threads                 the path's threads / those the CPU step ran with
     spec_first_start_host, spec_last_end_host   the speculative worker's first chunk started / last one stepped
     spec_d2h_wait_host, spec_adam_host     its waits for the grads' D2H / its Adam time, summed over its chunks
@@ -47,9 +50,10 @@ class Timeline:
     def __init__(self, threads: int, n_units: int, path: str | None = None):
         self.threads = threads
         self.n_units = n_units
-        rank = int(os.environ.get("RANK", 0))
-        self.enabled = rank == 0
-        self.path = path
+        self.rank = int(os.environ.get("RANK", 0))
+        per_rank = path is not None and "{rank}" in path
+        self.enabled = per_rank or self.rank == 0
+        self.path = path.replace("{rank}", str(self.rank)) if per_rank else path
         self.step_no = 0
         self.cur: dict | None = None     # the record of the step whose forward/backward runs now
         self.pending: list[dict] = []    # stepped records whose events are read one step later
@@ -59,7 +63,8 @@ class Timeline:
     def forward_start(self) -> None:
         if self.cur is not None and not self.cur.get("stepped"):
             return                          # gradient accumulation: the same step's next micro-batch
-        self.cur = {"step": self.step_no, "t0": time.perf_counter(), "e0": _Ev.record(), "gpu": {},
+        self.cur = {"step": self.step_no, "t0": time.perf_counter(), "mono": time.monotonic(), "e0": _Ev.record(),
+                    "gpu": {},
                     "host": {}, "unit_wait_host": [0.0] * self.n_units, "unit_wait_ev": [], "chunks": {}}
         self.step_no += 1
 
@@ -114,7 +119,8 @@ class Timeline:
                 return None
             b.synchronize()
             return a.elapsed_time(b) / 1e3
-        out = {"step": rec["step"], "threads": self.threads, "step_threads": rec.get("step_threads"),
+        out = {"step": rec["step"], "rank": self.rank, "origin_host": round(rec["mono"], 6), "threads": self.threads,
+               "step_threads": rec.get("step_threads"),
                **{k: round(v, 6) for k, v in rec["host"].items()}}
         g = rec["gpu"]
         out["backward_end_gpu"] = at(g.get("backward_end"))

@@ -38,3 +38,25 @@ def test_offload_suite_cpu_smoke(tmp_path):
     assert rows["ours_z2_overlap"]["max_loss_diff_vs_serial"] == 0.0
     assert rows["ours_z2_overlap_spec"]["max_loss_diff_vs_serial"] == 0.0
     assert "| size | config |" in res.stdout
+
+
+@pytest.mark.timeout(300)
+def test_offload_timeline_every_rank(tmp_path):
+    """FSDPZERO_OFFLOAD_PROFILE=1 under the issue-31 suite: each rank writes its own timeline (its file name holds
+    "{rank}"), records carry the rank and the host-clock origin, and the row gathers every rank's steps and CPU use;
+    with N ranks on one host the slowest one sets the step, so rank 0's alone cannot show where it went."""
+    env = dict(os.environ, FSDPZERO_BENCH_CPU="1", OMP_NUM_THREADS="1", FSDPZERO_OFFLOAD_PROFILE="1")
+    cmd = [sys.executable, str(ROOT / "bench/offload.py"), "--suite", "issue31", "--sizes", "tiny", "--nproc", "2",
+           "--configs", "ours_z2", "--steps", "3", "--warmup", "1", "--out", str(tmp_path), "--budget-s", "250"]
+    res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert res.returncode == 0, res.stdout + res.stderr
+    row = json.loads((tmp_path / "tiny__ours_z2.json").read_text())
+    for rank in (0, 1):
+        recs = [json.loads(line) for line in
+                (tmp_path / f"tiny__ours_z2.timeline.rank{rank}.jsonl").read_text().splitlines()]
+        assert {r["rank"] for r in recs} == {rank} and [r["step"] for r in recs] == list(range(len(recs)))
+        assert len(recs) >= 4 and all(r["origin_host"] > 0 and r["adam_host_total"] > 0 for r in recs)
+    timed = row["timeline_ranks"]
+    assert sorted({(t["rank"], t["step"]) for t in timed}) == [(r, s) for r in (0, 1) for s in (1, 2, 3)]
+    assert [len(r["cpu_s_per_step"]) for r in row["ranks"]] == [3, 3]
+    assert all(c > 0 for r in row["ranks"] for c in r["cpu_s_per_step"])
