@@ -19,6 +19,7 @@ import datetime
 import faulthandler
 import gc
 import os
+import signal
 import socket
 import tempfile
 import threading
@@ -78,6 +79,7 @@ def _start_method(job: str) -> str:
 def _child(rank: int, fn: Callable, world_size: int, workdir: str, init_pg: bool, port: int, args: tuple,
            backend: str = "gloo") -> None:
     faulthandler.enable()   # a rank killed by a signal (a SIGSEGV seen once in gloo) prints its Python stack
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # run_distributed's timeout asks where it hangs
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -99,6 +101,17 @@ def _child(rank: int, fn: Callable, world_size: int, workdir: str, init_pg: bool
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _dump_stacks(processes) -> None:
+    """Each live rank prints every thread's Python stack to its stderr (faulthandler, registered by _child)."""
+    for p in processes:   # one at a time: two ranks writing at once interleave their lines
+        if p.is_alive():
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+            time.sleep(0.5)
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 180.0,
@@ -124,6 +137,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, tim
         try:
             while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
                 if time.monotonic() > deadline:
+                    _dump_stacks(ctx.processes)
                     raise TimeoutError(f"multi-rank job {fn.__name__} exceeded {timeout:.0f} s")
         except mp.ProcessRaisedException:
             pass  # the rank's own traceback, saved below, is more useful

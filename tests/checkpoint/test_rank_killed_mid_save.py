@@ -66,8 +66,8 @@ def _check(tmp_path, point):
     save_dir = tmp_path / "ckpt"
     save_dir.mkdir()
     with pytest.raises((RuntimeError, ProcessExitedException)):
-        run_distributed(_save_then_die, 2, str(save_dir), point, init_pg=False, timeout=240)
-    name, steps, params = run_distributed(_load, 2, str(save_dir), init_pg=False, timeout=240)[0]
+        run_distributed(_save_then_die, 2, str(save_dir), point, init_pg=False, timeout=120)
+    name, steps, params = run_distributed(_load, 2, str(save_dir), init_pg=False, timeout=120)[0]
     if point == "before_data":   # the victim wrote nothing of step 2: the save cannot have committed
         assert name == "global_step1" and steps == 1
     else:                        # the data was complete when it died: either tag is acceptable, loaded exactly

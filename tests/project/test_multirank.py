@@ -7,15 +7,20 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.multirank import run_distributed
+
 ROOT = Path(__file__).resolve().parents[2]
 
 _PARENT = """
 import torch
+
+from tests.multirank import run_distributed
 from tests.multirank import native_threads, run_distributed
 from tests.project.test_multirank import two_thread_sum
 torch.set_num_threads(2)
@@ -42,3 +47,17 @@ def test_ranks_of_a_parent_with_an_openmp_pool_do_not_hang():
     assert "parent native threads: []" not in out, out[-3000:]       # the case happened: the parent had a pool
     assert proc.returncode == 0 and "result [True, True]" in proc.stdout, out[-3000:]
     assert "so the ranks are spawned" in proc.stderr, out[-3000:]
+
+
+def sleep_in_rank(rank, world):
+    time.sleep(60)
+
+
+@pytest.mark.timeout(60)
+def test_a_timed_out_job_prints_where_each_rank_waits(capfd):
+    """A multi-rank job past its timeout has each live rank print its threads' Python stacks before it is killed
+    (a hang on NCCL, e.g. a peer killed mid-save, otherwise leaves only 'exceeded N s')."""
+    with pytest.raises(TimeoutError, match="exceeded 3 s"):
+        run_distributed(sleep_in_rank, 2, timeout=3)
+    err = capfd.readouterr().err
+    assert err.count('in sleep_in_rank') == 2, err[-2000:]
