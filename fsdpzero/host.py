@@ -227,6 +227,17 @@ def _slices(sharers: list[Peer], units: list[tuple[int, ...]], topo: Topology) -
     return _split(units, k), "split like --bind_cores_to_rank"
 
 
+# The CPU step is bound by the host's memory bandwidth once several ranks step at once: on one 64-core 4x H200 host
+# (BENCHMARKS.md S14) four ranks ran their CPU Adam at the same rate (1.3-1.4 Gparam/s each) with 8 threads as with 16,
+# while the 16-thread runs preempted the GPU-launching threads ~25 times a step (2-4 with 8) and took 0.360 s a step
+# against 0.295. The CPU-step threads of the ranks on one NUMA node together stay within HOST_STEP_THREADS, each
+# keeping at least MIN_RANK_THREADS; the rest of a rank's slice stays free for its launch, autograd, copy and NCCL
+# threads. A rank alone on its node keeps its whole slice (as measured on one GPU), and two ranks on a 32-core node
+# keep 16 each (as measured on 2 GPUs).
+HOST_STEP_THREADS = 32
+MIN_RANK_THREADS = 8
+
+
 def _user_threads(omp: str | None, local_world: int) -> int | None:
     """OMP_NUM_THREADS as the user's choice: torchrun sets 1 for several local ranks when it is unset, which would
     make the CPU step ~6x slower; any other value is the user's."""
@@ -290,6 +301,11 @@ def plan_placement(peers: list[Peer], local_rank: int, topo: Topology, *, thread
     slices = {s.local_rank: tuple(sorted(c for u in part for c in u)) for s, part in zip(sharers, parts)}
     cores = slices[local_rank]
     n, why = fit(len(cores))
+    mine = set(node_set(cores))   # memory bandwidth is per NUMA node: count the ranks stepping on mine
+    near = sum(1 for part in slices.values() if mine & set(node_set(part)))
+    share = max(MIN_RANK_THREADS, HOST_STEP_THREADS // near)
+    if chosen[0] is None and near > 1 and n > share:
+        n, why = share, f"{share} of the slice's {len(cores)} CPUs: {near} ranks share this NUMA node's memory bandwidth"
     if chosen[0] is not None and chosen[0] > len(cores):
         return unbound(why, n, f"not bound: {chosen[0]} threads would crowd a {len(cores)}-CPU slice")
     every = tuple(slices.get(p.local_rank, tuple(sorted(p.cpus))) for p in sorted(peers, key=lambda p: p.local_rank))

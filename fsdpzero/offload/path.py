@@ -183,7 +183,8 @@ class OffloadGradPath(GradPath):
             from fsdpzero.offload.speculate import Speculator
             self.spec = Speculator(self.cpu_chunks, optimizer, max_norm=speculation.max_norm, threads=self.threads,
                                    device=self.h2d.device if self.h2d is not None else None,
-                                   budget_bytes=speculation.budget_bytes, spec_threads=speculation.threads)
+                                   budget_bytes=speculation.budget_bytes, spec_threads=speculation.threads,
+                                   after_clip=speculation.after_clip)
             if not self.spec.covered:
                 self.spec = None
         # norm_threads (offload_param: grads land on the host during backward): their sums of squares are taken
@@ -430,6 +431,8 @@ class OffloadGradPath(GradPath):
         factor, self._factor = float(self._factor), 1.0   # the CPU needs the value: one sync, after the norm
         if self.spec is not None and self.spec.active:
             self.spec.claim(commit=factor == 1.0)           # factor 1.0: the speculative steps are this step
+        if self.spec is not None:
+            self.spec.note_factor(factor)
         if rec is not None:
             self.tl.host(rec, "factor_sync_host", t0)
         # what to step, read now: zero_grad() may drop the grads before an overlapped worker reaches them

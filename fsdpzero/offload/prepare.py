@@ -41,6 +41,7 @@ class Speculation:
     max_norm: float                  # gradient_clipping (speculate_max_norm)
     budget_bytes: int | None = None  # shadow memory (speculate_budget)
     threads: int | None = None       # offload_speculate_threads
+    after_clip: bool = True          # speculate right after a clipped step too (the knob set on); auto: not
 
 
 @dataclass
@@ -159,7 +160,7 @@ def speculation(plan: Plan, knobs: Tuning, entries: list[Entry], optimizer, *, n
     if max_norm is None:
         return None
     return Speculation(max_norm=max_norm, budget_bytes=speculate_budget(entries, knobs.offload_speculate, optimizer),
-                       threads=knobs.offload_speculate_threads)
+                       threads=knobs.offload_speculate_threads, after_clip=knobs.offload_speculate is True)
 
 
 def log_built(path, plan: Plan, pinned: bool) -> None:

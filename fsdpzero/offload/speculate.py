@@ -15,6 +15,11 @@ Once step() has the factor, the worker stops taking chunks; the ones it did not 
 same computation) in forward order, after the committed ones.
 Early stop: this rank's partial sum of squared gradients is a lower bound of the global one. Once it passes
 gradient_clipping², the step will clip, and the rest of this backward is not speculated.
+After a clipped step (auto, the knob unset): the next backward is not speculated at all. Clipping comes in runs (the
+norm moves slowly from step to step), and a dropped speculation is not free where ranks share the host: its CPU
+Adam takes the memory bandwidth the other ranks' steps and the copies need (4 ranks on one H200 host: 0.307 s for a
+clipped step with speculation against 0.295 s without, BENCHMARKS.md S14). The first unclipped step of a run then
+steps after backward, as without speculation, and the next ones speculate again.
 
 Cost: a second fp32 master and moments (12 bytes/param) and pinned low-precision buffer (2 bytes/param) in host
 memory, for the chunks that are speculated: those of the last units (their gradients land first), within a budget
@@ -160,12 +165,14 @@ class Speculator:
     zero_grad, a checkpoint load)."""
 
     def __init__(self, chunks, optimizer, *, max_norm: float, threads: int, device=None,
-                 budget_bytes: int | None = None, spec_threads: int | None = None):
+                 budget_bytes: int | None = None, spec_threads: int | None = None, after_clip: bool = True):
         """chunks: the CPU-stepped chunks in forward order. Shadows are allocated for the chunks whose gradients land
         first in backward (the last ones), as many as `budget_bytes` allows (all when None)."""
         self.optimizer = optimizer
         self.bound = float(max_norm) ** 2 if max_norm > 0 else None
         self.threads = spec_threads or default_spec_threads(threads)
+        self.after_clip = after_clip    # False: a backward right after a clipped step is not speculated
+        self.last_clipped = False       # the last step's factor was below 1.0 (note_factor)
         self.device = device
         covered, used = [], 0
         for c in reversed(chunks):
@@ -186,7 +193,8 @@ class Speculator:
                                           torch.empty_like(e.out_buf, pin_memory=e.out_buf.is_pinned()).zero_())
                            for c in covered for e in c.entries}
         # steps committed / dropped / whose speculation stopped on the partial norm; entries committed
-        self.stats = {"committed": 0, "dropped": 0, "stopped_early": 0, "entries_committed": 0}
+        self.stats = {"committed": 0, "dropped": 0, "stopped_early": 0, "entries_committed": 0,
+                      "skipped_after_clip": 0}
         self.last = None             # this step's outcome: "committed", "dropped" or None (not speculated)
         self.last_trace: list[tuple[float, float, float, int]] = []   # the last collected backward's chunks:
         # (start, grads landed, stepped, numel). The lock: with overlap, collect() resets on the step's worker while
@@ -214,7 +222,7 @@ class Speculator:
     # -- during backward -----------------------------------------------------------------------------------------
     def submit(self, chunks) -> None:
         chunks = [c for c in chunks if id(c) in self.covered]
-        if not chunks:
+        if not chunks or (self.last_clipped and not self.after_clip):
             return
         if self._thread is None:      # the first unit of this backward: snapshot the groups (the scheduler has
             self._hyper = {id(m): {k: v for k, v in g.items() if k != "params"}   # already moved to this step)
@@ -260,6 +268,13 @@ class Speculator:
             self._error = err
 
     # -- at the step ---------------------------------------------------------------------------------------------
+    def note_factor(self, factor: float) -> None:
+        """(Main thread, in step()) this step's clip factor, known now: below 1.0, the next backward is likely to
+        clip too (see the module docstring)."""
+        if self.last_clipped and not self.after_clip:
+            self.stats["skipped_after_clip"] += 1   # this backward was not speculated
+        self.last_clipped = factor < 1.0
+
     def drain(self) -> None:
         """Wait until every submitted chunk has been speculated (after end_of_backward; tests use it to make the
         outcome independent of timing)."""

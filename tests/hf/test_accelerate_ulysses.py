@@ -247,7 +247,8 @@ def test_sp2_dp2_matches_deepspeed_4gpu(tmp_path, tmp_path_factory):
     model = _model_dir(tmp_path_factory)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
            and not k.startswith("ACCELERATE_")}
-    env.update(PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    # the checkout first, the caller's path kept (a GPU image's wheels and DeepSpeed's copy live there)
+    env.update(PYTHONPATH=os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])]), OMP_NUM_THREADS="1")
     results = {}
     for side, flags in (("ours", []), ("deepspeed", ["--no_shim"])):
         out = tmp_path / side

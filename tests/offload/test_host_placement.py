@@ -280,3 +280,19 @@ def test_a_refused_binding_runs_unpinned_and_says_so(monkeypatch):
     assert not placement.bind and placement.cores == tuple(sorted(os.sched_getaffinity(0)))
     assert "not bound: sched_setaffinity failed (Operation not permitted)" in placement.describe()
     assert host.applied() is placement
+
+
+def test_ranks_sharing_a_numa_node_share_its_memory_bandwidth():
+    """The CPU step is memory-bound once several ranks step at once: four ranks on one 64-core node take 8 threads
+    each (BENCHMARKS.md S14: the same Adam rate as 16, fewer preempted launch threads), in their 16-CPU slices;
+    a rank alone keeps its slice, two ranks of a 32-core node keep 16 each, and the user's count always wins."""
+    one_node = numa_host(1, 64)
+    plans = plan_all(one_node, [range(64)] * 4)
+    assert [len(p.cores) for p in plans] == [16] * 4 and [p.threads for p in plans] == [8] * 4
+    assert "8 of the slice's 16 CPUs: 4 ranks share this NUMA node's memory bandwidth" in plans[0].describe()
+    assert [p.threads for p in plan_all(one_node, [range(64)] * 8)] == [8] * 8
+    assert [p.threads for p in plan_all(numa_host(1, 32), [range(32)] * 2)] == [16, 16]
+    assert [p.threads for p in plan_all(numa_host(1, 16), [range(16)])] == [16]
+    assert [p.threads for p in plan_all(one_node, [range(64)] * 4, threads=16)] == [16] * 4
+    # two nodes of 32 cores, two ranks on each: 16 threads each, as before
+    assert [p.threads for p in plan_all(numa_host(2, 32), [range(64)] * 4, gpu_nodes=[0, 0, 1, 1])] == [16] * 4

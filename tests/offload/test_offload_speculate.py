@@ -317,3 +317,29 @@ def test_host_available_reads_the_jobs_own_cgroup(tmp_path, layout):
     # a cgroup namespace (container): the path is "/", the mount is the job's own cgroup
     (tmp_path / "proc/self/cgroup").write_text("0::/\n" if layout == "v2" else "4:memory:/\n")
     assert spec_mod.host_available_bytes(proc, cg) == 100 * GiB      # no limit at the mount: MemAvailable
+
+
+# clipped, then unclipped, in runs: auto skips the backward right after each clipped step
+RUNS = [(ALWAYS, False, False), (NEVER, False, False), (NEVER, False, False), (NEVER, False, False),
+        (ALWAYS, False, False), (NEVER, False, False), (NEVER, False, False)]
+
+
+def _scenario_after_clip(rank, world):
+    torch.set_num_threads(1)
+    return (_run(False, True, NEVER, schedule=RUNS), _run("auto", True, NEVER, schedule=RUNS),
+            _run(True, True, NEVER, schedule=RUNS))
+
+
+def test_auto_does_not_speculate_right_after_a_clipped_step():
+    """offload_speculate auto: the backward after a clipped step is not speculated (a dropped speculation takes
+    memory bandwidth that ranks sharing a host need); the next one is. The knob set on speculates every backward.
+    Both change no bit of the result."""
+    for (ref_losses, ref, _, _), auto, forced in run_distributed(_scenario_after_clip, 2, timeout=180):
+        for losses, got, _, _ in (auto, forced):
+            assert losses == ref_losses
+            assert all(torch.equal(got[k], ref[k]) for k in ref)
+        assert [o for o, _ in auto[2]] == ["dropped", None, "committed", "committed", "dropped", None, "committed"]
+        assert auto[3]["skipped_after_clip"] == 2
+        assert [o for o, _ in forced[2]] == ["dropped", "committed", "committed", "committed", "dropped",
+                                              "committed", "committed"]
+        assert forced[3]["skipped_after_clip"] == 0
