@@ -62,7 +62,7 @@ CONFIGS = ["fsdp_z2", "fsdp_z3", "fsdp_z3_cpuoffload", "ours_z2", "ours_z2_seria
            "ours_z2_overlap_noclip_st8", "ours_z2_overlap_noclip_st13", "ours_z2_overlap_noclip_st15",
            "ours_z2_ratio70", "ours_z2_ratio80", "ours_z2_ratio70_noclip", "ours_z2_bind0", "ours_z3_both_bind0",
            "ours_z2_bind1", "ours_z3_both_bind1", "ds_z2_offload_bind1", "ds_z3_offload_both_bind1",
-           "ours_z2_t14", "ours_z2_t15", "ours_z3_both_t14", "ours_z3_both_t15"]
+           "ours_z2_t14", "ours_z2_t15", "ours_z3_both_t14", "ours_z3_both_t15", "ours_z2_t16", "ours_z3_both_t16"]
 # issue 24: per size, the shape (micro-batch per GPU) and the configs, cheapest reference first
 SIZES = {"0.89b": dict(layers=16, hidden=2048, micro=4), "2.8b": dict(layers=26, hidden=3072, micro=2),
          "tiny": dict(layers=2, hidden=64, micro=2, vocab=512, seq=32)}   # tiny: the CPU smoke test
