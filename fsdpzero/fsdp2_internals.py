@@ -7,6 +7,8 @@ or sequence-parallel path would too). What is reached for, and why:
 - after_reduce(module, fn): fn(event) after the unit's post-backward has issued its reduce-scatter; `event` (None
   on CPU or when nothing was reduced) completes when the sharded grads hold their values. The offload path starts
   each unit's D2H there, during backward, instead of all of them after backward.
+- zero_unused_grads(module): on torch 2.11/2.12, zeros for a unit's params without a gradient on this rank before
+  its reduce-scatter (what torch 2.13's set_reduce_scatter_unused_params does), so ranks reduce the same params.
 - offloaded_grads(module): under CPUOffloadPolicy, the unit's CPU grads and FSDP2's `grad_offload_event`s (the
   offload path sums their squares during backward, fsdpzero.offload.device_step.CpuNormPrefetch).
 - consumer_streams(module): the streams that read a unit's shards (compute and FSDP2's all-gather streams).
@@ -59,28 +61,72 @@ def consumer_streams(module: nn.Module | None) -> list:
         "all_gather_copy_in_stream", "all_gather_stream") if hasattr(ctx, n)]
 
 
+def _post_backward_hooks(group) -> tuple[list, list]:
+    """(before, after): callables run around the group's post-backward (after_reduce, zero_unused_grads).
+
+    The one instance override of fsdpzero, installed once per group. It stands in for hooks FSDP2 does not offer:
+    the public FSDPModule API (torch.distributed.fsdp.FSDPModule: set_post_optim_event,
+    set_reduce_scatter_divide_factor, register_fsdp_forward_method, ...) has no callback around a unit's
+    reduce-scatter; the nearest public hook, Tensor.register_post_accumulate_grad_hook, fires before FSDP2 reduces and
+    never for a parameter without a gradient. FSDP2 calls FSDPParamGroup.post_backward through the instance (autograd
+    node, final callback), so wrapping it there is seen by every call."""
+    hooks = group.__dict__.get("_fsdpzero_post_backward_hooks")
+    if hooks is None:
+        hooks = ([], [])
+        original = group.post_backward
+
+        def post_backward(*args, **kwargs):
+            for fn in hooks[0]:
+                fn()
+            out = original(*args, **kwargs)
+            for fn in hooks[1]:
+                fn()
+            return out
+        group.post_backward = post_backward
+        group._fsdpzero_post_backward_hooks = hooks
+    return hooks
+
+
 def after_reduce(module: nn.Module, fn: Callable[[object], None]) -> bool:
     """Call fn(post-reduce event) after each post-backward of the unit that reduced its grads. False when the unit
     has no FSDP param group to hook (or this torch lacks the internals: the D2H then runs after backward)."""
     group = param_group(module)
     if group is None or not all(hasattr(group, a) for a in ("post_backward", "reduce_grads", "_post_reduce_event")):
         return False
-    original = group.post_backward
     on_cuda = getattr(group, "device", torch.device("cpu")).type == "cuda"
 
-    def post_backward(*args, **kwargs):
-        out = original(*args, **kwargs)
+    def after():
         event = getattr(group, "_post_reduce_event", None)
         if group.reduce_grads and (event is not None or not on_cuda):   # no event: nothing was reduced
             fn(event)
-        return out
-    # The one instance override of fsdpzero. It stands in for a post-reduce hook FSDP2 does not offer: the public
-    # FSDPModule API (torch.distributed.fsdp.FSDPModule: set_post_optim_event, set_reduce_scatter_divide_factor,
-    # register_fsdp_forward_method, ...) has no callback after a unit's reduce-scatter; the nearest public hook,
-    # Tensor.register_post_accumulate_grad_hook, fires before FSDP2 reduces. FSDP2 calls FSDPParamGroup.post_backward
-    # through the instance (autograd node, final callback), so wrapping it there is seen by every call.
-    group.post_backward = post_backward
+    _post_backward_hooks(group)[1].append(after)
     return True
+
+
+def zero_unused_grads(module: nn.Module) -> bool:
+    """torch 2.11/2.12 (no FSDPModule.set_reduce_scatter_unused_params): before each post-backward of the unit that
+    reduces, a trainable param of the unit without a gradient on this rank gets a zero one, so every rank
+    reduce-scatters the same params (FSDP2 reduces only the gradients a rank has: ranks would enter different
+    reduce-scatters, a hang or an abort). torch 2.13's reduce_scatter_unused_params does the same with its cached
+    zero buffer. False when the unit has no FSDP param group. A unit none of whose params ran on a rank is not
+    covered (its post-backward never runs there), as with torch's own switch."""
+    groups = [g for g in param_groups(module) if hasattr(g, "post_backward") and hasattr(g, "fsdp_params")]
+
+    def zero_filler(group):
+        def fill():
+            if not getattr(group, "reduce_grads", True):   # an accumulation micro-step: nothing is reduced now
+                return
+            for fp in group.fsdp_params:
+                if not hasattr(fp, "_unsharded_param"):
+                    continue
+                param = fp.unsharded_param
+                if (param.requires_grad and param.grad is None
+                        and getattr(fp, "unsharded_accumulated_grad", None) is None):
+                    param.grad = torch.zeros_like(param)
+        return fill
+    for group in groups:
+        _post_backward_hooks(group)[0].append(zero_filler(group))
+    return bool(groups)
 
 
 def offloaded_grads(module: nn.Module) -> list[tuple]:

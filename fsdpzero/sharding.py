@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                     register_fsdp_forward_method)
 
+from fsdpzero import fsdp2_internals
 from fsdpzero.activation import apply_checkpointing
 from fsdpzero.parallel.mesh import build_parallel_mesh
 from fsdpzero.plan import Plan
@@ -147,11 +148,15 @@ def shard_model(model: nn.Module, plan: Plan, mesh: DeviceMesh, mp_policy: Mixed
     # the root's parameters (head, final norm) are needed first in backward: FSDP2's default keeps them gathered
     fully_shard(model, mesh=mesh, reshard_after_forward=None if raf is not False else False,
                 mp_policy=mp_policy, offload_policy=offload)
+    # a parameter with a gradient on some ranks only (one rank's batch skips a module): FSDP2 reduce-scatters the
+    # gradients each rank has, so the ranks would enter different reduce-scatters (a hang or an abort). Zeros for the
+    # unused ones, as DeepSpeed's ignore_unused_parameters reduces a zero gradient: torch >= 2.13's switch, else
+    # fsdp2_internals' zero fill before each unit's reduce-scatter
     if hasattr(model, "set_reduce_scatter_unused_params"):
-        # a parameter with a gradient on some ranks only (one rank's batch skips a module): FSDP2 reduce-scatters
-        # the gradients each rank has, so the ranks would enter different reduce-scatters (a hang or an abort).
-        # Zeros for the unused ones, as DeepSpeed's ignore_unused_parameters reduces a zero gradient
         model.set_reduce_scatter_unused_params(True)
+    else:
+        for unit in [*sharded, model]:
+            fsdp2_internals.zero_unused_grads(unit)
     if callable(getattr(model, "generate", None)):
         # generate may call submodules directly, outside the root's forward (an encoder-decoder runs its encoder
         # first): the root unit is gathered around the whole call, as around a forward

@@ -132,9 +132,9 @@ FATES: dict[str, tuple[str, str]] = {
     _Z + "stage3_allgather_sequential": (N, "FSDP2 all-gathers per block"),
     _Z + "ignore_unused_parameters": (M, "true: parameters without gradients are tolerated; one with a gradient on "
                                          "some ranks only gets zeros reduced on the others, as DeepSpeed "
-                                         "(FSDP2's set_reduce_scatter_unused_params, in fsdpzero.sharding; "
-                                         "torch >= 2.13: 2.11 and 2.12 lack it, and such a job aborts in the "
-                                         "reduce-scatter)"),
+                                         "(fsdpzero.sharding: FSDP2's set_reduce_scatter_unused_params on torch "
+                                         ">= 2.13, a zero fill before each unit's reduce-scatter on 2.11/2.12; "
+                                         "a block none of whose params ran on a rank is not covered)"),
     _Z + "legacy_stage1": (N, "false: the current stage-1 implementation"),
     _Z + "round_robin_gradients": (N, "CPU-offload copy ordering; no effect on results"),
     _Z + "parameter_alignment": (N, "flat-buffer padding detail of DeepSpeed"),

@@ -12,6 +12,7 @@ set_reduce_scatter_unused_params, and every trainable parameter has a gradient o
 single-process run of the same two batches (AdamW + clip_grad_norm_ on the mean of the two losses). Per-step losses
 and pre-clip grad norms within 1e-5 (fp32).
 """
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -45,7 +46,11 @@ def batch(rank: int, step: int, ids, embeds) -> dict:
     return {"inputs_embeds": embeds[step].clone().requires_grad_(), "labels": labels}
 
 
-def _ranks(rank, world):
+def _ranks(rank, world, torch_switch=True):
+    if not torch_switch:   # as on torch 2.11/2.12, which lack it: fsdp2_internals.zero_unused_grads steps in
+        from torch.distributed.fsdp import FSDPModule
+        if hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
+            del FSDPModule.set_reduce_scatter_unused_params   # this rank's process only
     ids, embeds = data()
     out = {}
     for stage in (0, 1, 2, 3):
@@ -78,8 +83,11 @@ def _reference():
     return losses, norms
 
 
-def test_parameter_used_on_some_ranks_only():
-    out = run_distributed(_ranks, WORLD, timeout=240)[0]
+@pytest.mark.parametrize("torch_switch", [True, False], ids=["set_reduce_scatter_unused_params", "zero_fill"])
+def test_parameter_used_on_some_ranks_only(torch_switch):
+    """torch_switch False: the fallback of torch 2.11/2.12 (no set_reduce_scatter_unused_params), with the torch
+    switch removed in the ranks; without the fallback the ranks abort in the reduce-scatter."""
+    out = run_distributed(_ranks, WORLD, torch_switch, timeout=240)[0]
     ref_losses, ref_norms = _reference()
     for stage in range(4):
         losses, norms = out[f"stage {stage}"]
