@@ -250,10 +250,11 @@ def _user_threads(omp: str | None, local_world: int) -> int | None:
 
 def plan_placement(peers: list[Peer], local_rank: int, topo: Topology, *, threads: int | None = None,
                    bind: bool | None = None, accelerator: bool = True,
-                   omp_num_threads: str | None = None) -> Placement:
+                   omp_num_threads: str | None = None, share_node: bool = True) -> Placement:
     """This rank's threads and cores. peers: the local ranks (this one included), as gathered; threads: the
     offload_threads knob; bind: the offload_bind knob (None: auto, i.e. with an accelerator); omp_num_threads: the
-    environment's OMP_NUM_THREADS."""
+    environment's OMP_NUM_THREADS; share_node: the ranks on one NUMA node share HOST_STEP_THREADS (the CPU step's
+    count; False: the launcher's binder, one thread per CPU of the slice as DeepSpeed's)."""
     me = next(p for p in peers if p.local_rank == local_rank)
     pool = sorted(me.cpus)
     local_world = len(peers)
@@ -304,7 +305,7 @@ def plan_placement(peers: list[Peer], local_rank: int, topo: Topology, *, thread
     mine = set(node_set(cores))   # memory bandwidth is per NUMA node: count the ranks stepping on mine
     near = sum(1 for part in slices.values() if mine & set(node_set(part)))
     share = max(MIN_RANK_THREADS, HOST_STEP_THREADS // near)
-    if chosen[0] is None and near > 1 and n > share:
+    if share_node and chosen[0] is None and near > 1 and n > share:
         n, why = share, f"{share} of the slice's {len(cores)} CPUs: {near} ranks share this NUMA node's memory bandwidth"
     if chosen[0] is not None and chosen[0] > len(cores):
         return unbound(why, n, f"not bound: {chosen[0]} threads would crowd a {len(cores)}-CPU slice")
@@ -419,7 +420,7 @@ def launcher_binding(local_rank: int, local_world: int, core_list: str | None = 
                              f"here (usable: {format_cpulist(pool)})")
         pool = wanted
     peers = [Peer(r, pool) for r in range(local_world)]
-    placement = plan_placement(peers, local_rank, topo or read_topology(), bind=True)
+    placement = plan_placement(peers, local_rank, topo or read_topology(), bind=True, share_node=False)
     if not placement.bind:
         raise ValueError(f"--bind_cores_to_rank: {local_world} ranks cannot each have their own CPU among "
                          f"{format_cpulist(pool)}")

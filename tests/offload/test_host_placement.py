@@ -190,6 +190,15 @@ def test_launcher_binding_slices_the_core_list():
         launcher_binding(0, 3, "0-1", topo=topo, affinity=range(16))
 
 
+
+def test_launcher_binding_gives_the_whole_slice_as_deepspeed():
+    """`fsdpzero launch --bind_cores_to_rank` sets OMP_NUM_THREADS to the slice's size, as DeepSpeed's launcher, also
+    where 4 ranks share one NUMA node: the shared-node cap is the offload engine's (its CPU Adam), and the launched
+    program may be any program (it was 8 of the 16 CPUs after the cap came)."""
+    got = [launcher_binding(r, 4, topo=numa_host(1, 64), affinity=range(64)) for r in range(4)]
+    assert [(len(p.cores), p.threads) for p in got] == [(16, 16)] * 4
+    assert "memory bandwidth" not in got[0].describe()
+
 # -- the engine on 2 gloo ranks: each rank's CPU Adam threads run on CPUs of its own ---------------------------------
 def _thread_cpus() -> dict[str, list[int]]:
     """Every thread of this process: its name (comm) -> allowed CPUs."""
