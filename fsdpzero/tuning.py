@@ -59,14 +59,16 @@ class Tuning:
     offload_speculate: bool | None = _knob(None, "auto_bool", "step chunks during backward, committed only when "
                                            "the step does not clip (exact); shadow buffers of 14 bytes/param of "
                                            "host memory for the chunks speculated (auto: on, shadows for the last "
-                                           "40% of the parameters; 1: as many as half the available memory "
+                                           "40% of the parameters, not the backward right after a clipped step; "
+                                           "1: every backward, as many as half the available memory "
                                            "allows; those never reached in 5 steps are released); needs a GPU "
                                            "(staged copy buffers), no effect on a CPU-only run")
     offload_drop_shards: bool | None = _knob(None, "auto_bool", "free stage-2 device shards between forward and "
                                              "the step (auto: on with CUDA and no gradient accumulation; needs "
                                              "a GPU's staged copy buffers, no effect on a CPU-only run)")
     offload_threads: int | None = _knob(None, "auto_int", "CPU step threads (auto: one per CPU of this rank's core "
-                                        "slice, fewer under a cgroup CPU quota; OMP_NUM_THREADS when the user set it "
+                                        "slice, fewer under a cgroup CPU quota and where ranks share a NUMA node "
+                                        "(32 a node, at least 8 each); OMP_NUM_THREADS when the user set it "
                                         "to other than torchrun's 1; fsdpzero/host.py)")
     offload_speculate_threads: int | None = _knob(None, "auto_int", "threads of the speculative step during "
                                                   "backward (auto: offload threads less a quarter, less one)")
