@@ -32,6 +32,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 
 class _Ev:
@@ -50,7 +51,7 @@ class Timeline:
     def __init__(self, threads: int, n_units: int, path: str | None = None):
         self.threads = threads
         self.n_units = n_units
-        self.rank = int(os.environ.get("RANK", 0))
+        self.rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
         per_rank = path is not None and "{rank}" in path
         self.enabled = per_rank or self.rank == 0
         self.path = path.replace("{rank}", str(self.rank)) if per_rank else path

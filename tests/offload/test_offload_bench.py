@@ -60,3 +60,18 @@ def test_offload_timeline_every_rank(tmp_path):
     assert sorted({(t["rank"], t["step"]) for t in timed}) == [(r, s) for r in (0, 1) for s in (1, 2, 3)]
     assert [len(r["cpu_s_per_step"]) for r in row["ranks"]] == [3, 3]
     assert all(c > 0 for r in row["ranks"] for c in r["cpu_s_per_step"])
+
+
+def _timeline_without_rank_variable(rank, world, pattern):
+    from fsdpzero.offload.timeline import Timeline
+    os.environ.pop("RANK")   # ranks whose group was made with init_process_group(rank=...) (mp.spawn): no RANK
+    tl = Timeline(1, 1, pattern)
+    return tl.rank, tl.path, tl.enabled
+
+
+def test_timeline_names_the_process_groups_rank(tmp_path):
+    """A "{rank}" timeline file is the process group's rank's, also without the RANK variable (both ranks wrote
+    rank 0's file, each record saying rank 0)."""
+    from tests.multirank import run_distributed
+    got = run_distributed(_timeline_without_rank_variable, 2, str(tmp_path / "t.{rank}.jsonl"), timeout=120)
+    assert got == [(r, str(tmp_path / f"t.{r}.jsonl"), True) for r in (0, 1)]
