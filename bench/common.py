@@ -29,6 +29,7 @@ PRESETS = {
                  intermediate_size=128, vocab_size=512, seq=32, micro=2),
 }
 LR, BETAS, EPS, WD, CLIP = 1e-4, (0.9, 0.999), 1e-8, 0.01, 1.0
+COMPILE_BACKEND = "aot_eager" if CPU else "inductor"   # CPU smoke runs check the script, not inductor's C++ build
 
 
 def llama_config(p: dict):

@@ -5,6 +5,16 @@
     python bench/vs_deepspeed.py --summarize out/vs_ds                            # table + plots from JSON
     python bench/vs_deepspeed.py --matrix nvme --nvme-path /tmp/nv --preset 0.25b  # ZeRO-Infinity: opt + params
                                                                                   # on NVMe, state vs host RSS
+Issue 31 item 6, the 4-GPU matrix in one call (0.89 B, 3 warm-up + 10 timed steps; 15 runs, DeepSpeed's and the
+compiled ones the slowest to start; --budget-s stops starting runs so the call ends in time, and the table says which
+were skipped; run the skipped ones with --only NAME ... into the same --out, then --summarize):
+    PYTHONPATH=$PWD/.dsdist NCCL_NVLS_ENABLE=0 python bench/vs_deepspeed.py --matrix issue31 --nproc 4 \
+        --out out/vs31 --budget-s 500 --run-timeout 240
+  rows: z1/z2/z3 bf16 (z1: no plain FSDP2 twin), z2 compiled (fsdpzero and DeepSpeed: the same config and
+  `engine.compile()`, DeepSpeed's API; plain FSDP2: torch.compile per block before fully_shard, as torchtitan),
+  z2 + CPU optimizer offload, z3 + CPU optimizer and parameter offload (fsdpzero and DeepSpeed). summary.md starts
+  with one line per row (DeepSpeed / fsdpzero / plain FSDP2 step s, DeepSpeed's over ours, slowest step over the
+  median, first loss), then each row's full metrics.
     --only z2_fp16_ga1 z3_bf16_ga4 ... picks matrix entries (to split a matrix over GPU pairs of one host)
 DeepSpeed's NVMe entries need its async_io op: without libaio-dev, first eval "$(sh bench/libaio_shim/build.sh DIR)".
 FSDPZERO_BENCH_CPU=1 uses gloo/CPU, the tiny preset and fp32 (DeepSpeed with DS_ACCELERATOR=cpu).
@@ -15,6 +25,7 @@ import argparse
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -26,14 +37,20 @@ import torch  # noqa: E402
 IMPLS = ["fsdpzero", "deepspeed", "plain_fsdp2"]
 
 
-def entry(stage, dtype="bf16", ga=1, offload="none", hpz=0, impls=tuple(IMPLS)):
-    name = f"z{stage}_{dtype}_ga{ga}" + (f"_off-{offload}" if offload != "none" else "") + (f"_hpz{hpz}" if hpz else "")
-    return dict(name=name, stage=stage, dtype=dtype, ga=ga, offload=offload, hpz=hpz, impls=list(impls))
+def entry(stage, dtype="bf16", ga=1, offload="none", hpz=0, impls=tuple(IMPLS), compiled=False):
+    name = (f"z{stage}_{dtype}_ga{ga}" + (f"_off-{offload}" if offload != "none" else "") + (f"_hpz{hpz}" if hpz else "")
+            + ("_compiled" if compiled else ""))
+    return dict(name=name, stage=stage, dtype=dtype, ga=ga, offload=offload, hpz=hpz, impls=list(impls),
+                compiled=compiled)
 
 
 def matrix(kind: str, nvme_path: str | None, nproc: int) -> list[dict]:
     if kind == "smoke":
         return [entry(2, impls=("fsdpzero", "plain_fsdp2", "deepspeed"))]
+    if kind == "issue31":   # issue 31 item 6's table, in its order
+        return [entry(1, impls=("fsdpzero", "deepspeed")), entry(2), entry(3), entry(2, compiled=True),
+                entry(2, offload="opt", impls=("fsdpzero", "deepspeed")),
+                entry(3, offload="both", impls=("fsdpzero", "deepspeed"))]
     if kind == "nvme":
         if not nvme_path:
             raise SystemExit("--matrix nvme needs --nvme-path DIR (a directory on the disk to swap to)")
@@ -64,8 +81,11 @@ def plain_step(model, e, p, device, batches):
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if e["dtype"] == "bf16"
           else MixedPrecisionPolicy())
     off = CPUOffloadPolicy(pin_memory=device.type == "cuda") if e["offload"] == "both" else OffloadPolicy()
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=e["stage"] == 3, mp_policy=mp, offload_policy=off)
+    layers = model.model.layers
+    for i in range(len(layers)):
+        if e.get("compiled"):   # torchtitan's order: compile the block, then shard it
+            layers[i] = torch.compile(layers[i], backend=common.COMPILE_BACKEND)
+        fully_shard(layers[i], mesh=mesh, reshard_after_forward=e["stage"] == 3, mp_policy=mp, offload_policy=off)
     fully_shard(model, mesh=mesh, reshard_after_forward=e["stage"] == 3, mp_policy=mp, offload_policy=off)
     opt = torch.optim.AdamW(model.parameters(), lr=common.LR, betas=common.BETAS, eps=common.EPS,
                             weight_decay=common.WD, fused=device.type == "cuda" and e["offload"] == "none")
@@ -95,24 +115,35 @@ def worker(args) -> None:
     batches = common.fixed_batches(p, rank, e["ga"], device)
     model = common.build_model(p, device)
     n = common.n_params(model)
+    watch = None
+    if e.get("compiled"):
+        from fsdpzero.compile import CompileWatch   # dynamo's counters: compile time and graph breaks, any impl
+        # HF's KV cache is indexed per layer: a compiled block would recompile per layer (bench/compile.py)
+        model.config.use_cache = False
+        watch = CompileWatch(0, common.COMPILE_BACKEND, {})
     if args.impl == "plain_fsdp2":
         step = plain_step(model, e, p, device, batches)
-    elif args.impl == "deepspeed":
-        import deepspeed
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-        step = common.engine_step(engine, batches)
     else:
-        import fsdpzero
-        engine, *_ = fsdpzero.initialize(model=model, config=cfg)
+        if args.impl == "deepspeed":
+            import deepspeed
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        else:
+            import fsdpzero
+            engine, *_ = fsdpzero.initialize(model=model, config=cfg)
+        if e.get("compiled"):   # the same user code for both: DeepSpeed's API, after initialize
+            engine.compile(backend=common.COMPILE_BACKEND)
         step = common.engine_step(engine, batches)
     timing = common.timed_loop(step, args.warmup, args.steps, device)
+    compiled = watch.report() if watch else {}
     if rank == 0:
         r = common.row(timing, n, p["micro"] * p["seq"] * e["ga"], config=e["name"], impl=args.impl,
                        stage=e["stage"], dtype=e["dtype"], ga=e["ga"], offload=e["offload"], hpz=e["hpz"],
                        world_size=world, preset=args.preset,
                        # fp32 master + two Adam moments per parameter, this rank's share: what NVMe offload keeps
                        # off the host; compare with host_rss_gib (peak resident set of rank 0)
-                       opt_state_gib_per_rank=12 * n / world / 2**30,
+                       opt_state_gib_per_rank=12 * n / world / 2**30, compiled=bool(e.get("compiled")),
+                       compile_s=compiled.get("compile_s"), graph_breaks=compiled.get("graph_breaks"),
+                       graphs=compiled.get("graphs"),
                        device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
         Path(args.json).write_text(json.dumps(r, indent=1))
     dist.destroy_process_group()
@@ -125,9 +156,12 @@ def launch(e, impl, nproc, args, out: Path) -> dict | None:
            __file__, "--worker", "--impl", impl, "--entry", json.dumps(e), "--json", str(path),
            "--preset", args.preset, "--steps", str(args.steps), "--warmup", str(args.warmup)]
     print(f"--- {e['name']} {impl} n={nproc}", flush=True)
+    log = out / f"{e['name']}__{impl}__n{nproc}.log"
+    path.unlink(missing_ok=True)   # an earlier call's row in the same --out is not this run's
+    log.unlink(missing_ok=True)
     text, rc = common.run_launcher(cmd, common.worker_env(), args.run_timeout)
     if rc != 0 or not path.exists():
-        (out / f"{e['name']}__{impl}__n{nproc}.log").write_text(text)
+        log.write_text(text)
         print(f"    failed (rc {rc}); log kept: {text.strip().splitlines()[-1:]}")
         return None
     return json.loads(path.read_text())
@@ -135,6 +169,31 @@ def launch(e, impl, nproc, args, out: Path) -> dict | None:
 
 def load_rows(out: Path) -> list[dict]:
     return [json.loads(f.read_text()) for f in sorted(out.glob("*__*__n*.json"))]
+
+
+def overview(rows: list[dict]) -> str:
+    """One line per (config, ranks), as issue 31's table: the three implementations' median step, DeepSpeed's over
+    ours, each one's slowest timed step over its median, the first loss of each (the same data and init)."""
+    by: dict[tuple, dict] = {}
+    for r in rows:
+        by.setdefault((r["config"], r["world_size"]), {})[r["impl"]] = r
+    lines = ["| config | ranks | DeepSpeed s | fsdpzero s | DeepSpeed / fsdpzero | plain FSDP2 s | "
+             "slowest / median (DS, ours, plain) | compile s (DS, ours, plain) | first loss (DS, ours, plain) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    order = ("deepspeed", "fsdpzero", "plain_fsdp2")
+    for (cfg, world), impls in sorted(by.items()):
+        d, o, pl = (impls.get(i) for i in order)
+
+        def each(fmt, get):
+            return " / ".join(fmt.format(get(impls[i])) if i in impls and get(impls[i]) is not None else "-"
+                              for i in order)
+        step = lambda r: f"{r['step_s']:.4f}" if r else "-"  # noqa: E731
+        lines.append(f"| {cfg} | {world} | {step(d)} | {step(o)} | "
+                     + (f"{d['step_s'] / o['step_s']:.2f}x" if d and o else "-") + f" | {step(pl)} | "
+                     + each("{:.2f}", lambda r: r["max_s"] / r["step_s"]) + " | "
+                     + each("{:.1f}", lambda r: r.get("compile_s")) + " | "
+                     + each("{:.4f}", lambda r: r["losses"][0]) + " |")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
@@ -199,7 +258,13 @@ def plots(rows: list[dict], out: Path) -> None:
 
 def summarize(out: Path) -> None:
     rows = load_rows(out)
-    md = table(rows)
+    md = overview(rows) + "\n" + table(rows)
+    skipped = sorted(f.name[:-len(".skipped")] for f in out.glob("*.skipped"))
+    if skipped:
+        md += "\n\nnot run (past --budget-s): " + ", ".join(skipped)
+    failed = sorted(f.name[:-len(".log")] for f in out.glob("*__*__n*.log"))
+    if failed:
+        md += "\n\nfailed (log kept as NAME.log): " + ", ".join(failed)
     if len({r["world_size"] for r in rows}) > 1:
         md += "\n\n### weak scaling\n\n" + scaling_table(rows)
     (out / "summary.md").write_text(md + "\n")
@@ -209,7 +274,7 @@ def summarize(out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--matrix", choices=["smoke", "core", "full", "nvme"])
+    ap.add_argument("--matrix", choices=["smoke", "core", "full", "nvme", "issue31"])
     ap.add_argument("--scaling", type=int, nargs="+")
     ap.add_argument("--summarize", metavar="DIR")
     ap.add_argument("--nproc", type=int, default=2)
@@ -221,6 +286,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--run-timeout", type=int, default=900)
+    ap.add_argument("--budget-s", type=float, default=None, help="start no run past this many seconds (the rest are "
+                    "listed as not run), so that one call ends in time")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)
     ap.add_argument("--entry", help=argparse.SUPPRESS)
@@ -231,13 +298,14 @@ def main() -> None:
     if args.summarize:
         return summarize(Path(args.summarize))
     if not (args.matrix or args.scaling):
-        ap.error("give --matrix {smoke,core,full,nvme}, --scaling N [N ...] or --summarize DIR")
+        ap.error("give --matrix {smoke,core,full,nvme,issue31}, --scaling N [N ...] or --summarize DIR")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     has_ds = importlib.util.find_spec("deepspeed") is not None
     runs = ([(e, n) for n in args.scaling for e in (entry(2), entry(3))] if args.scaling
             else [(e, args.nproc) for e in matrix(args.matrix, args.nvme_path, args.nproc)])
     runs = [(e, n) for e, n in runs if not args.only or e["name"] in args.only]
+    t0 = time.perf_counter()
     for e, n in runs:
         for impl in e["impls"]:
             if impl not in args.impls or (impl == "deepspeed" and not has_ds):
@@ -245,6 +313,12 @@ def main() -> None:
             if impl == "plain_fsdp2" and (e["stage"] in (0, 1) or e["dtype"] == "fp16" or e["hpz"]
                                           or e["offload"] in ("opt", "nvme", "optnvme")):
                 continue   # FSDP2 has no such feature: no row rather than a mislabelled one
+            marker = out / f"{e['name']}__{impl}__n{n}.skipped"
+            marker.unlink(missing_ok=True)
+            if args.budget_s is not None and time.perf_counter() - t0 > args.budget_s:
+                print(f"--- {e['name']} {impl} n={n}: not run (past --budget-s {args.budget_s:.0f})", flush=True)
+                marker.write_text("")
+                continue
             launch(e, impl, n, args, out)
     summarize(out)
 
