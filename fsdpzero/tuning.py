@@ -59,7 +59,8 @@ class Tuning:
     offload_speculate: bool | None = _knob(None, "auto_bool", "step chunks during backward, committed only when "
                                            "the step does not clip (exact); shadow buffers of 14 bytes/param of "
                                            "host memory for the chunks speculated (auto: on, shadows for the last "
-                                           "40% of the parameters, not the backward right after a clipped step; "
+                                           "40% of the parameters; with several local ranks not the backward right "
+                                           "after a clipped step; "
                                            "1: every backward, as many as half the available memory "
                                            "allows; those never reached in 5 steps are released); needs a GPU "
                                            "(staged copy buffers), no effect on a CPU-only run")

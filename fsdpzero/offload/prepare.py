@@ -159,8 +159,12 @@ def speculation(plan: Plan, knobs: Tuning, entries: list[Entry], optimizer, *, n
     max_norm = speculate_max_norm(plan, entries, no_speculation, knobs.offload_speculate)
     if max_norm is None:
         return None
+    # auto skips the backward after a clipped step only where ranks share the host's memory bandwidth: on one GPU a
+    # clipped step with speculation was no slower (S9: 0.806 s against 0.826 without)
+    alone = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) <= 1
     return Speculation(max_norm=max_norm, budget_bytes=speculate_budget(entries, knobs.offload_speculate, optimizer),
-                       threads=knobs.offload_speculate_threads, after_clip=knobs.offload_speculate is True)
+                       threads=knobs.offload_speculate_threads,
+                       after_clip=knobs.offload_speculate is True or alone)
 
 
 def log_built(path, plan: Plan, pinned: bool) -> None:

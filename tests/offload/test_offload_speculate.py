@@ -326,16 +326,18 @@ RUNS = [(ALWAYS, False, False), (NEVER, False, False), (NEVER, False, False), (N
 
 def _scenario_after_clip(rank, world):
     torch.set_num_threads(1)
-    return (_run(False, True, NEVER, schedule=RUNS), _run("auto", True, NEVER, schedule=RUNS),
+    runs = (_run(False, True, NEVER, schedule=RUNS), _run("auto", True, NEVER, schedule=RUNS),
             _run(True, True, NEVER, schedule=RUNS))
+    os.environ["LOCAL_WORLD_SIZE"] = "1"   # as if each rank were alone on its host: auto speculates every backward
+    return runs + (_run("auto", True, NEVER, schedule=RUNS),)
 
 
 def test_auto_does_not_speculate_right_after_a_clipped_step():
-    """offload_speculate auto: the backward after a clipped step is not speculated (a dropped speculation takes
-    memory bandwidth that ranks sharing a host need); the next one is. The knob set on speculates every backward.
-    Both change no bit of the result."""
-    for (ref_losses, ref, _, _), auto, forced in run_distributed(_scenario_after_clip, 2, timeout=180):
-        for losses, got, _, _ in (auto, forced):
+    """offload_speculate auto with several local ranks: the backward after a clipped step is not speculated (a
+    dropped speculation takes memory bandwidth that ranks sharing a host need); the next one is. The knob set on,
+    or auto for a rank alone on its host, speculates every backward. None changes a bit of the result."""
+    for (ref_losses, ref, _, _), auto, forced, alone in run_distributed(_scenario_after_clip, 2, timeout=180):
+        for losses, got, _, _ in (auto, forced, alone):
             assert losses == ref_losses
             assert all(torch.equal(got[k], ref[k]) for k in ref)
         assert [o for o, _ in auto[2]] == ["dropped", None, "committed", "committed", "dropped", None, "committed"]
@@ -343,3 +345,4 @@ def test_auto_does_not_speculate_right_after_a_clipped_step():
         assert [o for o, _ in forced[2]] == ["dropped", "committed", "committed", "committed", "dropped",
                                               "committed", "committed"]
         assert forced[3]["skipped_after_clip"] == 0
+        assert [o for o, _ in alone[2]] == [o for o, _ in forced[2]] and alone[3]["skipped_after_clip"] == 0

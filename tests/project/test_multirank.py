@@ -19,8 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 _PARENT = """
 import torch
-
-from tests.multirank import run_distributed
 from tests.multirank import native_threads, run_distributed
 from tests.project.test_multirank import two_thread_sum
 torch.set_num_threads(2)
