@@ -80,6 +80,7 @@ def _child(rank: int, fn: Callable, world_size: int, workdir: str, init_pg: bool
            backend: str = "gloo") -> None:
     faulthandler.enable()   # a rank killed by a signal (a SIGSEGV seen once in gloo) prints its Python stack
     faulthandler.register(signal.SIGUSR1, all_threads=True)   # run_distributed's timeout asks where it hangs
+    Path(workdir, f"stacks_{rank}").touch()   # from now on SIGUSR1 prints the stacks (before, it would kill)
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -103,10 +104,11 @@ def _child(rank: int, fn: Callable, world_size: int, workdir: str, init_pg: bool
             dist.destroy_process_group()
 
 
-def _dump_stacks(processes) -> None:
-    """Each live rank prints every thread's Python stack to its stderr (faulthandler, registered by _child)."""
-    for p in processes:   # one at a time: two ranks writing at once interleave their lines
-        if p.is_alive():
+def _dump_stacks(processes, workdir: str) -> None:
+    """Each live rank prints every thread's Python stack to its stderr (faulthandler, registered by _child; a rank
+    still starting up is left alone: SIGUSR1's default action would kill it)."""
+    for rank, p in enumerate(processes):   # one at a time: two ranks writing at once interleave their lines
+        if p.is_alive() and Path(workdir, f"stacks_{rank}").exists():
             try:
                 os.kill(p.pid, signal.SIGUSR1)
             except ProcessLookupError:
@@ -137,7 +139,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, tim
         try:
             while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
                 if time.monotonic() > deadline:
-                    _dump_stacks(ctx.processes)
+                    _dump_stacks(ctx.processes, workdir)
                     raise TimeoutError(f"multi-rank job {fn.__name__} exceeded {timeout:.0f} s")
         except mp.ProcessRaisedException:
             pass  # the rank's own traceback, saved below, is more useful
