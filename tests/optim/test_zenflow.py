@@ -411,6 +411,105 @@ def test_bench_zenflow_cpu_smoke(tmp_path):
     assert "x offload_ours" in rows["zenflow_ours"]["note"] and "median s" in res.stdout
 
 
+def _bench_zenflow():
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("bench_zenflow", Path(__file__).resolve().parents[2] / "bench" /
+                                                  "zenflow.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_zenflow_markov_data_follows_its_chain():
+    """The loss-gap mode's data: every token after the first is one of its predecessor's 8 successors in the fixed
+    table (so a model can learn it, down to ln 8), the same on every call, new each step and each rank."""
+    bench = _bench_zenflow()
+    p = {"micro": 3, "seq": 64, "vocab": 32000}
+    x = bench.markov_batch(5, 0, p)
+    table = torch.randint(0, bench.MARKOV_STATES, (bench.MARKOV_STATES, bench.MARKOV_NEXT),
+                          generator=torch.Generator().manual_seed(7))
+    assert x.shape == (3, 64) and int(x.max()) < bench.MARKOV_STATES
+    assert all(int(b) in table[int(a)].tolist() for row in x for a, b in zip(row[:-1], row[1:]))
+    assert torch.equal(x, bench.markov_batch(5, 0, p))
+    assert not torch.equal(x, bench.markov_batch(6, 0, p)) and not torch.equal(x, bench.markov_batch(5, 1, p))
+
+
+def test_bench_zenflow_loss_gap():
+    """The gap report on curves with a known answer: the exact run falls 0.01 a step, zenflow half as fast. On
+    trailing 10-step means zenflow ends at 10 - 0.005 x 94.5 = 9.5275, 0.4725 above the exact run's end, and the
+    exact run's mean first gets there at step 53 (its mean at step k is 10 - 0.01 x (k - 5.5))."""
+    bench = _bench_zenflow()
+    exact = [10 - 0.01 * i for i in range(100)]
+    zen = [10 - 0.005 * i for i in range(100)]
+    gap = bench.loss_gap(zen, exact)
+    assert gap["steps"] == 100 and gap["window"] == 10
+    assert gap["gap_final"] == pytest.approx(0.005 * 94.5) and gap["gap_max"] == pytest.approx(gap["gap_final"])
+    assert gap["exact_steps_to_zenflow_final"] == 53
+    assert bench.loss_gap(exact, zen)["exact_steps_to_zenflow_final"] is None   # the slower curve never gets there
+    assert bench.loss_gap(zen[:30], exact)["steps"] == 30   # only the steps both ran
+
+
+@pytest.mark.timeout(60)
+def test_bench_zenflow_kills_a_run_that_hangs_after_its_row(tmp_path):
+    """The driver ends a run that wrote its final row and then did not exit (DeepSpeed's ZenFlow process in S13) after
+    the grace period, not at the end of the budget; a run without a final row is left alone until the budget."""
+    import subprocess
+    import time
+    bench = _bench_zenflow()
+
+    def run(final, row):
+        cmd = ["sh", "-c", f"echo '{{\"final\": {final}}}' > {row}; sleep 60"]
+        return subprocess.Popen(cmd, start_new_session=True)
+    t0 = time.monotonic()
+    row = tmp_path / "final.json"
+    assert bench.wait_run(run("true", row), row, left=40, grace=1) == "killed 1 s after its final row"
+    assert time.monotonic() - t0 < 15
+    row = tmp_path / "partial.json"
+    assert bench.wait_run(run("false", row), row, left=3, grace=1) == "killed after 3 s"
+    done = subprocess.Popen(["true"], start_new_session=True)
+    assert bench.wait_run(done, tmp_path / "none.json", left=40, grace=1) is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_zenflow_nproc_and_loss_gap_cpu_smoke(tmp_path):
+    """bench/zenflow.py's two GPU commands for issue 36 on CPU/gloo, tiny preset: --nproc 2 runs each config on 2
+    ranks (ours and DeepSpeed's ZenFlow, a row each with world 2); --steps runs zenflow_ours and offload_ours for that
+    many steps on the Markov data, every step's loss in the row, the same first loss (same batch and init), the gap
+    report and the curve table."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, FSDPZERO_BENCH_CPU="1", OMP_NUM_THREADS="1")
+
+    def bench(out, *args):
+        cmd = [sys.executable, str(root / "bench" / "zenflow.py"), "--out", str(tmp_path / out), "--budget-s", "250",
+               *args]
+        res = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=270)
+        assert res.returncode == 0, res.stdout + res.stderr
+        return res.stdout, {r["config"]: r for r in json.loads((tmp_path / out / "zenflow.json").read_text())}
+
+    _, rows = bench("n2", "--nproc", "2", "--configs", "zenflow_ours,zenflow_ds")
+    assert set(rows) == {"zenflow_ours", "zenflow_ds"}
+    for r in rows.values():
+        assert r["world"] == 2 and r["steps_done"] == 12 and r["median_step_s"] > 0, r
+
+    out, rows = bench("gap", "--steps", "24")
+    assert set(rows) == {"zenflow_ours", "offload_ours"}
+    for r in rows.values():
+        assert r["steps_done"] == len(r["losses"]) == 24 and r["timed"] == 20 and r["data"].startswith("markov"), r
+    # bf16 compute: the two paths' first losses differ by ~1e-5 relative; another batch moves it by ~5e-3
+    assert rows["zenflow_ours"]["losses"][0] == pytest.approx(rows["offload_ours"]["losses"][0], rel=1e-4)
+    assert rows["zenflow_ours"]["losses"][1:] != rows["offload_ours"]["losses"][1:]   # zenflow's updates differ
+    gap = rows["zenflow_ours"]["loss_gap_vs_offload_ours"]
+    assert gap["steps"] == 24 and gap["window"] == 10
+    assert "zenflow_ours - offload_ours over 24 steps" in out and "step  zenflow_ours  offload_ours" in out
+
+
 # -- where ZenFlow's CPU step runs: placed as the offload path's (fsdpzero/host.py), threads by DeepSpeed's split ------
 
 @pytest.mark.oracle
