@@ -13,6 +13,12 @@ slowest step / median, per-step page faults, new pinned blocks and pages placed 
 (issue31.json) + table:
     PYTHONPATH=$PWD/.dsdist python bench/offload.py --suite issue31 --sizes 0.89b --nproc 2 --out out/offload31 \
         --budget-s 450
+Its row "same, 4 OMP threads per rank" on 4 GPUs (both sides 4 CPU threads per rank: ours_*_t4 is offload_threads 4;
+ds_*_t4 runs DeepSpeed with OMP_NUM_THREADS=4 and torch.set_num_threads(4), so its CPU Adam's OpenMP loop has 4
+threads; the row's omp_max_threads is what that OpenMP runtime reports after the run; not yet run on GPUs):
+    PYTHONPATH=$PWD/.dsdist NCCL_NVLS_ENABLE=0 python bench/offload.py --suite issue31 --sizes 0.89b --nproc 4 \
+        --configs ours_z2_t4,ds_z2_offload_t4,ours_z3_both_t4,ds_z3_offload_both_t4 --out out/offload31_t4 \
+        --budget-s 500
 
 One config per torchrun (run on 2 GPUs):
     torchrun --standalone --nproc_per_node=2 bench/offload.py --config ours_z2 --json out/ours_z2.json
@@ -26,6 +32,7 @@ overlaps the next forward, the default; with the default speculation, offload_sp
 (gradient_clipping 0, both implementations); ours_z3_ratio_overlap / ds_z3_ratio (stage 3, offload_optimizer.ratio = FSDPZERO_BENCH_RATIO, default 0.5:
 the rest steps on the GPU); ours_z2_ratio<NN> (stage 2, ratio NN/100: an fsdpzero extension, DeepSpeed rejects
 ratio < 1 below stage 3, so it has no DeepSpeed twin); ds_z2_offload, ds_z3_offload_both (DeepSpeed, when importable;
+*_t<N>: N OpenMP threads per rank, the OMP_NUM_THREADS a DeepSpeed user sets;
 *_bind1: each rank pinned to its own cores first, as `deepspeed --bind_cores_to_rank` runs it). --layers/--hidden/--vocab/--seq/--micro shrink the model for a smoke run;
 ref_gpu_noopt (FSDP2 stage 2, bf16: forward + backward + grad norm, no optimizer step) and ref_cpu_adam (the fused
 CPU Adam over this model's parameters per rank, chunked as the offload path steps them, bf16 grads in, bf16 out) are
@@ -62,7 +69,8 @@ CONFIGS = ["fsdp_z2", "fsdp_z3", "fsdp_z3_cpuoffload", "ours_z2", "ours_z2_seria
            "ours_z2_overlap_noclip_st8", "ours_z2_overlap_noclip_st13", "ours_z2_overlap_noclip_st15",
            "ours_z2_ratio70", "ours_z2_ratio80", "ours_z2_ratio70_noclip", "ours_z2_bind0", "ours_z3_both_bind0",
            "ours_z2_bind1", "ours_z3_both_bind1", "ds_z2_offload_bind1", "ds_z3_offload_both_bind1",
-           "ours_z2_t14", "ours_z2_t15", "ours_z3_both_t14", "ours_z3_both_t15", "ours_z2_t16", "ours_z3_both_t16"]
+           "ours_z2_t14", "ours_z2_t15", "ours_z3_both_t14", "ours_z3_both_t15", "ours_z2_t16", "ours_z3_both_t16",
+           "ours_z2_t4", "ours_z3_both_t4", "ds_z2_offload_t4", "ds_z3_offload_both_t4"]
 # issue 24: per size, the shape (micro-batch per GPU) and the configs, cheapest reference first
 SIZES = {"0.89b": dict(layers=16, hidden=2048, micro=4), "2.8b": dict(layers=26, hidden=3072, micro=2),
          "tiny": dict(layers=2, hidden=64, micro=2, vocab=512, seq=32)}   # tiny: the CPU smoke test
@@ -153,8 +161,8 @@ def ours_runner(args, name):
     knobs = {}                                        # the typed knobs (fsdpzero/tuning.py); default: auto
     if "_spec" in name or "_nospec" in name or "_serial" in name:
         knobs["offload_speculate"] = "_spec" in name   # "_nospec" and serial rows: no speculation
-    if "_t" in name and name.rsplit("_t", 1)[1].isdigit():   # *_t<N>: offload_threads N
-        knobs["offload_threads"] = int(name.rsplit("_t", 1)[1])
+    if threads_suffix(name):                                 # *_t<N>: offload_threads N
+        knobs["offload_threads"] = threads_suffix(name)
     if "_st" in name and name.rsplit("_st", 1)[1].isdigit():   # *_st<N>: offload_speculate_threads N
         knobs["offload_speculate_threads"] = int(name.rsplit("_st", 1)[1])
     if "_serial" in name or "_overlap" in name:            # else fsdpzero's default (overlap)
@@ -175,6 +183,22 @@ def ours_runner(args, name):
     placement = fsdpzero.host.applied()               # what the startup block's cpu line says (fsdpzero/host.py)
     step.placement = placement.describe() if placement is not None else None
     return step, engine.wait_for_params
+
+
+def threads_suffix(name: str) -> int | None:
+    """N of a config named *_t<N> (CPU threads per rank), else None."""
+    tail = name.rsplit("_t", 1)[1] if "_t" in name else ""
+    return int(tail) if tail.isdigit() else None
+
+
+def omp_max_threads() -> int | None:
+    """omp_get_max_threads() of the libgomp.so.1 loaded in this process (the one a JIT-built DeepSpeed op links), from
+    this thread; None if none is loaded under that name."""
+    import ctypes
+    try:
+        return ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD).omp_get_max_threads()
+    except OSError:
+        return None
 
 
 def ref_runner(args, name):
@@ -260,6 +284,10 @@ def run_one(args):
         torch.use_deterministic_algorithms(True, warn_only=True)
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(max(1, cores // local_world))   # torchrun sets 1; every config gets the same share
+    ds_threads = threads_suffix(args.config) if args.config.startswith("ds_") else None
+    if ds_threads:   # DeepSpeed's CPU Adam is an OpenMP loop: its runtime's threads, whether it shares torch's
+        os.environ["OMP_NUM_THREADS"] = str(ds_threads)   # (set_num_threads) or loads its own libgomp (reads this)
+        torch.set_num_threads(ds_threads)
     if args.config.startswith("ds_") and args.config.endswith("_bind1"):   # DeepSpeed as `deepspeed
         from fsdpzero.host import bind_process, launcher_binding         # --bind_cores_to_rank` would run it
         placement = launcher_binding(local_rank, local_world)
@@ -269,6 +297,9 @@ def run_one(args):
         from common import prepare_deepspeed_build
         prepare_deepspeed_build()
         import deepspeed
+        if DEVICE == "cpu":   # DeepSpeed JIT-builds a shared-memory all-reduce for inference on CPU (~40 s); unused
+            import deepspeed.comm.torch as ds_comm_torch
+            ds_comm_torch.build_shm_op = lambda: None
         deepspeed.init_distributed(dist_backend="nccl" if DEVICE == "cuda" else "gloo")
     elif args.config.startswith(("fsdp_", "ref_")):
         dist.init_process_group("cuda:nccl,cpu:gloo" if DEVICE == "cuda" else "gloo")
@@ -339,6 +370,8 @@ def run_one(args):
         result["overlap"] = step.overlap
     if getattr(step, "placement", None):
         result["placement"] = step.placement
+    if args.config.startswith("ds_"):
+        result["omp_max_threads"] = omp_max_threads()
     if hasattr(step, "gparam_s"):
         result["cpu_adam_gparam_s"], result["params_per_rank"] = step.gparam_s, step.params_per_rank
     clip = ds_config(args, args.config)["gradient_clipping"] if not args.config.startswith("fsdp") else CLIP
@@ -524,7 +557,11 @@ def derive(rows: list[dict]) -> None:
         if "step_s" not in r or not r["config"].startswith("ours_"):
             continue
         size, stage = r["size"], "z3" if "z3" in r["config"] else "z2"
-        ds = by.get((size, "ds_z3_offload_both" if stage == "z3" else "ds_z2_offload"))
+        twin = "ds_z3_offload_both" if stage == "z3" else "ds_z2_offload"
+        n = threads_suffix(r["config"])   # ours_*_t<N>: DeepSpeed with the same N threads when that row ran
+        ds = by.get((size, f"{twin}_t{n}")) or by.get((size, twin))
+        if ds:
+            r["vs_ds_config"] = ds["config"]
         if ds:
             r["speedup_vs_ds"] = ds["step_s"] / r["step_s"]
         gpu, cpu = by.get((size, "ref_gpu_noopt")), by.get((size, "ref_cpu_adam"))

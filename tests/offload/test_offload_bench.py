@@ -62,6 +62,33 @@ def test_offload_timeline_every_rank(tmp_path):
     assert all(c > 0 for r in row["ranks"] for c in r["cpu_s_per_step"])
 
 
+@pytest.mark.slow
+@pytest.mark.oracle
+@pytest.mark.timeout(300)
+def test_offload_suite_four_threads_per_rank(tmp_path):
+    """Issue 31 item 4's "4 OMP threads per rank" row on 2 gloo ranks (tiny Llama): fsdpzero's CPU step with 4 threads
+    (offload_threads) and DeepSpeed 0.19.8 with 4 OpenMP threads, as its libgomp (the one its CPU Adam op links)
+    reports them after the run; ours is compared with the DeepSpeed row of the same thread count, and both start from
+    the same loss (same init and data)."""
+    pytest.importorskip("deepspeed")
+    env = dict(os.environ, FSDPZERO_BENCH_CPU="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    configs = "ours_z2_t4,ds_z2_offload_t4,ds_z2_offload"
+    cmd = [sys.executable, str(ROOT / "bench/offload.py"), "--suite", "issue31", "--sizes", "tiny", "--nproc", "2",
+           "--configs", configs, "--steps", "2", "--warmup", "1", "--out", str(tmp_path), "--budget-s", "270"]
+    res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=290)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = {r["config"]: r for r in json.loads((tmp_path / "issue31.json").read_text())}
+    bad = {k: r.get("error") or r.get("log_tail") for k, r in rows.items() if "error" in r or r["exit_code"] != 0}
+    assert not bad, bad
+    ours, ds4, ds = rows["ours_z2_t4"], rows["ds_z2_offload_t4"], rows["ds_z2_offload"]
+    assert ours["threads"] == 4 and ours["placement"].startswith("4 threads/rank")
+    assert ds4["threads"] == 4 and ds4["omp_max_threads"] == 4
+    assert ds["threads"] == ds["omp_max_threads"] == max(1, len(os.sched_getaffinity(0)) // 2)   # CPUs / ranks
+    assert ours["vs_ds_config"] == "ds_z2_offload_t4"
+    assert ours["speedup_vs_ds"] == pytest.approx(ds4["step_s"] / ours["step_s"])
+    assert ours["losses"][0] == pytest.approx(ds4["losses"][0], rel=1e-5)
+
+
 def _timeline_without_rank_variable(rank, world, pattern):
     from fsdpzero.offload.timeline import Timeline
     os.environ.pop("RANK")   # ranks whose group was made with init_process_group(rank=...) (mp.spawn): no RANK
