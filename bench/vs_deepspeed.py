@@ -5,11 +5,15 @@
     python bench/vs_deepspeed.py --summarize out/vs_ds                            # table + plots from JSON
     python bench/vs_deepspeed.py --matrix nvme --nvme-path /tmp/nv --preset 0.25b  # ZeRO-Infinity: opt + params
                                                                                   # on NVMe, state vs host RSS
-Issue 31 item 6, the 4-GPU matrix in one call (0.89 B, 3 warm-up + 10 timed steps; 15 runs, DeepSpeed's and the
-compiled ones the slowest to start; --budget-s stops starting runs so the call ends in time, and the table says which
-were skipped; run the skipped ones with --only NAME ... into the same --out, then --summarize):
+Issue 31 item 6, the 4-GPU matrix in one call (0.89 B, 3 warm-up + 10 timed steps, 15 runs; not yet run on GPUs):
     PYTHONPATH=$PWD/.dsdist NCCL_NVLS_ENABLE=0 python bench/vs_deepspeed.py --matrix issue31 --nproc 4 \
-        --out out/vs31 --budget-s 500 --run-timeout 240
+        --out out/vs31 --budget-s 470 --run-timeout 240
+  The time, estimated from S13/S14's per-run wall times on 4x H200: ~15-25 s a run; the first DeepSpeed run and its
+  first offload run JIT-build FusedAdam / CPU Adam (DeepSpeed's offload runs took 42-91 s, ours 29-48 s); a cold
+  compile adds ~30-40 s: ~8-9.5 minutes in all. --budget-s bounds the call: no run starts with less than
+  --min-left-s (60) of it left and each run is stopped at its end (SIGTERM, SIGKILL 60 s later), so the call ends
+  within budget + 60 s; the runs not started are listed under the table: run them with --only NAME ... into the same
+  --out in a second call (its summary.md covers both calls' rows).
   rows: z1/z2/z3 bf16 (z1: no plain FSDP2 twin), z2 compiled (fsdpzero and DeepSpeed: the same config and
   `engine.compile()`, DeepSpeed's API; plain FSDP2: torch.compile per block before fully_shard, as torchtitan),
   z2 + CPU optimizer offload, z3 + CPU optimizer and parameter offload (fsdpzero and DeepSpeed). summary.md starts
@@ -150,7 +154,7 @@ def worker(args) -> None:
 
 
 # ---------------------------------------------------------------- driver (one torchrun per run) and summaries
-def launch(e, impl, nproc, args, out: Path) -> dict | None:
+def launch(e, impl, nproc, args, out: Path, timeout: float) -> dict | None:
     path = out / f"{e['name']}__{impl}__n{nproc}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            __file__, "--worker", "--impl", impl, "--entry", json.dumps(e), "--json", str(path),
@@ -159,7 +163,7 @@ def launch(e, impl, nproc, args, out: Path) -> dict | None:
     log = out / f"{e['name']}__{impl}__n{nproc}.log"
     path.unlink(missing_ok=True)   # an earlier call's row in the same --out is not this run's
     log.unlink(missing_ok=True)
-    text, rc = common.run_launcher(cmd, common.worker_env(), args.run_timeout)
+    text, rc = common.run_launcher(cmd, common.worker_env(), timeout)
     if rc != 0 or not path.exists():
         log.write_text(text)
         print(f"    failed (rc {rc}); log kept: {text.strip().splitlines()[-1:]}")
@@ -261,7 +265,7 @@ def summarize(out: Path) -> None:
     md = overview(rows) + "\n" + table(rows)
     skipped = sorted(f.name[:-len(".skipped")] for f in out.glob("*.skipped"))
     if skipped:
-        md += "\n\nnot run (past --budget-s): " + ", ".join(skipped)
+        md += "\n\nnot run (--budget-s spent): " + ", ".join(skipped)
     failed = sorted(f.name[:-len(".log")] for f in out.glob("*__*__n*.log"))
     if failed:
         md += "\n\nfailed (log kept as NAME.log): " + ", ".join(failed)
@@ -286,8 +290,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--run-timeout", type=int, default=900)
-    ap.add_argument("--budget-s", type=float, default=None, help="start no run past this many seconds (the rest are "
-                    "listed as not run), so that one call ends in time")
+    ap.add_argument("--budget-s", type=float, default=None, help="the runs' time in all: a run starts only with "
+                    "--min-left-s of it left and is stopped at its end; the rest are listed as not run")
+    ap.add_argument("--min-left-s", type=float, default=60)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)
     ap.add_argument("--entry", help=argparse.SUPPRESS)
@@ -315,11 +320,12 @@ def main() -> None:
                 continue   # FSDP2 has no such feature: no row rather than a mislabelled one
             marker = out / f"{e['name']}__{impl}__n{n}.skipped"
             marker.unlink(missing_ok=True)
-            if args.budget_s is not None and time.perf_counter() - t0 > args.budget_s:
-                print(f"--- {e['name']} {impl} n={n}: not run (past --budget-s {args.budget_s:.0f})", flush=True)
+            left = None if args.budget_s is None else args.budget_s - (time.perf_counter() - t0)
+            if left is not None and left < args.min_left_s:
+                print(f"--- {e['name']} {impl} n={n}: not run ({left:.0f} s of --budget-s left)", flush=True)
                 marker.write_text("")
                 continue
-            launch(e, impl, n, args, out)
+            launch(e, impl, n, args, out, args.run_timeout if left is None else min(args.run_timeout, left))
     summarize(out)
 
 

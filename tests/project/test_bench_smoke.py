@@ -59,7 +59,7 @@ def test_vs_deepspeed_issue31_compiled_cpu_smoke(tmp_path):
     skipped = tmp_path / "skipped"
     assert _vs_deepspeed(skipped, "--matrix", "issue31", "--budget-s", "0") == {}
     text = (skipped / "summary.md").read_text()
-    assert "not run (past --budget-s): " in text and "z3_bf16_ga1_off-both__deepspeed__n2" in text
+    assert "not run (--budget-s spent): " in text and "z3_bf16_ga1_off-both__deepspeed__n2" in text
 
 
 @pytest.mark.slow
