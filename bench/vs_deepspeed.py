@@ -42,8 +42,8 @@ IMPLS = ["fsdpzero", "deepspeed", "plain_fsdp2"]
 
 
 def entry(stage, dtype="bf16", ga=1, offload="none", hpz=0, impls=tuple(IMPLS), compiled=False):
-    name = (f"z{stage}_{dtype}_ga{ga}" + (f"_off-{offload}" if offload != "none" else "") + (f"_hpz{hpz}" if hpz else "")
-            + ("_compiled" if compiled else ""))
+    name = (f"z{stage}_{dtype}_ga{ga}" + (f"_off-{offload}" if offload != "none" else "")
+            + (f"_hpz{hpz}" if hpz else "") + ("_compiled" if compiled else ""))
     return dict(name=name, stage=stage, dtype=dtype, ga=ga, offload=offload, hpz=hpz, impls=list(impls),
                 compiled=compiled)
 

@@ -4,8 +4,8 @@
 
 On N GPUs of one host (--nproc N; each rank its own data): the zenflow and offload rows then use the 0.89 B Llama
 (--size 2.8b to override), issue 31's 4-GPU stage 2 + CPU offload case, so the exact-offload row compares with
-BENCHMARKS.md's S14 figures; 4 warm-up + 12 timed steps (three update intervals) at 0.89 B. Issue 36's "4-GPU stage 2 + offload case with zenflow
-against DeepSpeed ZenFlow" (3 runs, ~4-5 minutes estimated, not yet run):
+BENCHMARKS.md's S14 figures; 4 warm-up + 12 timed steps (three update intervals) at 0.89 B. Issue 36's "4-GPU stage
+2 + offload case with zenflow against DeepSpeed ZenFlow" (3 runs, ~4-5 minutes estimated, not yet run):
     PYTHONPATH=$PWD/.dsdist NCCL_NVLS_ENABLE=0 python bench/zenflow.py --nproc 4 \
         --configs zenflow_ours,offload_ours,zenflow_ds --out out/zenflow4 --budget-s 500
 
@@ -13,8 +13,8 @@ Loss gap (--steps N): zenflow_ours and offload_ours (by default) for N steps on 
 chain (1024 token ids, 8 equally likely successors each: a loss floor of ln 8 = 2.079 that takes hundreds of steps
 to approach, where the timing mode's 4 repeated random batches would be memorised), the loss of every step, the
 median and mean step after the first update interval, and zenflow's gap to the exact offload on 10-step means: at
-the end, the largest, and the step at which the exact offload first reached zenflow's final loss. Issue 36's "the same case
-against our exact offload on the same host, step time and the loss gap over 200 steps" (the one-GPU 2.8 B case;
+the end, the largest, and the step at which the exact offload first reached zenflow's final loss. Issue 36's "the
+same case against our exact offload on the same host, step time and the loss gap over 200 steps" (the 1-GPU 2.8 B case;
 estimated from S13/S14's step times, 0.46 s zenflow and 0.84-1.23 s exact, ~45 s setup each: 6-7.5 minutes on a
 fresh host; a row is written every 10 steps, so a run stopped by the budget keeps the curve so far):
     python bench/zenflow.py --steps 200 --out out/zenflow_gap --budget-s 520
