@@ -252,7 +252,9 @@ def fsdpzero_bytes(c: ModelCounts, stage: int, option: str, n: int, gpus: int, c
     `ratio` (offload_optimizer.ratio, option offload_optimizer=cpu): the CPU keeps that fraction of the fp32
     masters and moments, the GPU the rest."""
     P, B, R, L, cb = c.total, c.largest_block, c.root, c.largest_layer, compute_bytes
-    working3 = cb * (R + 3 * B)         # root unit gathered + current and prefetched block + one block's grads
+    # root unit gathered + current and prefetched block + one block's grads; one rank has nothing to all-gather, and
+    # FSDP2 then fills each block's unsharded params when it runs (wait_for_unshard), with none prefetched ahead
+    working3 = cb * (R + (3 if n > 1 else 2) * B)
     offload = option == "offload_optimizer=cpu"
     if stage == 0:   # the (W, 1) mesh keeps the compute-dtype copy of every param alive through the step
         gpu, host = 16 * P + (cb * P if cb < 4 else 0) + cb * B, 0
