@@ -37,6 +37,7 @@ def _vs_deepspeed(tmp_path, *args, timeout=230):
     return {f.name.split("__n")[0]: json.loads(f.read_text()) for f in tmp_path.glob("*__*__n2.json")}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_vs_deepspeed_issue31_compiled_cpu_smoke(tmp_path):
     """Issue 31 item 6's compiled row on 2 gloo ranks (tiny Llama, fp32, backend aot_eager): DeepSpeed and fsdpzero
