@@ -41,7 +41,7 @@ class Speculation:
     max_norm: float                  # gradient_clipping (speculate_max_norm)
     budget_bytes: int | None = None  # shadow memory (speculate_budget)
     threads: int | None = None       # offload_speculate_threads
-    after_clip: bool = True          # speculate right after a clipped step too (the knob set on); auto: not
+    after_clip: bool = True          # speculate right after a clipped step too (the knob set on, or a rank alone)
 
 
 @dataclass
