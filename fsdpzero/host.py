@@ -230,10 +230,10 @@ def _slices(sharers: list[Peer], units: list[tuple[int, ...]], topo: Topology) -
 # The CPU step is bound by the host's memory bandwidth once several ranks step at once: on one 64-core 4x H200 host
 # (BENCHMARKS.md S14, one call) four ranks ran their CPU Adam no slower with 8 threads (1.29-1.41 Gparam/s each) than
 # with 16 (1.03-1.15), while the 16-thread runs preempted the GPU-launching threads ~25 times a step (2-4 with 8) and
-# took 0.360 s a step against 0.295. The CPU-step threads of the ranks on one NUMA node together stay within HOST_STEP_THREADS, each
-# keeping at least MIN_RANK_THREADS; the rest of a rank's slice stays free for its launch, autograd, copy and NCCL
-# threads. A rank alone on its node keeps its whole slice (as measured on one GPU), and two ranks on a 32-core node
-# keep 16 each (as measured on 2 GPUs).
+# took 0.360 s a step against 0.295. The CPU-step threads of the ranks on one NUMA node together stay within
+# HOST_STEP_THREADS, each keeping at least MIN_RANK_THREADS; the rest of a rank's slice stays free for its launch,
+# autograd, copy and NCCL threads. A rank alone on its node keeps its whole slice (as measured on one GPU), and two
+# ranks on a 32-core node keep 16 each (as measured on 2 GPUs).
 HOST_STEP_THREADS = 32
 MIN_RANK_THREADS = 8
 
