@@ -306,7 +306,8 @@ def plan_placement(peers: list[Peer], local_rank: int, topo: Topology, *, thread
     near = sum(1 for part in slices.values() if mine & set(node_set(part)))
     share = max(MIN_RANK_THREADS, HOST_STEP_THREADS // near)
     if share_node and chosen[0] is None and near > 1 and n > share:
-        n, why = share, f"{share} of the slice's {len(cores)} CPUs: {near} ranks share this NUMA node's memory bandwidth"
+        n, why = share, (f"{share} of the slice's {len(cores)} CPUs: {near} ranks share this NUMA node's memory "
+                         f"bandwidth")
     if chosen[0] is not None and chosen[0] > len(cores):
         return unbound(why, n, f"not bound: {chosen[0]} threads would crowd a {len(cores)}-CPU slice")
     every = tuple(slices.get(p.local_rank, tuple(sorted(p.cpus))) for p in sorted(peers, key=lambda p: p.local_rank))

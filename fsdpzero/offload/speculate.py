@@ -15,11 +15,11 @@ Once step() has the factor, the worker stops taking chunks; the ones it did not 
 same computation) in forward order, after the committed ones.
 Early stop: this rank's partial sum of squared gradients is a lower bound of the global one. Once it passes
 gradient_clipping², the step will clip, and the rest of this backward is not speculated.
-After a clipped step (auto, the knob unset, several local ranks): the next backward is not speculated at all. Clipping comes in runs (the
-norm moves slowly from step to step), and a dropped speculation is not free where ranks share the host: its CPU
-Adam takes the memory bandwidth the other ranks' steps and the copies need (4 ranks on one H200 host, 16 threads
-each: clipped steps 0.363 s with speculation against 0.312 s without, BENCHMARKS.md S14). The first unclipped step of
-a run then steps after backward, as without speculation, and the next ones speculate again.
+After a clipped step (auto, the knob unset, several local ranks): the next backward is not speculated at all. Clipping
+comes in runs (the norm moves slowly from step to step), and a dropped speculation is not free where ranks share the
+host: its CPU Adam takes the memory bandwidth the other ranks' steps and the copies need (4 ranks on one H200 host, 16
+threads each: clipped steps 0.363 s with speculation against 0.312 s without, BENCHMARKS.md S14). The first unclipped
+step of a run then steps after backward, as without speculation, and the next ones speculate again.
 
 Cost: a second fp32 master and moments (12 bytes/param) and pinned low-precision buffer (2 bytes/param) in host
 memory, for the chunks that are speculated: those of the last units (their gradients land first), within a budget

@@ -2,11 +2,11 @@
 None, no cost).
 
 One JSON line per optimizer step, from rank 0, to the offload_profile_file knob's file (appended) or stderr; a file
-name holding "{rank}" makes every rank write its own (the slowest rank sets the step when N ranks share a host). A step's
-record starts at the first forward of the step (a forward pre-hook on the root) and ends when the CPU side of its
-optimizer step is done (during the next forward in overlap mode). Host times are perf_counter seconds from that
-origin; GPU times come from CUDA events, as seconds from an event recorded at the origin on the compute stream.
-The events are read one step later, when they have long completed, so profiling adds no synchronisation.
+name holding "{rank}" makes every rank write its own (the slowest rank sets the step when N ranks share a host). A
+step's record starts at the first forward of the step (a forward pre-hook on the root) and ends when the CPU side of
+its optimizer step is done (during the next forward in overlap mode). Host times are perf_counter seconds from that
+origin; GPU times come from CUDA events, as seconds from an event recorded at the origin on the compute stream. The
+events are read one step later, when they have long completed, so profiling adds no synchronisation.
 
 Fields (seconds unless named otherwise):
     backward_end_host / backward_end_gpu   finish_gradients called / the compute stream reached it (fwd + bwd)
