@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -115,6 +116,13 @@ def worker(args) -> None:
     if common.CPU:
         e["dtype"] = "fp32"   # CPU: fp32 so that fsdpzero and plain FSDP2 losses can be compared
     cfg = common.ds_config(e, p)
+    if e["offload"] != "none" and not common.CPU:
+        # torchrun leaves OMP_NUM_THREADS=1: DeepSpeed's CPU Adam (an OpenMP loop on the libgomp it links, which
+        # reads this variable when loaded) would step on one core. Every impl gets the host's cores / local ranks,
+        # what a DeepSpeed user without --bind_cores_to_rank gets from torch (S15: 1.45 s/step at one thread)
+        share = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        os.environ["OMP_NUM_THREADS"] = str(share)
+        torch.set_num_threads(share)
     device, rank, world = common.init_worker(deepspeed=args.impl == "deepspeed")
     batches = common.fixed_batches(p, rank, e["ga"], device)
     model = common.build_model(p, device)
@@ -145,7 +153,8 @@ def worker(args) -> None:
                        world_size=world, preset=args.preset,
                        # fp32 master + two Adam moments per parameter, this rank's share: what NVMe offload keeps
                        # off the host; compare with host_rss_gib (peak resident set of rank 0)
-                       opt_state_gib_per_rank=12 * n / world / 2**30, compiled=bool(e.get("compiled")),
+                       opt_state_gib_per_rank=12 * n / world / 2**30, cpu_threads=torch.get_num_threads(),
+                       compiled=bool(e.get("compiled")),
                        compile_s=compiled.get("compile_s"), graph_breaks=compiled.get("graph_breaks"),
                        graphs=compiled.get("graphs"),
                        device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
