@@ -152,6 +152,32 @@ def test_ds_column_pieces():
     assert select_columns(colsum, [(0, 1), (2, 3), (4, 5)], 0.7).tolist() == [0, 2, 4]
 
 
+def test_selective_adamw_on_lists_is_torch_adamw():
+    """adamw_many_ (the selective step's foreach AdamW) against torch.optim.AdamW's single-tensor path, bitwise,
+    over 5 steps: slices of several shapes, an empty one (a rank's piece with no column), two hyper-parameter sets."""
+    from fsdpzero.optim.zenflow import adamw_many_
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(8, 3), (5,), (4, 0), (16, 7)]
+    ours = [torch.randn(s, generator=gen) for s in shapes]
+    ref = [t.clone().requires_grad_(True) for t in ours]
+    moments = [(torch.zeros_like(t), torch.zeros_like(t)) for t in ours]
+    sets = [dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01),
+            dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0)]
+    opt = torch.optim.AdamW([{"params": ref[:2], **sets[0]}, {"params": ref[2:], **sets[1]}], foreach=False)
+    for t in range(1, 6):
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        for r, g in zip(ref, grads):
+            r.grad = g.clone()
+        opt.step()
+        for part, h in ((slice(0, 2), sets[0]), (slice(2, 4), sets[1])):
+            adamw_many_(ours[part], grads[part], [m for m, _ in moments[part]], [v for _, v in moments[part]], t,
+                        lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
+                        weight_decay=h["weight_decay"])
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b.detach())
+    assert not torch.equal(ours[0], torch.randn(shapes[0], generator=torch.Generator().manual_seed(0)))
+
+
 # -- a pure-torch reference of DeepSpeed's algorithm (zenflow_stage_1_and_2.py, zenflow_torch_adam.py, engine.py),
 # whole tensors in one process; the selection per DeepSpeed's partition pieces of WORLD ranks --------------------
 
