@@ -507,33 +507,57 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                     w.add_(u, alpha=-lr)
                 self._queue_muon(group, p, grad, ortho, apply)
         ortho.run()
-        for group in self.param_groups:
+        for group in self.param_groups:   # the rest by foreach kernels: one launch for many tensors on a GPU
             lr, wd = group["lr"], group["weight_decay"]
-            for p in group["params"]:
-                state, w = self.state[p], local_tensor(p)
-                if group["use_muon"]:
+            weights, updates = [], []
+            if group["use_muon"]:
+                momenta, new = [], []
+                for p in group["params"]:
                     if staged is None or p not in staged:   # stepped above
                         continue
-                    local_tensor(state["momentum_buffer"]).copy_(staged[p])   # orthogonalize_grads ran: the grad
-                    update = local_tensor(p.grad)                              # is the update
-                else:
-                    grad = local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p))
-                    if not state:
-                        state["step"] = torch.zeros((), dtype=torch.float32)
-                        state["exp_avg"] = torch.zeros_like(p)
-                        state["exp_avg_sq"] = torch.zeros_like(p)
-                    state["step"] += 1
-                    (beta1, beta2), t = group["betas"], float(state["step"])
-                    if not self.adam_w_mode:
-                        grad = grad.add(w, alpha=wd)
-                    m, v = local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
-                    m.lerp_(grad, 1 - beta1)
-                    v.lerp_(grad.square(), 1 - beta2)
-                    update = (m / (1 - beta1 ** t)) / ((v / (1 - beta2 ** t)).sqrt() + group["eps"])
+                    momenta.append(local_tensor(self.state[p]["momentum_buffer"]))
+                    new.append(staged[p])
+                    weights.append(local_tensor(p))
+                    updates.append(local_tensor(p.grad))   # orthogonalize_grads ran: the grad is the update
+                if momenta:
+                    torch._foreach_copy_(momenta, new)
+            else:
+                weights, updates = self._adam_updates(group)
+            if weights:
                 if group["use_muon"] or self.adam_w_mode:
-                    w.mul_(1 - lr * wd)
-                w.add_(update, alpha=-lr)
+                    torch._foreach_mul_(weights, 1 - lr * wd)
+                torch._foreach_add_(weights, updates, alpha=-lr)
         return loss
+
+    def _adam_updates(self, group: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """An AdamW group's (weights, updates): DeepSpeed's adam_update per parameter (m, v moved; the update
+        m_hat / (sqrt(v_hat) + eps)), by foreach kernels over the parameters at one step count."""
+        by_step: dict[float, list] = {}
+        for p in group["params"]:
+            state, w = self.state[p], local_tensor(p)
+            grad = local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p))
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            state["step"] += 1
+            if not self.adam_w_mode:
+                grad = grad.add(w, alpha=group["weight_decay"])
+            by_step.setdefault(float(state["step"]), []).append(
+                (w, grad, local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])))
+        (beta1, beta2), weights, updates = group["betas"], [], []
+        for t, rows in by_step.items():
+            ws, gs, ms, vs = (list(x) for x in zip(*rows))
+            torch._foreach_lerp_(ms, gs, 1 - beta1)
+            torch._foreach_lerp_(vs, torch._foreach_mul(gs, gs), 1 - beta2)
+            denom = torch._foreach_div(vs, 1 - beta2 ** t)
+            torch._foreach_sqrt_(denom)
+            torch._foreach_add_(denom, group["eps"])
+            update = torch._foreach_div(ms, 1 - beta1 ** t)
+            torch._foreach_div_(update, denom)
+            weights += ws
+            updates += update
+        return weights, updates
 
 
 class MuonGradPath(GradPath):
