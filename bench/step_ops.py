@@ -4,7 +4,7 @@ On a GPU a step whose optimizer launches a few kernels for each of a model's ~15
 (each ~5-10 us of host time), not by the arithmetic. This counts the ATen operators one step dispatches (forward,
 backward, the gradient path's step) with a TorchDispatchMode, on the 0.89 B Llama's tensor layout (16 layers: 147
 parameter tensors) at toy widths, so it runs on a CPU in seconds. A foreach operator counts once (on a GPU it is one
-launch per ~20 M elements of its tensors). The rows differ only in the optimizer path, so the differences between
+launch per ~20 M elements of its tensors); "kernel ops" leave out views, host reads and profiler records. The rows differ only in the optimizer path, so the differences between
 rows, and between trees, are the optimizer's. `--lib DIR` imports fsdpzero from another checkout (a `git worktree`
 of an older commit) to compare trees with the same script:
 
@@ -27,6 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUT = dict(layers=16, hidden=64, micro=2, seq=32, vocab=512)   # the 0.89 B preset's tensors, toy widths
 COUNTED_STEP = 5
+# operators that launch no kernel on a GPU (besides views): a host read, autograd's detach, profiler records
+NO_KERNEL = {"_local_scalar_dense", "detach", "_record_function_enter_new", "_record_function_exit"}
 
 
 def config(row: str) -> dict:
@@ -53,11 +55,12 @@ def count_row(row: str) -> dict:
     class Count(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.ops = self.foreach = 0
+            self.ops = self.foreach = self.kernels = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.ops += 1
             self.foreach += "_foreach_" in func.__name__
+            self.kernels += not (func.is_view or func.__name__.split(".")[0] in NO_KERNEL)
             return func(*args, **(kwargs or {}))
 
     p = LAYOUT
@@ -78,7 +81,8 @@ def count_row(row: str) -> dict:
             with opt:
                 engine.step()
         if k == COUNTED_STEP:
-            counted = {"ops_per_step": whole.ops, "ops_in_engine_step": opt.ops, "foreach_ops": whole.foreach}
+            counted = {"ops_per_step": whole.ops, "ops_in_engine_step": opt.ops, "foreach_ops": whole.foreach,
+                       "kernel_ops_per_step": whole.kernels, "kernel_ops_in_engine_step": opt.kernels}
     engine.destroy() if hasattr(engine, "destroy") else None
     return {"row": row, "param_tensors": tensors, "step": COUNTED_STEP, **counted}
 
@@ -97,10 +101,11 @@ def main() -> None:
     for r in rows:
         r["fsdpzero"] = str(Path(fsdpzero.__file__).parent)
     print(json.dumps(rows))
-    print(f"{'row':10} {'params':>7} {'ops/step':>9} {'in step()':>10} {'foreach':>8}")
+    print(f"{'row':10} {'params':>7} {'ops/step':>9} {'in step()':>10} {'kernel ops/step':>16} {'in step()':>10} "
+          f"{'foreach':>8}")
     for r in rows:
         print(f"{r['row']:10} {r['param_tensors']:>7} {r['ops_per_step']:>9} {r['ops_in_engine_step']:>10} "
-              f"{r['foreach_ops']:>8}")
+              f"{r['kernel_ops_per_step']:>16} {r['kernel_ops_in_engine_step']:>10} {r['foreach_ops']:>8}")
     if ns.out:
         Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
         Path(ns.out).write_text(json.dumps(rows, indent=1))

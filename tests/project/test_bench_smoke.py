@@ -229,3 +229,22 @@ def test_trl_sft_lora_bench_cpu_smoke(tmp_path):
     assert rows["fsdpzero"]["losses"][-1] < rows["fsdpzero"]["losses"][0]
     assert summary["compare"]["max_abs_loss_diff"] < 1e-3
     assert "| fsdpzero |" in (tmp_path / "summary.md").read_text()
+
+
+@pytest.mark.timeout(240)
+def test_step_ops_counts_the_optimizer_paths_launches(tmp_path):
+    """bench/step_ops.py on CPU: every row counted at step 5 on the 0.89 B layout's 147 tensors, JSON and table. The
+    counts guard the foreach steps: ZenFlow's and Muon's engine.step() dispatch a few kernel operators per tensor
+    (the column gathers and scatters, the momentum blends), not the ~12 (ZenFlow) and ~9 (Muon) per tensor of the
+    per-tensor loops they replaced (S15: 1,827 and 1,370 at c546cae; 513 and 697 since)."""
+    out = tmp_path / "ops.json"
+    res = subprocess.run([sys.executable, str(ROOT / "bench/step_ops.py"), "--out", str(out)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=230, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = {r["row"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"adamw", "muon", "zenflow"} and "kernel ops/step" in res.stdout
+    tensors = rows["adamw"]["param_tensors"]
+    assert tensors == 147 and all(r["step"] == 5 and r["foreach_ops"] > 0 for r in rows.values())
+    assert rows["adamw"]["kernel_ops_in_engine_step"] < 40   # torch's fused AdamW: a handful for all tensors
+    assert rows["zenflow"]["kernel_ops_in_engine_step"] <= 4 * tensors, rows["zenflow"]
+    assert rows["muon"]["kernel_ops_in_engine_step"] <= 6 * tensors, rows["muon"]
