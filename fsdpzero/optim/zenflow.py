@@ -56,6 +56,7 @@ from torch import nn
 from fsdpzero import fsdp2_internals
 from fsdpzero.dist import local_tensor
 from fsdpzero.host import place_cpu_step
+from fsdpzero.offload.prepare import build_cpu_adam_op
 from fsdpzero.optim.grad_path import MASTER, GradPath, global_grad_norm
 from fsdpzero.precision import DTYPES
 from fsdpzero.tuning import or_defaults
@@ -303,6 +304,7 @@ class ZenFlowGradPath(GradPath):
         self.roundtrip = _DeviceRoundTrip(dev, max(s.master.numel() for s in self.slots)) \
             if dev.type == "cuda" else None
         self.threads = threads
+        self.adam_args: dict[str, Any] = {}   # the CPU Adam kernel's knobs (build: Tuning.cpu_adam_args)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="zenflow-cpu-adam") if zf.overlap_step else None
         model.register_load_state_dict_post_hook(lambda *_: self.refresh_masters())
 
@@ -323,7 +325,11 @@ class ZenFlowGradPath(GradPath):
         placement = place_cpu_step(knobs)   # as the offload path's CPU step; before the masters are first touched
         threads = cpu_step_threads(placement.threads or torch.get_num_threads(), plan.zenflow.pt_reserved_cores_perc,
                                    bool(plan.zenflow.overlap_step), knobs.offload_threads is not None)
+        # the CPU Adam op is JIT-built now, as the offload path builds it, not in the first CPU step: that one runs
+        # overlapped, and a fresh host's compile (S15: ~8 s) stalled the step that waited for it
+        build_cpu_adam_op(knobs)
         path = cls(model, named, optimizer, plan, threads)
+        path.adam_args = knobs.cpu_adam_args()
         low = DTYPES[plan.precision.param_dtype]
         if low != torch.float32:
             model.to(low)   # FSDP2 re-registers the shards: take the parameter objects again
@@ -568,7 +574,7 @@ class ZenFlowGradPath(GradPath):
         for s, h in zip(self.slots, hyper):
             adam_step_(s.master, s.acc[buf], s.m[buf], s.v[buf], s.out, lr=h["lr"], beta1=h["betas"][0],
                        beta2=h["betas"][1], eps=h["eps"], weight_decay=h["weight_decay"], step=k + 1,
-                       adamw=self.adamw, grad_scale=scale)
+                       adamw=self.adamw, grad_scale=scale, **self.adam_args)
 
     def _land(self) -> None:
         """The CPU step's result (in the device dtype) replaces the device weights."""

@@ -152,6 +152,33 @@ def test_ds_column_pieces():
     assert select_columns(colsum, [(0, 1), (2, 3), (4, 5)], 0.7).tolist() == [0, 2, 4]
 
 
+def _cpu_adam_calls(rank, world):
+    """fsdpzero's ZenFlow with the cpu_adam_impl knob "reference", overlap_step: the CPU Adam calls made by
+    initialize (the op's build) and by 4 steps (the kernel each update asked for)."""
+    import fsdpzero
+    from fsdpzero_ops import cpu_adam
+    from tests.engine.test_oracle_deepspeed import _model
+    calls, built, step = [], cpu_adam.available_impls, cpu_adam.adam_step_
+    cpu_adam.available_impls = lambda *a, **k: (calls.append("build"), built(*a, **k))[1]   # this forked rank only
+    cpu_adam.adam_step_ = lambda *a, **k: (calls.append(k.get("impl")), step(*a, **k))[1]
+    engine = fsdpzero.initialize(model=_model("llama"), config=_config(overlap=True),
+                                 tuning={"cpu_adam_impl": "reference"})[0]
+    at_initialize = list(calls)
+    _run(engine, "fsdpzero", _data(rank)[:4])
+    engine.grad_path.close()
+    return at_initialize, calls[len(at_initialize):]
+
+
+@pytest.mark.timeout(300)
+def test_zenflow_builds_its_cpu_adam_at_initialize_and_takes_the_kernel_knob():
+    """The CPU Adam op is built by initialize, as the offload path's is (not in the first, overlapped, CPU step: a
+    fresh GPU host's compile stalled step 7 by ~8 s in S15), and every CPU step runs the kernel the cpu_adam_impl
+    knob names."""
+    at_initialize, in_steps = run_distributed(_cpu_adam_calls, WORLD, timeout=280)[0]
+    assert at_initialize == ["build"]
+    assert in_steps and set(in_steps) == {"reference"}, in_steps
+
+
 def test_selective_adamw_on_lists_is_torch_adamw():
     """adamw_many_ (the selective step's foreach AdamW) against torch.optim.AdamW's single-tensor path, bitwise,
     over 5 steps: slices of several shapes, an empty one (a rank's piece with no column), two hyper-parameter sets."""
