@@ -4,9 +4,10 @@ On a GPU a step whose optimizer launches a few kernels for each of a model's ~15
 (each ~5-10 us of host time), not by the arithmetic. This counts the ATen operators one step dispatches (forward,
 backward, the gradient path's step) with a TorchDispatchMode, on the 0.89 B Llama's tensor layout (16 layers: 147
 parameter tensors) at toy widths, so it runs on a CPU in seconds. A foreach operator counts once (on a GPU it is one
-launch per ~20 M elements of its tensors); "kernel ops" leave out views, host reads and profiler records. The rows differ only in the optimizer path, so the differences between
-rows, and between trees, are the optimizer's. `--lib DIR` imports fsdpzero from another checkout (a `git worktree`
-of an older commit) to compare trees with the same script:
+launch per ~20 M elements of its tensors); "kernel ops" leave out views, host reads and profiler records. The
+rows differ only in the optimizer path, so the differences between rows, and between trees, are the optimizer's.
+`--lib DIR` imports fsdpzero from another checkout (a `git worktree` of an older commit) to compare trees with the
+same script:
 
     python bench/step_ops.py --out out/step_ops.json
     git worktree add /tmp/old HEAD~3 && python bench/step_ops.py --lib /tmp/old --out out/step_ops_old.json

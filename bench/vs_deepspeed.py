@@ -116,10 +116,12 @@ def worker(args) -> None:
     if common.CPU:
         e["dtype"] = "fp32"   # CPU: fp32 so that fsdpzero and plain FSDP2 losses can be compared
     cfg = common.ds_config(e, p)
-    if e["offload"] != "none" and not common.CPU:
-        # torchrun leaves OMP_NUM_THREADS=1: DeepSpeed's CPU Adam (an OpenMP loop on the libgomp it links, which
-        # reads this variable when loaded) would step on one core. Every impl gets the host's cores / local ranks,
-        # what a DeepSpeed user without --bind_cores_to_rank gets from torch (S15: 1.45 s/step at one thread)
+    if e["offload"] != "none" and args.impl == "deepspeed" and not common.CPU:
+        # torchrun leaves OMP_NUM_THREADS=1, and DeepSpeed's CPU Adam (an OpenMP loop on torch's libgomp, run on the
+        # main thread) stepped on one core (S15: 1.45 s a step). It gets the host's CPUs / local ranks, what `deepspeed
+        # --bind_cores_to_rank` gives each rank (its launcher sets nothing without the flag, and every rank then
+        # takes torch's default of all cores). set_num_threads is what counts (libgomp is loaded, the variable read,
+        # with torch); the variable is for a runtime loaded later. fsdpzero places its own CPU step (fsdpzero/host.py)
         share = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         os.environ["OMP_NUM_THREADS"] = str(share)
         torch.set_num_threads(share)

@@ -140,7 +140,6 @@ def run_one(ns) -> dict:
     if ns.config.endswith("_ds"):
         if CPU:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        sys.path.insert(0, str(ROOT / "bench"))
         from common import prepare_deepspeed_build   # Muon's FusedAdam JIT build: the arch list it can parse
         prepare_deepspeed_build()
         import deepspeed  # the bench may import DeepSpeed; the library never does

@@ -407,6 +407,14 @@ def place_cpu_step(knobs) -> Placement:
     return place_this_rank(threads=knobs.offload_threads, bind=knobs.offload_bind, device=device)
 
 
+def build_cpu_adam_op(knobs) -> None:
+    """JIT-build the CPU step's Adam op now (DeepSpeed builds its ops at initialize), not in the first step; nothing
+    with the no_build knob (the op's reference kernel then). The offload and ZenFlow paths call it at build."""
+    from fsdpzero_ops import cpu_adam
+    if not knobs.no_build:
+        cpu_adam.available_impls()
+
+
 # -- the launcher's per-rank binder -----------------------------------------------------------------------------------
 def launcher_binding(local_rank: int, local_world: int, core_list: str | None = None,
                      topo: Topology | None = None, affinity=None) -> Placement:

@@ -53,6 +53,7 @@ from fsdpzero.offload.chunks import (Chunk, Entry, on_stream, chunk_layout, load
 from fsdpzero.offload.prepare import Masters, Pipeline, Speculation
 from fsdpzero.offload.timeline import Timeline
 from fsdpzero.dist import local_tensor
+from fsdpzero.host import build_cpu_adam_op
 from fsdpzero.optim.factory import OptimizerFactory
 from fsdpzero.optim.grad_path import GradPath
 from fsdpzero.plan import Plan
@@ -85,7 +86,7 @@ class OffloadGradPath(GradPath):
             raise ValueError(f"{cls.__name__} cannot run offload_optimizer.device = "
                              f"{plan.offload.optimizer_device!r}: build the path fsdpzero.api.grad_path_type names")
         named = prepare.trainable(model)
-        prepare.build_cpu_adam_op(knobs)
+        build_cpu_adam_op(knobs)
         on_accel = local_tensor(named[0][1]).device.type != "cpu"   # else CPU-only, or offload_param's CPU shards
         stage = on_accel if stage is None else stage
         threads = prepare.cpu_step_threads(knobs)

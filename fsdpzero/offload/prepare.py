@@ -91,14 +91,6 @@ def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return named
 
 
-def build_cpu_adam_op(knobs: Tuning) -> None:
-    """JIT-build the CPU Adam op now (DeepSpeed builds its ops at initialize), not in step 1; nothing with the
-    no_build knob (the ops' reference kernels then)."""
-    from fsdpzero_ops import cpu_adam
-    if not knobs.no_build:
-        cpu_adam.available_impls()
-
-
 def adam_groups(make_optimizer: OptimizerFactory, params: list[torch.Tensor]) -> list[dict]:
     """The Adam hyper-parameters of each param group (params in model order), for the CPU/NVMe Adam: the config
     section's, read as they are (AdamSection.groups: no optimizer is built); a client's optimizer (an instance, or a

@@ -16,15 +16,16 @@ With W = full_warm_up_rounds, S = select_interval:
   all-reduced into whole columns first. ZeRO 3 partitions each parameter on its own and picks the top
   max(1, int(n * topk_ratio)) of all n whole columns of its rank parts together (ds3_column_pieces).
 - every step k >= W: the selected columns and every 1-D parameter take an AdamW step on the device (torch's
-  single-tensor AdamW, unclipped gradient) -- at an update boundary after the CPU step, from their values before it.
-- every step: the gradient accumulates in fp32 on the host (4 bytes per parameter, 8 with overlap_step; pinned), as
-  DeepSpeed keeps its sum on the CPU. Each FSDP unit's gradients join it right after the unit's reduce-scatter,
-  during backward (fsdp2_internals.after_reduce; finish_gradients takes any left). With an accelerator they are
-  added on the device, chunk by chunk through two staging buffers, and the sum goes back (_DeviceRoundTrip): 4
-  bytes per parameter each way per step (only back at an interval's first step), on side streams beside backward,
-  the step and the next forward; the CPU step reads the host sum in place. The device holds the selective state
-  alone (DeepSpeed's: the selected columns' and the vectors' gradient, moments and restore copy) and two staging
-  chunks.
+  single-tensor AdamW's arithmetic by foreach kernels, unclipped gradient) -- at an update boundary after the CPU step,
+  from their values before it.
+- every step: the gradient accumulates on the host in its own dtype (2 bytes per parameter with bf16, 4 in fp32;
+  twice that with overlap_step; pinned), as DeepSpeed keeps its sum on the CPU in the model's dtype. Each FSDP
+  unit's gradients join it right after the unit's reduce-scatter, during backward (fsdp2_internals.after_reduce;
+  finish_gradients takes any left). With an accelerator they are added on the device, chunk by chunk through two
+  staging buffers, and the sum goes back (_DeviceRoundTrip): its bytes each way per step (only back at an
+  interval's first step), on side streams beside backward, the step and the next forward; the CPU step reads the
+  host sum in place. The device holds the selective state alone (DeepSpeed's: the selected columns' and the
+  vectors' gradient, moments and restore copy) and two staging chunks.
 - update boundary (k + 1 < W, or (k + 1 - W) % U == 0, or (k + 1) % S == 0): the accumulated gradient, clipped by
   its own global norm (gradient_clipping), takes a CPU Adam step on the masters with bias correction at step k + 1
   (DeepSpeed's step_id) and the masters replace the device weights; the selected columns and 1-D parameters then
@@ -55,8 +56,7 @@ from torch import nn
 
 from fsdpzero import fsdp2_internals
 from fsdpzero.dist import local_tensor
-from fsdpzero.host import place_cpu_step
-from fsdpzero.offload.prepare import build_cpu_adam_op
+from fsdpzero.host import build_cpu_adam_op, place_cpu_step
 from fsdpzero.optim.grad_path import MASTER, GradPath, global_grad_norm
 from fsdpzero.precision import DTYPES
 from fsdpzero.tuning import or_defaults
@@ -143,7 +143,7 @@ def adamw_many_(ps, gs, ms, vs, t: float, *, lr, beta1, beta2, eps, weight_decay
     torch._foreach_addcdiv_(ps, ms, denom, value=-(lr / (1 - beta1 ** t)))
 
 
-CHUNK = 1 << 24   # elements per round-trip chunk (64 MiB of fp32 staging, twice)
+CHUNK = 1 << 24   # elements per round-trip chunk (64 MiB of fp32 staging, 32 MiB of bf16, twice)
 DEVICE, HOST, SELECTIVE = "device", "host", "selective"
 # Where each tensor of a slot lives: DEVICE is the parameter's device, HOST the CPU (pinned with an accelerator),
 # SELECTIVE the device, or the CPU with zenflow.offload. ZenFlowGradPath.resident_bytes() counts by it.
@@ -160,8 +160,8 @@ class _DeviceRoundTrip:
     it runs on beside the step and the next forward. The gradients stay allocated until it ends (record_stream),
     `done` marks its end, and the next step's begin() waits for it on the host."""
 
-    def __init__(self, device: torch.device, numel: int):
-        self.stage = [torch.empty(min(CHUNK, numel), dtype=torch.float32, device=device) for _ in range(2)]
+    def __init__(self, device: torch.device, numel: int, dtype: torch.dtype = torch.float32):
+        self.stage = [torch.empty(min(CHUNK, numel), dtype=dtype, device=device) for _ in range(2)]
         self.h2d, self.d2h = torch.cuda.Stream(device), torch.cuda.Stream(device)
         self.freed: list = [None, None]   # per staging buffer: its last D2H is done
         self.j = 0                        # the staging buffer next in turn
@@ -229,7 +229,8 @@ class _DeviceRoundTrip:
 class _Slot:
     """One trainable parameter: its CPU masters and moments, and its selective state on the device."""
 
-    def __init__(self, name: str, param: nn.Parameter, group: dict, sets: int, sel_device: torch.device):
+    def __init__(self, name: str, param: nn.Parameter, group: dict, sets: int, sel_device: torch.device,
+                 acc_dtype: torch.dtype = torch.float32):
         self.name, self.param, self.group = name, param, group
         local = local_tensor(param)
         self.matrix = param.ndim == 2
@@ -237,9 +238,9 @@ class _Slot:
         self.m = [torch.zeros_like(self.master) for _ in range(sets)]
         self.v = [torch.zeros_like(self.master) for _ in range(sets)]
         self.pin = local.device.type == "cuda"
-        # the accumulated gradient, on the host as DeepSpeed's (pinned: the round trip's copies are asynchronous);
-        # with overlap_step the CPU step reads one set while the next interval fills the other
-        self.acc = [torch.zeros(local.shape, dtype=torch.float32, pin_memory=self.pin) for _ in range(sets)]
+        # the accumulated gradient, on the host and in the gradient's dtype as DeepSpeed's (pinned: the round trip's
+        # copies are asynchronous); with overlap_step the CPU step reads one set while the next interval fills the other
+        self.acc = [torch.zeros(local.shape, dtype=acc_dtype, pin_memory=self.pin) for _ in range(sets)]
         self.out = None
         self.pieces: list[tuple[int, int]] = []
         self.selected: torch.Tensor | None = None      # column indices (matrices); a fixed count (allocate)
@@ -273,7 +274,7 @@ class ZenFlowGradPath(GradPath):
     name = "zenflow"
 
     def __init__(self, model: nn.Module, named: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer,
-                 plan, threads: int | None = None):
+                 plan, threads: int | None = None, acc_dtype: torch.dtype = torch.float32):
         zf = plan.zenflow
         self.model, self.optimizer, self.zf = model, optimizer, zf
         self.max_norm = plan.batch.gradient_clipping
@@ -288,7 +289,7 @@ class ZenFlowGradPath(GradPath):
         group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         sets = 2 if zf.overlap_step else 1
         dev = local_tensor(named[0][1]).device
-        self.slots = [_Slot(n, p, group_of[id(p)], sets, torch.device("cpu") if zf.offload else dev)
+        self.slots = [_Slot(n, p, group_of[id(p)], sets, torch.device("cpu") if zf.offload else dev, acc_dtype)
                       for n, p in named]
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.per_piece = plan.shard.stage != 3   # ZeRO 3 partitions each parameter on its own, and picks globally
@@ -301,7 +302,7 @@ class ZenFlowGradPath(GradPath):
         self.open = False              # this step's gradients have begun to join the accumulation
         self.queued: set[int] = set()  # the slots whose gradient has joined it this step
         self.buf = 0                   # the accumulation set of the step that is open
-        self.roundtrip = _DeviceRoundTrip(dev, max(s.master.numel() for s in self.slots)) \
+        self.roundtrip = _DeviceRoundTrip(dev, max(s.master.numel() for s in self.slots), acc_dtype) \
             if dev.type == "cuda" else None
         self.threads = threads
         self.adam_args: dict[str, Any] = {}   # the CPU Adam kernel's knobs (build: Tuning.cpu_adam_args)
@@ -328,9 +329,11 @@ class ZenFlowGradPath(GradPath):
         # the CPU Adam op is JIT-built now, as the offload path builds it, not in the first CPU step: that one runs
         # overlapped, and a fresh host's compile (S15: ~8 s) stalled the step that waited for it
         build_cpu_adam_op(knobs)
-        path = cls(model, named, optimizer, plan, threads)
-        path.adam_args = knobs.cpu_adam_args()
         low = DTYPES[plan.precision.param_dtype]
+        # the gradients come in the device weights' dtype (16-bit with bf16), and are summed in it, as DeepSpeed's
+        # accumulated_grads_in_cpu (grad_accum_dtype unset: the model's dtype): 2 bytes a parameter each way a step
+        path = cls(model, named, optimizer, plan, threads, acc_dtype=low)
+        path.adam_args = knobs.cpu_adam_args()
         if low != torch.float32:
             model.to(low)   # FSDP2 re-registers the shards: take the parameter objects again
             now = dict(model.named_parameters())

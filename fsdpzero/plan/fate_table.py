@@ -623,10 +623,9 @@ CONDITIONAL: tuple[Rule, ...] = (
          "DeepSpeed's affinity split (one process here: the two sides are not pinned apart). Differs: select_strategy "
          "\"epoch\"/\"auto\" select once after the warm-up (DeepSpeed: once per len(training_dataloader) steps when "
          "initialize got training_data); global_steps and the reported grad norm count every ZenFlow step (DeepSpeed: "
-         "update boundaries, the accumulated gradient's norm); the accumulated gradient is summed in fp32 on the host "
-         "(pinned; 8 bytes per parameter with overlap_step), each step's gradient added on the device in chunks "
-         "(DeepSpeed: in the 16-bit dtype, per parameter); DeepSpeed's stage-1 ZenFlow and a CPU step still running "
-         "when a selection resyncs the masters are not reproduced"),
+         "update boundaries, the accumulated gradient's norm); each step's gradient joins the host-resident sum "
+         "(in the gradient's dtype, as DeepSpeed's) on the device in chunks (DeepSpeed: per parameter); DeepSpeed's "
+         "stage-1 ZenFlow and a CPU step still running when a selection resyncs the masters are not reproduced"),
     # ---- optimizer and scheduler
     Rule("optimizer.type", ONEBIT_ADAM & stage_in(0), A,
          "{value}: 1-bit Adam's uncompressed warm-up math on every step (Adam without bias correction, decoupled "

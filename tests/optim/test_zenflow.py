@@ -152,31 +152,113 @@ def test_ds_column_pieces():
     assert select_columns(colsum, [(0, 1), (2, 3), (4, 5)], 0.7).tolist() == [0, 2, 4]
 
 
+def test_selective_step_groups_slots_by_their_hyper_parameters_and_step():
+    """ZenFlowGradPath._selective_step steps all slots at once per (lr, betas, eps, weight_decay, step count): two
+    param groups (decay / no decay, two learning rates) and a slot whose step count differs (a selection restarted it
+    elsewhere) each get their own AdamW, bitwise torch's single-tensor AdamW per tensor; matrices only in their
+    selected columns."""
+    from types import SimpleNamespace
+
+    from fsdpzero.optim.zenflow import ZenFlowGradPath
+    gen = torch.Generator().manual_seed(3)
+    decay = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
+    plain = {"lr": 3e-3, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.0}
+    specs = [((6, 5), decay, 0), ((7,), plain, 0), ((4, 3), plain, 0), ((5,), decay, 2)]   # shape, group, steps done
+    slots, refs = [], []
+    for shape, group, done in specs:
+        w = torch.randn(shape, generator=gen)
+        matrix = len(shape) == 2
+        sel = torch.tensor([0, 2]) if matrix else None
+        part = (shape[0], 2) if matrix else shape
+        g = torch.randn(part, generator=gen)
+        m, v = torch.rand(part, generator=gen), torch.rand(part, generator=gen)
+        slots.append(SimpleNamespace(param=torch.nn.Parameter(w.clone()), matrix=matrix, selected=sel,
+                                     sel_grad=g.clone(), sel_m=m.clone(), sel_v=v.clone(),
+                                     sel_step=torch.tensor(float(done)), group=group, sel_device=torch.device("cpu"),
+                                     temp=None))
+        ref = (w[:, sel] if matrix else w).clone().requires_grad_(True)
+        opt = torch.optim.AdamW([ref], lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                                weight_decay=group["weight_decay"], foreach=False)
+        ref.grad = g.clone()
+        opt.state[ref] = {"step": torch.tensor(float(done)), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+        opt.step()
+        refs.append((w, sel, ref.detach()))
+    with torch.no_grad():   # as step() calls it
+        ZenFlowGradPath._selective_step(SimpleNamespace(slots=slots), restore=False)
+    for s, (w, sel, ref) in zip(slots, refs):
+        got = s.param.detach()
+        if s.matrix:
+            assert torch.equal(got[:, sel], ref)
+            keep = [c for c in range(w.shape[1]) if c not in sel.tolist()]
+            assert torch.equal(got[:, keep], w[:, keep])   # the unselected columns are the CPU step's
+        else:
+            assert torch.equal(got, ref)
+        assert s.sel_grad is None
+    assert [float(s.sel_step) for s in slots] == [1.0, 1.0, 1.0, 3.0]
+
+
+def _bf16_sum(rank, world):
+    """3 steps of a bf16 run (update_interval 4: no update yet): one matrix's accumulated gradient, and the bf16
+    running sum of its scaled gradients as DeepSpeed adds them (its accumulated_grads_in_cpu: the model's dtype)."""
+    from fsdpzero.dist import local_tensor
+    engine = _engine("fsdpzero", {**_config(update=4, select=4), "bf16": {"enabled": True}})
+    path = engine.grad_path
+    slot, seen, finish = next(s for s in path.slots if s.matrix), [], path.finish_gradients
+
+    def finish_and_record():
+        finish()
+        seen.append(local_tensor(slot.param.grad).detach().clone())
+    path.finish_gradients = finish_and_record
+    _run(engine, "fsdpzero", _data(rank)[:3])
+    expected = seen[0] * path.scale
+    for g in seen[1:]:
+        expected = expected + g * path.scale
+    acc = slot.acc[0].view(expected.shape)
+    return dict(acc_dtype=acc.dtype, grad_dtype=seen[0].dtype, equal=torch.equal(acc, expected),
+                nonzero=bool(acc.abs().sum() > 0), host=acc.device.type)
+
+
+@pytest.mark.timeout(300)
+def test_zenflow_sums_bf16_gradients_in_bf16_as_deepspeed():
+    """With bf16 the accumulated gradient is summed in bf16 on the host, bitwise the running sum DeepSpeed makes in
+    its accumulated_grads_in_cpu (the model's dtype when grad_accum_dtype is unset): 2 bytes a parameter to hold and
+    to move each way a step instead of fp32's 4 (the fp32 runs above keep fp32 sums)."""
+    for r in run_distributed(_bf16_sum, WORLD, timeout=280):
+        assert r["acc_dtype"] == r["grad_dtype"] == torch.bfloat16, r
+        assert r["equal"] and r["nonzero"] and r["host"] == "cpu", r
+
+
 def _cpu_adam_calls(rank, world):
-    """fsdpzero's ZenFlow with the cpu_adam_impl knob "reference", overlap_step: the CPU Adam calls made by
-    initialize (the op's build) and by 4 steps (the kernel each update asked for)."""
+    """fsdpzero's ZenFlow with overlap_step, under the knob cpu_adam_impl "reference", then under no_build: per engine
+    the CPU Adam calls made by initialize (the op's build) and by 4 steps (the kernel and build flag each update
+    passed)."""
     import fsdpzero
     from fsdpzero_ops import cpu_adam
     from tests.engine.test_oracle_deepspeed import _model
     calls, built, step = [], cpu_adam.available_impls, cpu_adam.adam_step_
     cpu_adam.available_impls = lambda *a, **k: (calls.append("build"), built(*a, **k))[1]   # this forked rank only
-    cpu_adam.adam_step_ = lambda *a, **k: (calls.append(k.get("impl")), step(*a, **k))[1]
-    engine = fsdpzero.initialize(model=_model("llama"), config=_config(overlap=True),
-                                 tuning={"cpu_adam_impl": "reference"})[0]
-    at_initialize = list(calls)
-    _run(engine, "fsdpzero", _data(rank)[:4])
-    engine.grad_path.close()
-    return at_initialize, calls[len(at_initialize):]
+    cpu_adam.adam_step_ = lambda *a, **k: (calls.append((k.get("impl"), k.get("build"))), step(*a, **k))[1]
+    out = []
+    for knobs in ({"cpu_adam_impl": "reference"}, {"no_build": True}):
+        calls.clear()
+        engine = fsdpzero.initialize(model=_model("llama"), config=_config(overlap=True), tuning=knobs)[0]
+        at_initialize = list(calls)
+        _run(engine, "fsdpzero", _data(rank)[:4])
+        engine.grad_path.close()
+        out.append((at_initialize, calls[len(at_initialize):]))
+    return out
 
 
 @pytest.mark.timeout(300)
 def test_zenflow_builds_its_cpu_adam_at_initialize_and_takes_the_kernel_knob():
-    """The CPU Adam op is built by initialize, as the offload path's is (not in the first, overlapped, CPU step: a
-    fresh GPU host's compile stalled step 7 by ~8 s in S15), and every CPU step runs the kernel the cpu_adam_impl
-    knob names."""
-    at_initialize, in_steps = run_distributed(_cpu_adam_calls, WORLD, timeout=280)[0]
-    assert at_initialize == ["build"]
-    assert in_steps and set(in_steps) == {"reference"}, in_steps
+    """The CPU Adam op is built by initialize, as the offload path's is (not in the first, overlapped, CPU step: on
+    S15's fresh GPU host step 7 waited ~8 s, likely for that compile), and every CPU step runs the kernel the
+    cpu_adam_impl knob names; under no_build nothing is built and every step passes build=False."""
+    (at_initialize, in_steps), (no_build_initialize, no_build_steps) = \
+        run_distributed(_cpu_adam_calls, WORLD, timeout=280)[0]
+    assert "build" in at_initialize and "build" not in no_build_initialize, (at_initialize, no_build_initialize)
+    assert in_steps and set(in_steps) == {("reference", True)}, in_steps
+    assert no_build_steps and {build for _, build in no_build_steps} == {False}, no_build_steps
 
 
 def test_selective_adamw_on_lists_is_torch_adamw():
