@@ -197,10 +197,13 @@ def test_selective_step_groups_slots_by_their_hyper_parameters_and_step():
     assert [float(s.sel_step) for s in slots] == [1.0, 1.0, 1.0, 3.0]
 
 
-def _bf16_sum(rank, world):
+def _bf16_sum(rank, world, gpu=False):
     """3 steps of a bf16 run (update_interval 4: no update yet): one matrix's accumulated gradient, and the bf16
-    running sum of its scaled gradients as DeepSpeed adds them (its accumulated_grads_in_cpu: the model's dtype)."""
+    running sum of its scaled gradients as DeepSpeed adds them (its accumulated_grads_in_cpu: the model's dtype).
+    gpu: on cuda:rank, through the device round trip."""
     from fsdpzero.dist import local_tensor
+    if gpu:
+        torch.cuda.set_device(rank)
     engine = _engine("fsdpzero", {**_config(update=4, select=4), "bf16": {"enabled": True}})
     path = engine.grad_path
     slot, seen, finish = next(s for s in path.slots if s.matrix), [], path.finish_gradients
@@ -209,10 +212,13 @@ def _bf16_sum(rank, world):
         finish()
         seen.append(local_tensor(slot.param.grad).detach().clone())
     path.finish_gradients = finish_and_record
-    _run(engine, "fsdpzero", _data(rank)[:3])
+    _run(engine, "fsdpzero", [x.cuda() if gpu else x for x in _data(rank)[:3]])
     expected = seen[0] * path.scale
     for g in seen[1:]:
         expected = expected + g * path.scale
+    if path.roundtrip is not None:
+        path.roundtrip.wait()
+    expected = expected.cpu()
     acc = slot.acc[0].view(expected.shape)
     return dict(acc_dtype=acc.dtype, grad_dtype=seen[0].dtype, equal=torch.equal(acc, expected),
                 nonzero=bool(acc.abs().sum() > 0), host=acc.device.type)
@@ -224,6 +230,19 @@ def test_zenflow_sums_bf16_gradients_in_bf16_as_deepspeed():
     its accumulated_grads_in_cpu (the model's dtype when grad_accum_dtype is unset): 2 bytes a parameter to hold and
     to move each way a step instead of fp32's 4 (the fp32 runs above keep fp32 sums)."""
     for r in run_distributed(_bf16_sum, WORLD, timeout=280):
+        assert r["acc_dtype"] == r["grad_dtype"] == torch.bfloat16, r
+        assert r["equal"] and r["nonzero"] and r["host"] == "cpu", r
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_zenflow_sums_bf16_gradients_in_bf16_on_gpus():
+    """The same on 2 GPUs (NCCL): the sum goes through the device round trip (bf16 staging chunks, side streams) and
+    lands on the pinned host, bitwise DeepSpeed's bf16 running sum. Run with `pytest -m gpu
+    tests/optim/test_zenflow.py -k bf16_on_gpus`."""
+    if torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} GPUs")
+    for r in run_distributed(_bf16_sum, WORLD, True, timeout=280, backend="cuda:nccl,cpu:gloo"):
         assert r["acc_dtype"] == r["grad_dtype"] == torch.bfloat16, r
         assert r["equal"] and r["nonzero"] and r["host"] == "cpu", r
 
