@@ -327,7 +327,7 @@ class ZenFlowGradPath(GradPath):
         threads = cpu_step_threads(placement.threads or torch.get_num_threads(), plan.zenflow.pt_reserved_cores_perc,
                                    bool(plan.zenflow.overlap_step), knobs.offload_threads is not None)
         # the CPU Adam op is JIT-built now, as the offload path builds it, not in the first CPU step: that one runs
-        # overlapped, and a fresh host's compile (S15: ~8 s) stalled the step that waited for it
+        # overlapped, and a fresh host's compile would stall the step that waits for it (likely S15's 8 s step 7)
         build_cpu_adam_op(knobs)
         low = DTYPES[plan.precision.param_dtype]
         # the gradients come in the device weights' dtype (16-bit with bf16), and are summed in it, as DeepSpeed's
