@@ -84,7 +84,7 @@ def count_row(row: str) -> dict:
         if k == COUNTED_STEP:
             counted = {"ops_per_step": whole.ops, "ops_in_engine_step": opt.ops, "foreach_ops": whole.foreach,
                        "kernel_ops_per_step": whole.kernels, "kernel_ops_in_engine_step": opt.kernels}
-    engine.destroy() if hasattr(engine, "destroy") else None
+    engine.destroy()
     return {"row": row, "param_tensors": tensors, "step": COUNTED_STEP, **counted}
 
 
