@@ -5,12 +5,14 @@
     python bench/vs_deepspeed.py --summarize out/vs_ds                            # table + plots from JSON
     python bench/vs_deepspeed.py --matrix nvme --nvme-path /tmp/nv --preset 0.25b  # ZeRO-Infinity: opt + params
                                                                                   # on NVMe, state vs host RSS
-Issue 31 item 6, the 4-GPU matrix in one call (0.89 B, 3 warm-up + 10 timed steps, 15 runs; not yet run on GPUs):
+Issue 31 item 6, the 4-GPU matrix (0.89 B, 3 warm-up + 12 timed steps: item 4 asks medians of >= 12; 15 runs):
     PYTHONPATH=$PWD/.dsdist NCCL_NVLS_ENABLE=0 python bench/vs_deepspeed.py --matrix issue31 --nproc 4 \
         --out out/vs31 --budget-s 470 --run-timeout 240
-  The time, estimated from S13/S14's per-run wall times on 4x H200: ~15-25 s a run; the first DeepSpeed run and its
-  first offload run JIT-build FusedAdam / CPU Adam (DeepSpeed's offload runs took 42-91 s, ours 29-48 s); a cold
-  compile adds ~30-40 s: ~8-9.5 minutes in all. --budget-s bounds the call: no run starts with less than
+  On 4x H200 (S16, 10 timed steps then) the first 11 runs (stages 1-3, compiled) took 432 s, the first DeepSpeed
+  run and the compiled ones the longest (launch to first step: DeepSpeed 49-60 s, JIT-building FusedAdam or
+  compiling); the budget left the four offload runs out; they ran in a second call, inside its 260 s budget:
+    ... --only z2_bf16_ga1_off-opt z3_bf16_ga1_off-both --impls fsdpzero deepspeed --budget-s 260 --run-timeout 150
+  --budget-s bounds the call: no run starts with less than
   --min-left-s (60) of it left and each run is stopped at its end (SIGTERM, SIGKILL 60 s later), so the call ends
   within budget + 60 s; the runs not started are listed under the table: run them with --only NAME ... into the same
   --out in a second call (its summary.md covers both calls' rows).
@@ -298,7 +300,7 @@ def main() -> None:
     ap.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS)
     ap.add_argument("--only", nargs="+", metavar="NAME", help="run only these matrix entries (e.g. z2_fp16_ga1)")
     ap.add_argument("--preset", choices=sorted(common.PRESETS), default="tiny" if common.CPU else "0.9b")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 12 for --matrix issue31, else 10)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--run-timeout", type=int, default=900)
     ap.add_argument("--budget-s", type=float, default=None, help="the runs' time in all: a run starts only with "
@@ -313,6 +315,8 @@ def main() -> None:
         return worker(args)
     if args.summarize:
         return summarize(Path(args.summarize))
+    if args.steps is None:
+        args.steps = 12 if args.matrix == "issue31" else 10
     if not (args.matrix or args.scaling):
         ap.error("give --matrix {smoke,core,full,nvme,issue31}, --scaling N [N ...] or --summarize DIR")
     out = Path(args.out)
