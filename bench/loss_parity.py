@@ -40,7 +40,8 @@ def first_hex(x: float) -> str:
 def compare(rows: list[dict]) -> list[dict]:
     """One line per (config, impl): first loss, its float32 bits, equal to DeepSpeed stage 2's, curve gap."""
     by = {(r["config"], r["impl"]): r for r in rows}
-    ref = by.get(("z2_bf16_ga1", "deepspeed")) or by.get(("z2_fp32_ga1", "deepspeed"))
+    ref = (by.get(("z2_bf16_ga1", "deepspeed")) or by.get(("z2_bf16_ga1_off-opt", "deepspeed"))   # stage 2, the
+           or by.get(("z2_fp32_ga1", "deepspeed")))   # untouched model's first loss either way (--only picks rows)
     out = []
     for (cfg, impl), r in sorted(by.items()):
         ds = by.get((cfg, "deepspeed"))
@@ -83,7 +84,7 @@ def main() -> None:
         for impl in e["impls"]:
             if impl == "plain_fsdp2" and e["offload"] != "none":
                 continue
-            r = vsd.launch(e, impl, args.nproc, args, out)
+            r = vsd.launch(e, impl, args.nproc, args, out, args.run_timeout)
             if r:
                 rows.append(r)
                 lines = compare(rows)   # written after every run: a run cut short keeps what it measured

@@ -7,14 +7,16 @@ splits the files whose cases need 4 GPUs (ids and names with `4gpu`) from those 
     python tests/gpu_chunks.py --all --lanes 2 --out out/gpu   # every chunk; 1-2 GPU chunks in lanes of 2 GPUs
     python tests/gpu_chunks.py --check                         # CPU: every `-m gpu` test is in exactly one chunk
 
-The whole suite on a 4-GPU host in three device calls (S11 wall times, 4x H200; BENCHMARKS.md "GPU test runs"):
+The whole suite on a 4-GPU host in four device calls, each well under 10 minutes (chunk minutes from S11, 4x H200,
+and S10, one H100; with `--lanes 2`, two 1-2 GPU chunks at a time):
 
-    bash bench/gpu_suite.sh -- engine4 ranks4 hf4                                           # ~8.4 min
-    bash bench/gpu_suite.sh --deepspeed -- --lanes 2 optim checkpoint engine fp16 agreement hf golden offload   # ~7
-    bash bench/gpu_suite.sh --deepspeed -- parity                                           # ~9.3 min (one H100)
+    bash bench/gpu_suite.sh --deepspeed -- --lanes 2 parity parity_offload optim checkpoint                # ~7.6 min
+    bash bench/gpu_suite.sh --deepspeed -- --lanes 2 engine fp16 agreement hf golden offload zenflow_muon  # ~5.5
+    bash bench/gpu_suite.sh --deepspeed -- engine4 hf4                                                     # ~5.5
+    bash bench/gpu_suite.sh --deepspeed -- ranks4                                                          # ~3.7
 
-On a 2-GPU host, the 4-GPU chunks skip; the others in two calls (optim checkpoint engine / fp16 agreement hf golden
-offload) and parity alone.
+On a 2-GPU host, the 4-GPU chunks skip; the others in four calls of chunks one after another (parity /
+parity_offload optim / checkpoint zenflow_muon engine / fp16 agreement hf golden offload).
 
 Chunks run in the order given. With `--lanes 2` on a 4-GPU host, consecutive 1- and 2-GPU chunks run two at a time
 on GPUs 0,1 and 2,3 (CUDA_VISIBLE_DEVICES; a 1-GPU chunk sees one); a 4-GPU chunk runs alone on all four. Per
@@ -73,7 +75,9 @@ CHUNKS = [
           minutes=2.6),
     Chunk("offload", 1, ("tests/offload", "tests/hf/test_trainer_gpu.py"), minutes=0.6),
     Chunk("hf", 2, ("tests/hf/test_launch_gpu.py",), f"not {FOUR}", minutes=1.5),
-    Chunk("parity", 1, ("tests/engine/test_gpu_loss_parity.py",), needs="DeepSpeed; alone in a call", minutes=9.3),
+    # the loss-parity test's two halves (9.3 min together on one H100, S10; each half's minutes estimated from it)
+    Chunk("parity", 1, ("tests/engine/test_gpu_loss_parity.py",), "resident", needs="DeepSpeed", minutes=4.5),
+    Chunk("parity_offload", 1, ("tests/engine/test_gpu_loss_parity.py",), "offload", needs="DeepSpeed", minutes=5.0),
     Chunk("engine4", 4, ("tests/engine/test_gpu_engine.py", "tests/engine/test_gpu_fp16.py"), FOUR, minutes=3.0),
     Chunk("ranks4", 4, ("tests/engine/test_rank_agreement_gpu.py", "tests/optim/test_stage1_gpu.py",
                         "tests/checkpoint/test_checkpoint_gpu.py"), FOUR, minutes=3.7),

@@ -38,6 +38,25 @@ def _vs_deepspeed(tmp_path, *args, timeout=230):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_loss_parity_offload_half_cpu_smoke(tmp_path):
+    """bench/loss_parity.py as the GPU parity test's offload half runs it (`--only`, no plain stage-2 DeepSpeed row),
+    on one gloo rank (tiny Llama, fp32, DeepSpeed 0.19.8 on CPU): both rows' first losses are DeepSpeed stage 2's bit
+    for bit (its offload row is then the reference) and fsdpzero's curve follows DeepSpeed's (2e-6 relative; a step
+    moves it ~4e-3)."""
+    env = dict(os.environ, FSDPZERO_BENCH_CPU="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(ROOT / "bench/loss_parity.py"), "--out", str(tmp_path), "--steps", "3",
+           "--only", "z2_bf16_ga1_off-opt", "--run-timeout", "300"]
+    res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=380)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = {r["impl"]: r for r in json.loads((tmp_path / "parity.json").read_text())["rows"]}
+    assert set(rows) == {"fsdpzero", "deepspeed"}, rows
+    assert all(r["first_equal_ds_z2"] and r["steps"] == 3 for r in rows.values()), rows
+    assert rows["fsdpzero"]["last_loss"] < rows["fsdpzero"]["first_loss"]
+    assert rows["fsdpzero"]["max_rel_gap_vs_ds"] <= 2e-6, rows
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_vs_deepspeed_issue31_compiled_cpu_smoke(tmp_path):
     """Issue 31 item 6's compiled row on 2 gloo ranks (tiny Llama, fp32, backend aot_eager): DeepSpeed and fsdpzero
