@@ -431,13 +431,15 @@ def _copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
             target.copy_(full)
         return
     piece, coord = full, target.device_mesh.get_coordinate()
-    for mesh_dim, placement in enumerate(target.placements):
-        if placement.is_shard():
-            dim = placement.dim
-            chunks = torch.chunk(piece, target.device_mesh.size(mesh_dim), dim=dim)
-            piece = chunks[coord[mesh_dim]] if coord[mesh_dim] < len(chunks) else piece.narrow(dim, 0, 0)
-        elif not placement.is_replicate():
-            raise NotImplementedError(f"loading a checkpoint entry into a DTensor placed {target.placements}")
+    if all(p.is_shard() or p.is_replicate() for p in target.placements):
+        for mesh_dim, placement in enumerate(target.placements):
+            if placement.is_shard():
+                dim = placement.dim
+                chunks = torch.chunk(piece, target.device_mesh.size(mesh_dim), dim=dim)
+                piece = chunks[coord[mesh_dim]] if coord[mesh_dim] < len(chunks) else piece.narrow(dim, 0, 0)
+    else:   # FSDP2 over a tensor-parallel shard (_StridedShard): DTensor's own cut, local (src_data_rank=None)
+        from torch.distributed.tensor import distribute_tensor
+        piece = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
     local = torch.empty(s.local_shape, device="meta") if s is not None else target.to_local()
     if piece.shape != local.shape:
         raise RuntimeError(f"checkpoint entry of shape {tuple(full.shape)}: this rank's piece is {tuple(piece.shape)}, "

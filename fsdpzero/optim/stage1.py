@@ -18,6 +18,7 @@ from fsdpzero_ops.stage1 import Stage1Optimizer
 from fsdpzero.host import place_cpu_step
 from fsdpzero.optim.factory import AdamNoBiasCorrection
 from fsdpzero.optim.grad_path import UNSTEPPED, GradPath, MASTER, drop_unstepped_state, skips_on_device
+from fsdpzero.parallel.mesh import flat_group
 from fsdpzero.precision import DTYPES, cast_forward_inputs
 from fsdpzero.sharding import checkpoint_activations, find_blocks
 from fsdpzero.tuning import Tuning, env_name, or_defaults
@@ -91,7 +92,7 @@ class Stage1GradPath(GradPath):
         knobs = stage1_knobs(or_defaults(tuning))
         forward_allgather = knobs.pop("forward_allgather")
         stage1 = Stage1Optimizer.wrap(
-            optimizer, {id(p): n for n, p in named}, process_group=mesh.get_group() if mesh is not None else None,
+            optimizer, {id(p): n for n, p in named}, process_group=flat_group(mesh) if mesh is not None else None,
             param_dtype=dtype, reduce_dtype=DTYPES[precision.reduce_dtype],
             reduce_bucket_size=shard.reduce_bucket_size, allgather_bucket_size=shard.allgather_bucket_size,
             overlap_comm=bool(shard.overlap_comm),

@@ -95,6 +95,14 @@ def model_mesh(mesh: DeviceMesh | None, name: str) -> DeviceMesh | None:
     return mesh[name]
 
 
+def flat_group(mesh: DeviceMesh):
+    """One process group over every rank of `mesh` (a data mesh: (dp,) or MiCS's (replicate, shard)), for code that
+    reduces over all data ranks at once (the stage-1 optimizer). DeviceMesh.get_group() refuses a 2-D mesh."""
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    return mesh._flatten().get_group()   # a 1-D mesh over the same ranks, its group created once and cached
+
+
 def data_rank_and_size(mesh: DeviceMesh | None) -> tuple[int, int]:
     """This rank's index among the data-parallel replicas and their number: which slice of the global batch it
     reads. Ranks of one tensor-parallel group read the same samples. (0, 1) without a mesh."""
@@ -111,4 +119,4 @@ def data_rank_and_size(mesh: DeviceMesh | None) -> tuple[int, int]:
 
 
 __all__ = ["MODEL_DIMS", "build_parallel_mesh", "check_user_mesh", "data_dims", "data_mesh", "data_rank_and_size",
-           "mesh_size", "model_mesh"]
+           "flat_group", "mesh_size", "model_mesh"]
