@@ -39,8 +39,10 @@ def launch_env(device_type: str | None = None) -> Env:
     """The Env the plan is built for, from torchrun's variables (read before any process group exists)."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return Env(world_size=world, nodes=max(1, world // max(1, per_node)),
-               device_type=device_type or detect_device_type())
+    # torchrun's GROUP_WORLD_SIZE is the node count itself, the same on every rank: nodes may run different numbers
+    # of ranks (`fsdpzero launch --exclude node-b:3`), and then world // LOCAL_WORLD_SIZE differs from node to node
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE") or max(1, world // max(1, per_node)))
+    return Env(world_size=world, nodes=nodes, device_type=device_type or detect_device_type())
 
 
 def make_plan(ds_config: Any, env: Env, context: dict | None = None) -> Plan:
