@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 # The Hugging Face DeepSpeed guide's ZeRO inference script (t0.py: "Non-Trainer DeepSpeed integration"), run on
 # fsdpzero. Changed from the guide: the two imports (marked), the model name may come from $T0_MODEL (the tests use
-# a small local model), and the two CUDA-only lines are guarded so that CPU ranks (gloo) run it too. The ds_config is
+# a small local model), the two CUDA-only lines are guarded so that CPU ranks (gloo) run it too, and ranks past 1 take
+# the second text (the guide's `elif rank == 1` left them without one: a NameError on 4 or 8 GPUs). The ds_config is
 # the guide's, with its non-integer `0.9 * d_model**2` bucket size (rounded, with a note in the startup report).
 #
 # To deploy on 2 GPUs (or 2 CPU processes):
@@ -74,7 +75,7 @@ ds_engine.module.eval()  # inference
 rank = torch.distributed.get_rank()
 if rank == 0:
     text_in = "Is this review positive or negative? Review: this is the best cast iron skillet you will ever buy"
-elif rank == 1:
+else:  # was: elif rank == 1:
     text_in = "Is this review positive or negative? Review: this is the worst restaurant ever"
 
 tokenizer = AutoTokenizer.from_pretrained(model_name)

@@ -237,6 +237,19 @@ def test_guide_t0_script_matches_a_plain_model(saved, ranks):
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Using the model-agnostic default")
+def test_guide_t0_script_on_three_ranks(saved):
+    """On more than 2 GPUs (4 or 8) the ranks past 1 take the second text, as rank 1 does (the guide's `elif rank ==
+    1` left them without one: a NameError on rank 2 and up), and generate what a plain model does with it."""
+    three = run_distributed(_t0, 3, saved / "t5", timeout=240)
+    tok = ByT5Tokenizer()
+    ref = AutoModelForSeq2SeqLM.from_pretrained(saved / "t5").eval().generate(tok.encode(TEXTS[1], return_tensors="pt"))
+    for rank in (1, 2):
+        assert three[rank]["outputs"] == ref.tolist(), (rank, three[rank]["outputs"], ref.tolist())
+        assert f"rank{rank}:\n   in={TEXTS[1]}\n" in three[rank]["printed"]
+
+
+@pytest.mark.slow
 def test_offload_initialize_from_a_config_path_generates_as_a_plain_model(saved, ranks):
     plain = AutoModelForCausalLM.from_pretrained(saved / "llama")
     for rank, r in enumerate(ranks):

@@ -71,7 +71,7 @@ def test_unchanged_trainer_script_on_eight_ranks_matches_one_and_resumes_on_four
     reference = _weights(tmp_path / "one" / "final")
     assert final.keys() == reference.keys() and len(final) >= 20
     for k in final:
-        torch.testing.assert_close(final[k], reference[k], rtol=TOL, atol=TOL, msg=k)
+        torch.testing.assert_close(final[k], reference[k], rtol=TOL, atol=TOL, msg=lambda m, k=k: f"{k}: {m}")
 
     # a run stopped after its step-2 checkpoint, resumed on 4 ranks with the same 32-sample global batch
     resumed = tmp_path / "four"
@@ -84,7 +84,7 @@ def test_unchanged_trainer_script_on_eight_ranks_matches_one_and_resumes_on_four
     _close(_history(resumed), straight)
     again = _weights(resumed / "final")
     for k in final:
-        torch.testing.assert_close(again[k], final[k], rtol=TOL, atol=TOL, msg=k)
+        torch.testing.assert_close(again[k], final[k], rtol=TOL, atol=TOL, msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("local_world, group_rank", [(4, 0), (3, 1)])
