@@ -379,6 +379,10 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_launch(args, pool, gpu_count=gpu_count, hostname=socket.gethostname(),
                        visible=os.environ.get("CUDA_VISIBLE_DEVICES") if pool is None and not (
                            args.include or args.exclude or args.num_gpus > 0) else None, python=sys.executable)
+    if args.bind_cores_to_rank:   # a binding this node cannot make: one line here, not from every rank after start
+        from fsdpzero.host import launcher_binding
+        launcher_binding(0, int(plan.torchrun_args[plan.torchrun_args.index("--nproc-per-node") + 1]),
+                         args.bind_core_list)
     if config is not None:
         from fsdpzero.compat.accelerate_config import format_rows
         plan.env.update(config.env)

@@ -294,6 +294,22 @@ def test_launch_bind_cores_to_rank_pins_ranks_apart(tmp_path):
     assert p.stderr.count("--bind_cores_to_rank:") == 1, p.stderr          # rank 0 says what it picked
 
 
+def test_bind_cores_to_rank_without_enough_cpus_is_one_line_before_any_rank(tmp_path):
+    """--num_gpus 8 --bind_cores_to_rank on a machine with fewer usable CPUs than ranks (as DeepSpeed's launcher,
+    which needs one core a rank): the launcher says so once and starts nothing; each rank used to find out after
+    torchrun had started them all (the message from several ranks, then torchrun's failure report, exit 1)."""
+    script = tmp_path / "probe.py"
+    script.write_text("import sys; open(sys.argv[-1] + '/ran', 'w')\n")
+    ranks = len(os.sched_getaffinity(0)) + 1
+    p = subprocess.run([*FSDPZERO, "launch", "--num_gpus", str(ranks), "--bind_cores_to_rank", "--no_shim",
+                        str(script), str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and not (tmp_path / "ran").exists(), p.stderr[-2000:]
+    from fsdpzero.host import format_cpulist
+    lines = p.stderr.strip().splitlines()
+    assert lines == [f"fsdpzero launch: error: --bind_cores_to_rank: {ranks} ranks cannot each have their own CPU "
+                     f"among {format_cpulist(frozenset(os.sched_getaffinity(0)))}"], lines
+
+
 def test_bad_flag_is_one_line_and_exit_2(tmp_path):
     (tmp_path / "hosts").write_text("a slots=2\na slots=2\n")
     p = subprocess.run([*FSDPZERO, "launch", "--hostfile", str(tmp_path / "hosts"),
