@@ -339,7 +339,9 @@ class Engine(nn.Module):
         self.tuning: e.g. tuning=engine.tuning.replace(ckpt_stream=False)); see fsdpzero.checkpoint.dcp."""
         from fsdpzero.checkpoint.engine_state import save_engine
         self.wait_for_params()
-        with self.grad_path.async_save() if options.get("async_save") else contextlib.nullcontext():
+        # the config's checkpoint.writer.decoupled is an async save too (save_engine applies it; the path must know)
+        async_save = options.get("async_save", self.plan.checkpoint.async_save)
+        with self.grad_path.async_save() if async_save else contextlib.nullcontext():
             saved = save_engine(self, save_dir, tag, client_state, save_latest, **options)
         if is_rank0() and isinstance(saved, os.PathLike):   # DeepSpeed users expect a line
             log.info("saved checkpoint %s at global step %d", saved, self.global_steps)
