@@ -52,6 +52,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=25)
     args = ap.parse_args()
+    if args.repeats < 6:   # the first 5 calls are warm-up
+        ap.error(f"--repeats {args.repeats}: give at least 6 (the median is over the calls after the first 5)")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29577")
     dist.init_process_group("gloo", rank=0, world_size=1)

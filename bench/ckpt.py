@@ -12,6 +12,7 @@ Loads follow their save at once, so they may read from the page cache (the same 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shutil
@@ -83,11 +84,11 @@ def main() -> None:
     if args.impl == "deepspeed":
         import deepspeed
         if not torch.cuda.is_available():  # CPU smoke: skip JIT builds of a shm all-reduce and FusedAdam
-            import deepspeed.comm.torch as ds_comm
-            ds_comm.build_shm_op = lambda: None
+            # the module itself: `import deepspeed.comm.torch as m` binds torch, which deepspeed.comm re-exports
+            importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         deepspeed.init_distributed()
-    else:
-        dist.init_process_group()
+    else:   # gloo on a CPU-only torch: the default group's backend is "undefined" there, which fsdpzero takes for NCCL
+        dist.init_process_group(None if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     rank = dist.get_rank()
