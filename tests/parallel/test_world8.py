@@ -9,15 +9,16 @@ groups of each group's mean over its real tokens) and the pre-clip grad norm are
 single-process torch run (AdamW + clip_grad_norm_) of the same batches, and equal on every rank (measured: <= 1.2e-6).
 
 Checkpoints reshard 8 -> 4 -> 2 and 2 -> 4 -> 8 across layouts (stage-1 flat shards, FSDP2 shards, tp DTensors,
-hpZ, MiCS, sp, offload), one step per world size, and the losses continue the uninterrupted run's.
+hpZ, MiCS, sp, offload; async saves from the config), one step per world size, and the losses continue the
+uninterrupted run's.
 
 Bad input at world 8 (sizes that do not divide 8, heads that sp x tp does not divide, sp x tp beyond the world):
 the same one-problem error on all 8 ranks, naming the key, the value and the fix, before any process group exists.
 The 8-rank job builds its process group itself (file://) after those checks.
 
-Regressions found here: stage 1 with mics_shard_size crashed (DeviceMesh.get_group() on the 2-D mesh), and a
+Regressions found here: stage 1 with mics_shard_size crashed (DeviceMesh.get_group() on the 2-D mesh), a
 stage-1 checkpoint did not resume under AutoTP (its flat optimizer state could not be cut into FSDP2-over-tp
-_StridedShard DTensors).
+_StridedShard DTensors), and a stage-1 async save asked by the config (checkpoint.writer.decoupled) failed.
 """
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ MODES = {
 }
 # resharding chains: (world, keys) for steps 1, 2, 3; each saves after its step and the next loads that
 CHAINS = {
-    "8 -> 4 -> 2": [(8, dict(stage=1, mics=4)), (4, dict(stage=3, tp=2)), (2, dict(stage=2, offload_optimizer=True))],
+    "8 -> 4 -> 2": [(8, dict(stage=1, mics=4, async_save=True)), (4, dict(stage=3, tp=2, async_save=True)),
+                    (2, dict(stage=2, offload_optimizer=True))],
     "8 -> 4 -> 2 (tp, sp)": [(8, dict(stage=3, sp=2, tp=2)), (4, dict(stage=1, mics=2)), (2, dict(stage=3, hpz=2))],
     "2 -> 4 -> 8": [(2, dict(stage=1)), (4, dict(stage=3, tp=4)), (8, dict(stage=3, mics=4))],
 }
@@ -132,6 +134,8 @@ def ds_config(world: int, keys: dict) -> dict:
         cfg["sequence_parallel_size"] = keys["sp"]
     if keys.get("ac"):
         cfg["activation_checkpointing"] = {}
+    if keys.get("async_save"):   # written in the background; engine.destroy() completes it
+        cfg["checkpoint"] = {"writer": {"decoupled": True}}
     return cfg
 
 
