@@ -49,8 +49,8 @@ def worker(args) -> None:
     if args.impl == "deepspeed":
         import deepspeed
         if not torch.cuda.is_available():   # CPU smoke: skip the JIT build of DeepSpeed's shm all-reduce
-            import deepspeed.comm.torch as ds_comm
-            ds_comm.build_shm_op = lambda: None
+            # (the module itself: `import deepspeed.comm.torch as m` binds torch, which deepspeed.comm re-exports)
+            importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         deepspeed.init_distributed()
     else:
         dist.init_process_group()

@@ -298,8 +298,8 @@ def run_one(args):
         prepare_deepspeed_build()
         import deepspeed
         if DEVICE == "cpu":   # DeepSpeed JIT-builds a shared-memory all-reduce for inference on CPU (~40 s); unused
-            import deepspeed.comm.torch as ds_comm_torch
-            ds_comm_torch.build_shm_op = lambda: None
+            import importlib   # the module itself: `import deepspeed.comm.torch as m` binds the re-exported torch
+            importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         deepspeed.init_distributed(dist_backend="nccl" if DEVICE == "cuda" else "gloo")
     elif args.config.startswith(("fsdp_", "ref_")):
         dist.init_process_group("cuda:nccl,cpu:gloo" if DEVICE == "cuda" else "gloo")

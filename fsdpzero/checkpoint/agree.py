@@ -53,10 +53,12 @@ def describe(e: BaseException) -> str:
 
 
 def _device() -> torch.device:
-    # the default group: gloo (CPU), or `cuda:nccl,cpu:gloo` as fsdpzero.dist makes it; NCCL alone wants CUDA
-    if "gloo" in str(dist.get_backend()):
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
+    # the default group: gloo (CPU), `cuda:nccl,cpu:gloo` as fsdpzero.dist makes it, or what a script's bare
+    # init_process_group() made ("undefined" on a CPU-only torch): only NCCL alone wants CUDA tensors
+    backend = str(dist.get_backend())
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def check_tag_across_ranks(tag: str, mode: str) -> None:

@@ -123,6 +123,24 @@ def _tag_job(rank, world, root, mode):
         return f"{type(e).__name__}: {e} | warned={warned}"
 
 
+def _default_backend_job(rank, world, root):
+    dist.init_process_group()   # no backend named, as a user's script may: on a CPU-only torch it reads "undefined"
+    backend = str(dist.get_backend())
+    engine = _engine(world)
+    engine.save_checkpoint(root, tag="t")
+    path, _ = engine.load_checkpoint(root, tag="t")
+    return backend, Path(path).name
+
+
+def test_checkpoints_under_a_default_group_a_script_made_without_a_backend(tmp_path):
+    """The tag check's all-reduce takes the group's device: a group made by `init_process_group()` on a CPU-only torch
+    is no NCCL group, so the check must stay on the CPU (it asked for CUDA: 'Torch not compiled with CUDA
+    enabled')."""
+    out = run_distributed(_default_backend_job, 2, str(tmp_path), init_pg=False, timeout=150)
+    assert out[0] == out[1] and out[0][1] == "t", out
+    assert "gloo" not in out[0][0] or torch.cuda.is_available(), out   # the case this test is for
+
+
 @pytest.mark.parametrize("mode", ["fail", "warn"])
 def test_tag_validation_compares_tags_across_ranks(tmp_path, mode):
     r0, r1 = run_distributed(_tag_job, 2, str(tmp_path), mode, timeout=120)

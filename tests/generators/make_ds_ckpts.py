@@ -93,7 +93,7 @@ def train_steps(engine, data: torch.Tensor, steps: range, rank: int) -> list[flo
 
 def main() -> None:
     import deepspeed
-    import deepspeed.comm.torch as ds_comm_torch
+    import importlib
     from deepspeed.accelerator import get_accelerator
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -101,7 +101,9 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         deepspeed.init_distributed(dist_backend="nccl")
     else:
-        ds_comm_torch.build_shm_op = lambda: None  # skip a 40 s JIT build of a CPU all-reduce we do not need
+        # skip a 40 s JIT build of a CPU all-reduce we do not need (the module itself: `import deepspeed.comm.torch
+        # as m` binds torch, which deepspeed.comm re-exports)
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         # DeepSpeed's CPU accelerator allows fp16 only where oneDNN has fp16 kernels; the checkpoint format does
         # not depend on that, and the tiny model trains fine in the slow fp16 path, so allow it for the fixtures.
         type(get_accelerator()).is_fp16_supported = lambda self: True

@@ -98,8 +98,10 @@ def _run_recipe_on_deepspeed():
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
-    import deepspeed.comm.torch
-    deepspeed.comm.torch.build_shm_op = lambda: None   # the inference all-reduce op (~40 s build), unused here
+    import importlib
+    # the inference all-reduce op (~40 s build), unused here; on the module itself (deepspeed.comm re-exports torch,
+    # so the attribute path deepspeed.comm.torch is torch)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
     def initialize(model, config, tuning=None):
         config = copy.deepcopy(config)
