@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # Model-parallel dimension names, outermost first; every other dimension of a mesh is a data-parallel one.
@@ -100,6 +101,12 @@ def flat_group(mesh: DeviceMesh):
     reduces over all data ranks at once (the stage-1 optimizer). DeviceMesh.get_group() refuses a 2-D mesh."""
     if mesh.ndim == 1:
         return mesh.get_group()
+    if mesh.mesh_dim_names is None:   # torch flattens only a named mesh; an unnamed one is data dimensions only
+        if mesh_size(mesh) == dist.get_world_size():   # (check_user_mesh asks "tp" by name): the default group
+            return dist.group.WORLD
+        raise ValueError(f"wrap(mesh=...): ZeRO stage 1 shards its optimizer over all {mesh_size(mesh)} ranks of the "
+                         f"{tuple(mesh.shape)} mesh passed in, which torch can group only for a mesh with names: build "
+                         "it with mesh_dim_names=('replicate', 'shard')")
     return mesh._flatten().get_group()   # a 1-D mesh over the same ranks, its group created once and cached
 
 
