@@ -420,6 +420,20 @@ def _full_where_layout_differs(template: dict[str, torch.Tensor], metadata) -> d
 
 
 @torch.no_grad()
+def _strided_piece(full: torch.Tensor, target) -> torch.Tensor:
+    """This rank's piece of `full` for a DTensor whose placements are not plain Shard/Replicate (FSDP2's _StridedShard
+    over a tensor-parallel Shard of the same dim). DTensor cuts an index vector of the sharded dim (distribute_tensor
+    moves what it cuts to the mesh's device: a vector, not the whole entry) and the CPU entry is gathered by it."""
+    from torch.distributed.tensor import distribute_tensor
+    dims = {p.dim for p in target.placements if not p.is_replicate()}
+    if len(dims) != 1:   # shards of several dims: cut the entry itself
+        return distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local().cpu()
+    (dim,) = dims
+    index = torch.arange(full.shape[dim]).view([-1 if d == dim else 1 for d in range(full.dim())])
+    local = distribute_tensor(index, target.device_mesh, target.placements, src_data_rank=None).to_local()
+    return full.index_select(dim, local.reshape(-1).cpu())
+
+
 def _copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
     """target <- full, reshaped to target's (global) shape; a DTensor takes only its own local piece, cut as DTensor
     cuts it (torch.chunk along each sharded dim, mesh dim by mesh dim), with no communication."""
@@ -438,8 +452,7 @@ def _copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
                 chunks = torch.chunk(piece, target.device_mesh.size(mesh_dim), dim=dim)
                 piece = chunks[coord[mesh_dim]] if coord[mesh_dim] < len(chunks) else piece.narrow(dim, 0, 0)
     else:   # FSDP2 over a tensor-parallel shard (_StridedShard): DTensor's own cut, local (src_data_rank=None)
-        from torch.distributed.tensor import distribute_tensor
-        piece = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        piece = _strided_piece(full, target)
     local = torch.empty(s.local_shape, device="meta") if s is not None else target.to_local()
     if piece.shape != local.shape:
         raise RuntimeError(f"checkpoint entry of shape {tuple(full.shape)}: this rank's piece is {tuple(piece.shape)}, "
