@@ -37,11 +37,20 @@ from fsdpzero.zero import take_deferred
 
 def launch_env(device_type: str | None = None) -> Env:
     """The Env the plan is built for, from torchrun's variables (read before any process group exists)."""
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    # torchrun's GROUP_WORLD_SIZE is the node count itself, the same on every rank: nodes may run different numbers
-    # of ranks (`fsdpzero launch --exclude node-b:3`), and then world // LOCAL_WORLD_SIZE differs from node to node
-    nodes = int(os.environ.get("GROUP_WORLD_SIZE") or max(1, world // max(1, per_node)))
+    def count(*names: str) -> int | None:   # the first of these variables set to a positive count
+        for name in names:
+            value = os.environ.get(name, "")
+            if value.isdigit() and int(value) > 0:
+                return int(value)
+        return None
+
+    world = count("WORLD_SIZE") or 1
+    # torchrun's names, then DeepSpeed's own launcher's (`deepspeed` / deepspeed.launcher.launch sets LOCAL_SIZE and
+    # CROSS_SIZE, not LOCAL_WORLD_SIZE / GROUP_WORLD_SIZE)
+    per_node = count("LOCAL_WORLD_SIZE", "LOCAL_SIZE") or world
+    # the node count itself, the same on every rank: nodes may run different numbers of ranks (`fsdpzero launch
+    # --exclude node-b:3`), and then world // ranks per node differs from node to node
+    nodes = count("GROUP_WORLD_SIZE", "CROSS_SIZE") or max(1, world // per_node)
     return Env(world_size=world, nodes=nodes, device_type=device_type or detect_device_type())
 
 

@@ -539,9 +539,12 @@ CONDITIONAL: tuple[Rule, ...] = (
          "fully_shard(reshard_after_forward={value}): hpZ secondary shard group"),
     Rule(_Z + "mics_shard_size", value_above(0) & stage_in(0), N, "stage 0 shards nothing: FSDP2 on a (world, 1) "
                                                                   "mesh whatever the shard size"),
-    Rule(_Z + "mics_shard_size", value_above(0) & stage_in(1), A, "stage 1's optimizer shards its state over all "
-         "data ranks (the (replicate, shard) mesh flattened), not over shard groups of {value}: less memory, the "
-         "same update"),
+    Rule(_Z + "mics_shard_size", value_above(0) & stage_in(1), N, "MiCS acted at stage 3 only (DeepSpeed before "
+         "0.19.8, which removed it): stage 1's optimizer shards its state over all data ranks, the (replicate, "
+         "shard) mesh flattened"),
+    Rule(_Z + "mics_shard_size", value_above(0) & stage_in(2), A, "DeepSpeed (before 0.19.8 removed MiCS) ignored "
+         "it below stage 3 and sharded over all ranks; here stage 2 shards gradients and optimizer state within "
+         "groups of {value} ranks, replicated across groups (HSDP): more memory per rank, the same update"),
     Rule(_Z + "mics_shard_size", value_above(0), M, "HSDP: init_device_mesh({mics_mesh}, ('replicate','shard')) "
                                                     "(MiCS was removed from DeepSpeed 0.19.8)"),
     Rule(_Z + "zero_quantized_weights", ON, A, "ZeRO++ quantized collectives are not carried: full-precision "

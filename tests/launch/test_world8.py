@@ -98,3 +98,20 @@ def test_nodes_of_different_sizes_plan_the_same_node_count(monkeypatch, local_wo
         monkeypatch.setenv(k, v)
     env = launch_env("cpu")
     assert (env.world_size, env.nodes) == (7, 2)
+
+
+@pytest.mark.parametrize("variables, nodes", [
+    ({"WORLD_SIZE": "8", "LOCAL_SIZE": "4", "CROSS_SIZE": "2"}, 2),   # DeepSpeed's own launcher, 2 nodes of 4
+    ({"WORLD_SIZE": "8", "LOCAL_SIZE": "4"}, 2),                      # ... without CROSS_SIZE: 8 // 4
+    ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8", "GROUP_WORLD_SIZE": "0"}, 1),   # a zero count is no count
+])
+def test_node_count_under_other_launchers(monkeypatch, variables, nodes):
+    """`deepspeed --hostfile h train.py` (deepspeed.launcher.launch) names the ranks per node LOCAL_SIZE and the
+    nodes CROSS_SIZE; read as one node of 8, the multi-node fates and accelerate's num_machines were wrong."""
+    from fsdpzero.api import launch_env
+    for k in ("LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "LOCAL_SIZE", "CROSS_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in variables.items():
+        monkeypatch.setenv(k, v)
+    env = launch_env("cpu")
+    assert (env.world_size, env.nodes) == (8, nodes)
