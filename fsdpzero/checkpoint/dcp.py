@@ -419,7 +419,6 @@ def _full_where_layout_differs(template: dict[str, torch.Tensor], metadata) -> d
     return relaid
 
 
-@torch.no_grad()
 def _strided_piece(full: torch.Tensor, target) -> torch.Tensor:
     """This rank's piece of `full` for a DTensor whose placements are not plain Shard/Replicate (FSDP2's _StridedShard
     over a tensor-parallel Shard of the same dim). DTensor cuts an index vector of the sharded dim (distribute_tensor
@@ -434,6 +433,7 @@ def _strided_piece(full: torch.Tensor, target) -> torch.Tensor:
     return full.index_select(dim, local.reshape(-1).cpu())
 
 
+@torch.no_grad()
 def _copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
     """target <- full, reshaped to target's (global) shape; a DTensor takes only its own local piece, cut as DTensor
     cuts it (torch.chunk along each sharded dim, mesh dim by mesh dim), with no communication."""

@@ -197,6 +197,7 @@ def select_resources(pool: dict[str, int] | None, args: argparse.Namespace, gpu_
 @dataclass
 class LaunchPlan:
     torchrun_args: list[str]                 # what torch.distributed.run's parser receives
+    local_ranks: int = 0                     # the processes it starts on this node (--nproc-per-node)
     env: dict[str, str] = field(default_factory=dict)
     summary: str = ""
 
@@ -333,7 +334,7 @@ def plan_launch(args: argparse.Namespace, pool: dict[str, int] | None, *, gpu_co
     summary = f"{len(slots)} {kind} on {where}; world size {world}" + (
         f"; each rank pinned to its own CPUs ({args.bind_core_list or 'all usable'})" if args.bind_cores_to_rank
         else "")
-    return LaunchPlan(out, env, summary)
+    return LaunchPlan(out, len(slots), env, summary)
 
 
 # argparse defaults of the flags an accelerate config may set: a flag still at its default takes the config's value
@@ -381,8 +382,7 @@ def run(args: argparse.Namespace) -> int:
                            args.include or args.exclude or args.num_gpus > 0) else None, python=sys.executable)
     if args.bind_cores_to_rank:   # a binding this node cannot make: one line here, not from every rank after start
         from fsdpzero.host import launcher_binding
-        launcher_binding(0, int(plan.torchrun_args[plan.torchrun_args.index("--nproc-per-node") + 1]),
-                         args.bind_core_list)
+        launcher_binding(0, plan.local_ranks, args.bind_core_list)
     if config is not None:
         from fsdpzero.compat.accelerate_config import format_rows
         plan.env.update(config.env)
